@@ -1,0 +1,151 @@
+"""The Litestar app: routes, the OpenAI error envelope for every failure, and model loading in the
+background so `/health` can answer 503 while loading and 200 once the warmed-up engine is ready."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from ..engine.engine import Engine
+from ..engine.loader import load
+from ..settings import Settings
+from .errors import APIError
+from .protocol import ModelCard, ModelList, encoder
+from .serving_chat import ChatService
+
+log = logging.getLogger("oai_gemma.server")
+
+JSON = "application/json"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServerState:
+    """What the routes need: the engine once it is ready, or why it is not."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.served_name = settings.served_model_name
+        self.created = int(time.time())
+        self.engine: Engine | None = None
+        self.chat: ChatService | None = None
+        self.load_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.chat is not None and self.engine is not None and self.engine.alive
+
+    def require_ready(self) -> ChatService:
+        if not self.ready:
+            reason = self.load_error or (self.engine and self.engine.dead_reason) or "the model is still loading"
+            raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
+        return self.chat
+
+    def start_loading(self, loop: asyncio.AbstractEventLoop) -> None:
+        threading.Thread(target=self._load, args=(loop,), name="oai-gemma-loader", daemon=True).start()
+
+    def _load(self, loop: asyncio.AbstractEventLoop) -> None:
+        started = time.monotonic()
+        try:
+            loaded = load(self.settings.model)
+            engine = Engine(
+                loaded,
+                max_num_seqs=self.settings.engine.max_num_seqs,
+                max_prefill_tokens=self.settings.engine.max_prefill_tokens,
+                max_model_len=self.settings.model.max_model_len,
+            )
+            engine.warm_up()
+        except Exception as exc:
+            self.load_error = f"loading the model failed: {exc!r}"
+            log.exception("loading the model failed")
+            return
+        engine.start(loop)
+        self.engine = engine
+        self.chat = ChatService(engine, self.served_name, self.settings.model.max_model_len, self.settings.engine.default_max_tokens)
+        log.warning(
+            "ready: %s (%s, %s on %s) in %.1f s", self.served_name, loaded.source_dir, str(loaded.dtype).removeprefix("torch."),
+            loaded.device, time.monotonic() - started,
+        )
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def _json(payload, status: int = 200) -> Response:
+    return Response(content=encoder.encode(payload), media_type=JSON, status_code=status)
+
+
+def create_app(settings: Settings) -> Litestar:
+    state = ServerState(settings)
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        chat = state.require_ready()
+        prepared = chat.prepare(await request.body(), arrival)
+        if prepared.request.stream:
+            return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await chat.complete(prepared), media_type=JSON)
+
+    def card() -> ModelCard:
+        return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
+
+    @get("/v1/models")
+    async def list_models() -> Response:
+        return _json(ModelList(data=[card()]))
+
+    @get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        if model_id.lstrip("/") != state.served_name:
+            raise APIError(404, f"The model `{model_id.lstrip('/')}` does not exist.", "invalid_request_error", "model", "model_not_found")
+        return _json(card())
+
+    @get("/health")
+    async def health() -> Response:
+        if state.ready:
+            return _json({"status": "ok", "model": state.served_name})
+        reason = state.load_error or (state.engine and state.engine.dead_reason) or "loading"
+        return _json({"status": "unavailable", "reason": reason}, status=503)
+
+    async def on_startup() -> None:
+        state.start_loading(asyncio.get_running_loop())
+
+    async def on_shutdown() -> None:
+        state.shutdown()
+
+    app = Litestar(
+        route_handlers=[chat_completions, list_models, retrieve_model, health],
+        on_startup=[on_startup],
+        on_shutdown=[on_shutdown],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        request_max_body_size=64 * 1024 * 1024,
+    )
+    app.state.server = state
+    return app
+
+
+def _api_error(_: Request, exc: APIError) -> Response:
+    return Response(content=exc.encode(), media_type=JSON, status_code=exc.status)
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    if status == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif status == 405:
+        message = f"Method {request.method} is not allowed for {request.url.path}"
+    else:
+        message = exc.detail
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return _api_error(request, APIError(status, message, kind, None, None))
+
+
+def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _api_error(request, APIError(500, "internal server error", "server_error", None, "internal_error"))

@@ -1,0 +1,41 @@
+"""OpenAI's error envelope, and turning decoder messages into the `param` they are about."""
+
+from __future__ import annotations
+
+import re
+
+from .protocol import ErrorBody, ErrorResponse, encoder
+
+
+class APIError(Exception):
+    """Any failure a client should see as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code))
+
+    def encode(self) -> bytes:
+        return encoder.encode(self.body)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def not_supported(param: str) -> APIError:
+    return invalid_request(f"`{param}` is not supported by this server yet; leave it unset", param, "unsupported_parameter")
+
+
+_AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def param_from_validation(message: str) -> str | None:
+    """`Expected int, got str - at $.messages[0].content` -> `messages[0].content`."""
+    match = _AT_PATH.search(message)
+    path = match.group(1) if match else ""
+    missing = _MISSING.search(message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None

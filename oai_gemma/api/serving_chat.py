@@ -1,0 +1,163 @@
+"""`/v1/chat/completions`: translate the wire request into an engine request, and the engine's token
+events back into a `chat.completion` or a stream of `chat.completion.chunk` SSE events.
+
+The HTTP layer translates; it does not compute.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from ..chat import ChatInputError, render_chat
+from ..engine.engine import Engine, EngineDeadError
+from ..engine.types import GenerationRequest, SamplingParams
+from .errors import APIError, invalid_request, not_supported, param_from_validation
+from .protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    Delta,
+    ErrorBody,
+    ErrorResponse,
+    StreamChoice,
+    Usage,
+    decoder,
+    encoder,
+)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload) -> bytes:
+    return b"data: " + encoder.encode(payload) + b"\n\n"
+
+
+@dataclass
+class PreparedChat:
+    request: ChatCompletionRequest
+    generation: GenerationRequest
+    created: int
+
+
+class ChatService:
+    def __init__(self, engine: Engine, served_name: str, max_model_len: int, default_max_tokens: int):
+        self.engine = engine
+        self.served_name = served_name
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+
+    # ---- request -> engine ------------------------------------------------------------------------
+
+    def prepare(self, body: bytes, arrival: float) -> PreparedChat:
+        try:
+            request = decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(str(exc), param_from_validation(str(exc))) from None
+        except msgspec.DecodeError as exc:
+            raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+        if request.model != self.served_name:
+            raise APIError(
+                404, f"The model `{request.model}` does not exist. This server serves `{self.served_name}`.",
+                "invalid_request_error", "model", "model_not_found",
+            )
+        unsupported = request.unsupported_parameter()
+        if unsupported:
+            raise not_supported(unsupported)
+        if request.stream_options is not None and not request.stream:
+            raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+        try:
+            rendered = render_chat(msgspec.to_builtins(request.messages))
+        except ChatInputError as exc:
+            raise invalid_request(exc.message, exc.param) from None
+        if rendered.images:
+            first = rendered.images[0]
+            raise invalid_request(
+                f"the model `{self.served_name}` is text-only and cannot read images; "
+                "serve a multimodal Gemma-3 model (google/gemma-3-4b-it, -12b-it or -27b-it) to send images",
+                first.param, "image_not_supported",
+            )
+        prompt_ids = self.engine.encode(rendered.prompt)
+        return PreparedChat(request, self._generation_request(request, prompt_ids, arrival), int(time.time()))
+
+    def _generation_request(self, request: ChatCompletionRequest, prompt_ids: list[int], arrival: float) -> GenerationRequest:
+        room = self.max_model_len - len(prompt_ids)
+        asked = request.max_completion_tokens or request.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            wanted = len(prompt_ids) + (asked or 1)
+            raise invalid_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(prompt_ids)} in the messages, {asked or 1} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "messages", "context_length_exceeded",
+            )
+        stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+        sampling = SamplingParams(
+            max_tokens=asked or min(self.default_max_tokens, room),
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=max(request.top_k or 0, 0),
+            seed=request.seed,
+            stop=stop,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+        )
+        return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival)
+
+    # ---- engine -> response -----------------------------------------------------------------------
+
+    async def complete(self, prepared: PreparedChat) -> bytes:
+        pieces: list[str] = []
+        event = None
+        try:
+            async for event in self.engine.generate(prepared.generation):
+                pieces.append(event.text)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "server_error", None, "engine_unavailable") from None
+        if event is None or event.finish_reason not in ("stop", "length"):
+            raise APIError(500, f"generation failed: {event.error if event else 'no output'}", "server_error")
+        response = ChatCompletion(
+            id=prepared.generation.request_id,
+            created=prepared.created,
+            model=self.served_name,
+            choices=[Choice(0, AssistantMessage("".join(pieces)), event.finish_reason)],
+            usage=_usage(event),
+        )
+        return encoder.encode(response)
+
+    async def stream(self, prepared: PreparedChat) -> AsyncIterator[bytes]:
+        include_usage = bool(prepared.request.stream_options and prepared.request.stream_options.include_usage)
+        usage_field = None if include_usage else msgspec.UNSET
+        rid, created, model = prepared.generation.request_id, prepared.created, self.served_name
+
+        def chunk(delta: Delta, finish: str | None = None) -> bytes:
+            return sse(ChatCompletionChunk(rid, created, model, [StreamChoice(0, delta, None, finish)], usage=usage_field))
+
+        yield chunk(Delta(role="assistant", content=""))
+        event = None
+        try:
+            async for event in self.engine.generate(prepared.generation):
+                if event.text:
+                    yield chunk(Delta(content=event.text))
+        except EngineDeadError as exc:
+            event = None
+            yield sse(ErrorResponse(ErrorBody(str(exc), "server_error", None, "engine_unavailable")))
+        if event is not None:
+            if event.finish_reason in ("stop", "length"):
+                yield chunk(Delta(), event.finish_reason)
+                if include_usage:
+                    yield sse(ChatCompletionChunk(rid, created, model, [], usage=_usage(event)))
+            else:
+                message = f"generation failed: {event.error or event.finish_reason}"
+                yield sse(ErrorResponse(ErrorBody(message, "server_error", None, "generation_failed")))
+        yield DONE
+
+
+def _usage(event) -> Usage:
+    return Usage(event.num_prompt_tokens, event.num_output_tokens, event.num_prompt_tokens + event.num_output_tokens)

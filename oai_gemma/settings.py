@@ -1,0 +1,106 @@
+"""One typed settings tree, read from a TOML file, then `OAI_GEMMA_*` env vars, then CLI flags.
+
+Env vars name a field by its path with double underscores: `OAI_GEMMA_MODEL__SOURCE=/models/gemma-3-4b-it`,
+`OAI_GEMMA_SERVER__PORT=9000`. Later sources win.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+EMBEDDED = "embedded"
+
+
+class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
+    source: str = EMBEDDED
+    """`embedded` (gemma-3-270m from PyPI), a local directory, or a hub id such as `google/gemma-3-4b-it`."""
+    served_name: str = ""
+    """The model id clients send and `/v1/models` lists; empty means derived from `source`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """`auto`: bfloat16 on a GPU or a CPU with native bf16 matmul (AMX / AVX512-BF16), else float32."""
+    device: str = "auto"
+    """`auto`, `cpu`, `cuda`, `cuda:1`, ..."""
+    device_map: str = ""
+    """Set to `auto` to spread a model larger than one card over all GPUs (accelerate)."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """`dummy` builds the model from its config with random weights (speed tests without weights)."""
+    attn_implementation: str = "sdpa"
+    max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
+    """Context window served: prompt plus completion tokens."""
+    threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Torch intra-op threads on CPU; 0 means one per core."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
+    cache_dir: str = ""
+    """Where the embedded model is converted once; default `~/.cache/oai-gemma`."""
+    trust_remote_code: bool = False
+
+
+class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 32
+    """Sequences decoded together in one batch (KV-cache slots)."""
+    max_prefill_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
+    """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
+
+
+class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True):
+    model: ModelSettings = msgspec.field(default_factory=ModelSettings)
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    server: ServerSettings = msgspec.field(default_factory=ServerSettings)
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model.served_name:
+            return self.model.served_name
+        if self.model.source == EMBEDDED:
+            return "gemma-3-270m"
+        return Path(self.model.source.rstrip("/")).name if os.path.isdir(self.model.source) else self.model.source
+
+
+ENV_PREFIX = "OAI_GEMMA_"
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        section, _, field = key[len(ENV_PREFIX) :].lower().partition("__")
+        tree.setdefault(section, {})[field] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def load_settings(
+    config_file: str | os.PathLike | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Settings:
+    """Config file < env vars < overrides (CLI flags). Raises `msgspec.ValidationError` on a bad value."""
+    tree: dict[str, Any] = {}
+    if config_file:
+        with open(config_file, "rb") as f:
+            tree = tomllib.load(f)
+    tree = _merge(tree, _env_overrides(dict(os.environ if environ is None else environ)))
+    tree = _merge(tree, overrides or {})
+    # env values are strings: strict=False lets msgspec turn "9000" into 9000 and "true" into True
+    return msgspec.convert(tree, Settings, strict=False)
