@@ -109,7 +109,8 @@ def create_app(settings: Settings) -> Litestar:
     @get("/health")
     async def health() -> Response:
         if state.ready:
-            return _json({"status": "ok", "model": state.served_name})
+            load = state.engine.load()
+            return _json({"status": "ok", "model": state.served_name, **load})
         reason = state.load_error or (state.engine and state.engine.dead_reason) or "loading"
         return _json({"status": "unavailable", "reason": reason}, status=503)
 

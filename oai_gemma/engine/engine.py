@@ -83,6 +83,10 @@ class Engine:
             if not finished:
                 self.cancel(request.request_id)
 
+    def load(self) -> dict[str, int]:
+        """How busy the engine is right now (read from the event loop: a snapshot, not a lock)."""
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps}
+
     def encode(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
         return self.tokenizer.encode(text, add_special_tokens=False)

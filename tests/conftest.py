@@ -1,0 +1,104 @@
+"""One real `oai-gemma serve` process with the real embedded model, shared by the whole session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+MODEL = "gemma-3-270m"
+MAX_MODEL_LEN = 2048
+LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_seen: list[int] = []
+        cmd = [sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN), *extra]
+        self.log = open(LOG, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {LOG}")
+            try:
+                status = httpx.get(self.url + "/health", timeout=2).status_code
+                self.health_seen.append(status)
+                if status == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout} s; see {LOG}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    proc = ServerProcess()
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(server) -> str:
+    return server.url
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from oai_gemma.engine.loader import embedded_model_dir
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
