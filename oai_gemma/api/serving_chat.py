@@ -26,6 +26,7 @@ from .protocol import (
     Delta,
     ErrorBody,
     ErrorResponse,
+    PromptTokensDetails,
     StreamChoice,
     Usage,
     decoder,
@@ -160,4 +161,7 @@ class ChatService:
 
 
 def _usage(event) -> Usage:
-    return Usage(event.num_prompt_tokens, event.num_output_tokens, event.num_prompt_tokens + event.num_output_tokens)
+    return Usage(
+        event.num_prompt_tokens, event.num_output_tokens, event.num_prompt_tokens + event.num_output_tokens,
+        PromptTokensDetails(event.num_cached_tokens),
+    )

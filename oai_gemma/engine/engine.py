@@ -37,7 +37,7 @@ class Engine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = max_model_len
         self.runner = ModelRunner(loaded.model, num_slots=max_num_seqs, max_len=max_model_len)
-        self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens)
+        self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens, window=min(self.runner.cache.capacity))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -151,7 +151,7 @@ class Engine:
         except Exception as exc:  # this step's requests fail alone; the engine keeps serving
             log.exception("engine step failed")
             for seq in step.prefill_owners + step.decode_owners:
-                self._finish(seq, "error", events, error=f"engine step failed: {exc}")
+                self._finish(seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
             self._deliver(events)
             return
         step.advance()
@@ -189,11 +189,12 @@ class Engine:
             finish_reason=finish,
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_cached,
             error=error,
         )
 
-    def _finish(self, seq: Sequence, reason: str, events: list, error: str | None = None) -> None:
-        self.scheduler.finish(seq)
+    def _finish(self, seq: Sequence, reason: str, events: list, error: str | None = None, cache_valid: bool = True) -> None:
+        self.scheduler.finish(seq, cache_valid)
         events.append((seq.sink, self._event(seq, None, "", time.perf_counter(), reason, error)))
 
     def _fail_all(self, reason: str) -> None:
@@ -215,7 +216,7 @@ class Engine:
         params = [SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9)]
         with torch.inference_mode():
             for batch in (1, 2):
-                scheduler = Scheduler(batch, 512)
+                scheduler = Scheduler(batch, 512)  # its own slots 0..batch-1: they start empty again after
                 for i in range(batch):
                     seq = Sequence(GenerationRequest(f"warm-{i}", prompt, params[i]), None, RowRandom(0), None, None)
                     scheduler.add(seq)

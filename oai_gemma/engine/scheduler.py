@@ -7,7 +7,6 @@ decode token, so a long prompt never stalls running streams for more than one ch
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +26,8 @@ class Sequence:
     slot: int | None = None
     num_computed: int = 0
     """Prompt + output tokens whose KV is in the cache."""
+    num_cached: int = 0
+    """Prompt tokens whose KV was reused from an earlier request (prefix cache hit)."""
     output_ids: list[int] = field(default_factory=list)
     scheduled_time: float | None = None
     finished: bool = False
@@ -63,12 +64,52 @@ class Step:
             seq.num_computed += len(item.token_ids)
 
 
+def reusable_prefix(cached: list[int], prompt: list[int], window: int) -> int:
+    """How many leading prompt tokens can take their KV from a slot that holds `cached`.
+
+    Full-attention layers keep every position; a sliding layer's ring keeps only the last `window` of
+    `cached`, so the prefix counts only if the window before it is still there. At least one prompt token
+    is always left to compute, for the logits.
+    """
+    limit = min(len(cached), len(prompt) - 1)
+    n = 0
+    while n < limit and cached[n] == prompt[n]:
+        n += 1
+    if len(cached) > window and n < len(cached) - 1:
+        return 0
+    return n
+
+
+class SlotPool:
+    """The KV-cache slots. A freed slot keeps its tokens' KV: a follow-up request that resends the same
+    conversation (multi-turn) lands in that slot and skips recomputing the shared prefix."""
+
+    def __init__(self, num_slots: int, window: int):
+        self.window = window
+        self.free: dict[int, list[int]] = {slot: [] for slot in range(num_slots)}  # oldest freed first
+
+    def __len__(self) -> int:
+        return len(self.free)
+
+    def acquire(self, prompt: list[int]) -> tuple[int, int]:
+        """(slot, number of prompt tokens already cached there)."""
+        best, best_len = next(iter(self.free)), 0
+        for slot, cached in self.free.items():
+            n = reusable_prefix(cached, prompt, self.window)
+            if n > best_len:
+                best, best_len = slot, n
+        del self.free[best]
+        return best, best_len
+
+    def release(self, slot: int, cached: list[int]) -> None:
+        self.free[slot] = cached
+
+
 class Scheduler:
-    def __init__(self, num_slots: int, max_prefill_tokens: int):
+    def __init__(self, num_slots: int, max_prefill_tokens: int, window: int = 1 << 30):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(num_slots))
-        heapq.heapify(self.free_slots)
+        self.slots = SlotPool(num_slots, window)
         self.max_prefill_tokens = max_prefill_tokens
 
     def add(self, seq: Sequence) -> None:
@@ -83,21 +124,23 @@ class Scheduler:
                 return seq
         return None
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence at once and free its slot (its cache rows are simply overwritten later)."""
+    def finish(self, seq: Sequence, cache_valid: bool = True) -> None:
+        """Remove a sequence at once and free its slot, which keeps the KV of the tokens it computed."""
         seq.finished = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None:
-            heapq.heappush(self.free_slots, seq.slot)
+            cached = (seq.prompt_ids + seq.output_ids)[: seq.num_computed] if cache_valid else []
+            self.slots.release(seq.slot, cached)
             seq.slot = None
 
     def schedule(self, now: float) -> Step:
-        while self.waiting and self.free_slots:
+        while self.waiting and self.slots:
             seq = self.waiting.popleft()
-            seq.slot = heapq.heappop(self.free_slots)
+            seq.slot, seq.num_cached = self.slots.acquire(seq.prompt_ids)
+            seq.num_computed = seq.num_cached
             seq.scheduled_time = now
             self.running.append(seq)
         prefills, decodes, prefill_seqs, decode_seqs = [], [], [], []

@@ -52,6 +52,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
     error: str | None = None
     scheduled_time: float | None = field(default=None)
     """On the first event: when the request got a batch slot (queue time = scheduled - arrival)."""

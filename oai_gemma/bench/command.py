@@ -1,0 +1,186 @@
+"""`oai-gemma bench`: sweep concurrency levels against one running server, or start each compared server in turn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+from .client import run_level, warm_up
+from .compare import SERVER_NAMES, build_spec, free_port, running
+from .prompts import PROMPTS
+from .report import console_report, markdown_report, write_json
+from .stats import summarize_level
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be integers >= 1")
+    return levels
+
+
+def _servers(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in SERVER_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown server(s) {unknown}; choose from {', '.join(SERVER_NAMES)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server to drive (without --compare)")
+    parser.add_argument("--model", help="model name to request; default: the first id of GET /v1/models")
+    parser.add_argument("--label", default="ours", help="the name the server gets in the report (without --compare)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--concurrency", type=_levels, default=[1, 8, 32], help="comma-separated levels, e.g. 1,8,32")
+    parser.add_argument("--num-requests", type=int, default=8, help="requests per level (raised to the concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--bare", action="store_true", help="also time the bare model in-process (prefill, decode step)")
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare-model reference in --compare mode")
+    parser.add_argument("--compare", action="store_true", help="start each of --servers in turn and sweep each")
+    parser.add_argument("--servers", type=_servers, default=list(SERVER_NAMES),
+                        help=f"with --compare: which, in order (default {','.join(SERVER_NAMES)})")
+    parser.add_argument("--ours-args", default="", help="with --compare: extra flags for `oai-gemma serve`, one string")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
+    parser.add_argument("--log-dir", default="bench-results/logs", help="with --compare: where server logs go")
+    parser.add_argument("--output-json", help="write all results (with raw timings) here")
+    parser.add_argument("--plot", help="write a PNG of the latency distributions and throughput here")
+    parser.add_argument("--markdown", help="write the markdown report (e.g. docs/benchmarks.md) here")
+
+
+def _machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        memory = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gib": memory,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("oai-gemma", "cli.py", "-m", "__main__.py"):
+        argv[0] = "oai-gemma"
+    return shlex.join(argv)
+
+
+async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str) -> dict:
+    server: dict = {"base_url": base_url, "model": model, "levels": []}
+    for _ in range(args.warmup):
+        result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key)
+        if result.error:
+            server["warmup_error"] = result.error
+            print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
+    for concurrency in args.concurrency:
+        num = max(args.num_requests, concurrency)
+        run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key)
+        level = summarize_level(run)
+        server["levels"].append(level)
+        print(f"[{label}] c={concurrency:<3} n={num:<3} {level['output_tok_s']:7.1f} tok/s  "
+              f"TTFT p50 {level['ttft_ms']['p50'] or 0:8.1f} ms  ITL p50 {level['itl_ms']['p50'] or 0:7.1f} ms  "
+              f"errors {level['errors']}", file=sys.stderr, flush=True)
+    return server
+
+
+def _discover_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        data = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10, trust_env=False).json()["data"]
+        return data[0]["id"]
+    except Exception:  # noqa: BLE001 - any failure: fall back to the embedded model's name
+        return "gemma-3-270m"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine.loader import pick_device, pick_dtype, resolve_source
+    from ..settings import load_settings
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.num_requests < 1 or args.max_tokens < 1:
+        print("--num-requests and --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    settings = load_settings().model
+    device = pick_device(settings)
+    dtype = str(pick_dtype(settings, device)).removeprefix("torch.")
+    model_dir = resolve_source(settings) if args.compare else ""
+    payload: dict = {
+        "meta": {
+            "command": _command_line(),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": _machine(),
+            "model_dir": model_dir,
+            "dtype": dtype,
+            "device": str(device),
+            "num_requests": args.num_requests,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "num_prompts": len(PROMPTS),
+        },
+        "bare": None,
+        "servers": {},
+    }
+    if args.bare or (args.compare and not args.no_bare):
+        from .bare import measure_bare
+
+        if not args.compare:
+            print("timing the bare model; the server at --base-url should be idle meanwhile", file=sys.stderr)
+        payload["bare"] = measure_bare()
+    if args.compare:
+        for name in args.servers:
+            try:
+                spec = build_spec(name, free_port(), model_dir, dtype, str(device), shlex.split(args.ours_args))
+                print(f"[{name}] starting: {shlex.join(spec.argv)}", file=sys.stderr, flush=True)
+                with running(spec, Path(args.log_dir), args.ready_timeout) as model:
+                    server = asyncio.run(_sweep(spec.base_url, model, args, name))
+                server["command"] = shlex.join(spec.argv)
+            except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+                print(f"[{name}] failed: {exc}", file=sys.stderr)
+                server = {"error": str(exc), "levels": []}
+            payload["servers"][name] = server
+    else:
+        model = args.model or _discover_model(args.base_url, args.api_key)
+        payload["meta"]["model_dir"] = model
+        payload["servers"][args.label] = asyncio.run(_sweep(args.base_url, model, args, args.label))
+
+    print(console_report(payload))
+    if args.output_json:
+        write_json(args.output_json, payload)
+    if args.plot:
+        from .plot import plot
+
+        plot(payload, args.plot)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown_report(payload))
+    failed = any(s.get("error") or any(lv["errors"] for lv in s.get("levels", ())) for s in payload["servers"].values())
+    return 1 if failed else 0

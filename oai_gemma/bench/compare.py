@@ -1,0 +1,139 @@
+"""Start and stop the servers compared: ours, `transformers serve` (with and without CB), the tutorial design."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+import oai_gemma
+
+SERVER_NAMES = ("ours", "transformers", "transformers-cb", "tutorial")
+PACKAGE_PARENT = Path(oai_gemma.__file__).resolve().parent.parent
+TUTORIAL_SCRIPT = PACKAGE_PARENT / "benchmarks" / "tutorial_server.py"
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    argv: list[str]
+    port: int
+    model: str
+    """The model name requests carry, unless `/v1/models` lists another."""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/health"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _script(name: str) -> str:
+    """A console script of this venv (next to the interpreter), else the one on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"`{name}` not found; install the bench extra: pip install 'oai-gemma[bench]'")
+    return found
+
+
+def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ours_args: list[str]) -> ServerSpec:
+    if name == "ours":
+        argv = [sys.executable, "-m", "oai_gemma.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *ours_args]
+        return ServerSpec(name, argv, port, "gemma-3-270m")
+    if name in ("transformers", "transformers-cb"):
+        # the positional model is preloaded before the port opens and pins the server: requests must name it
+        argv = [_script("transformers"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", dtype, "--device", device]
+        if name == "transformers-cb":
+            argv.append("--continuous-batching")
+        return ServerSpec(name, argv, port, model_dir)
+    if name == "tutorial":
+        if not TUTORIAL_SCRIPT.exists():
+            raise FileNotFoundError(f"{TUTORIAL_SCRIPT} is missing: run the comparison from a source checkout")
+        argv = [sys.executable, str(TUTORIAL_SCRIPT), "--model-dir", model_dir, "--port", str(port), "--dtype", dtype]
+        return ServerSpec(name, argv, port, "gemma-3-270m")
+    raise ValueError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)}")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_ready(spec: ServerSpec, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    """Poll `GET /health` until it answers 200 (503 and refused connections mean: still loading)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{spec.name} exited with {proc.returncode} before it was ready:\n{_tail(log_path)}")
+        try:
+            if httpx.get(spec.health_url, timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{spec.name} not ready after {timeout_s:.0f} s:\n{_tail(log_path)}")
+
+
+def served_model(spec: ServerSpec) -> str:
+    """The first id `/v1/models` lists, else the spec's default."""
+    try:
+        data = httpx.get(spec.base_url + "/models", timeout=5.0, trust_env=False).json().get("data") or []
+        return data[0]["id"] if data else spec.model
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return spec.model
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the server's own process group (it was started in a new session), SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def running(spec: ServerSpec, log_dir: Path, ready_timeout_s: float) -> Iterator[str]:
+    """Start the server, wait until it is ready, yield the model name to request; always stop it after."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name}.log"
+    env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), env.get("PYTHONPATH")]))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    try:
+        wait_ready(spec, proc, log_path, ready_timeout_s)
+        yield served_model(spec)
+    finally:
+        stop(proc)
+        time.sleep(1.0)  # let the cores settle before the next server or measurement

@@ -1,0 +1,180 @@
+"""Turn the summaries into text: the console table, the JSON file, and the markdown report with ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+NOTES = (
+    "Output tokens are counted from the final `usage` chunk (`stream_options.include_usage`), or from the "
+    "number of content chunks when a server sends no usage. tok/s is the level's total output tokens over "
+    "its wall time (first request sent to last response done), so it is the aggregate throughput.",
+    "TTFT is the arrival of the first chunk with non-empty content. ITL is the gap between consecutive content "
+    "chunks as they reach the client: a server that sends several tokens per chunk (the tutorial's "
+    "`TextIteratorStreamer` flushes per word, `transformers serve` may flush a backlog at once) shows fewer, "
+    "longer gaps and some near-zero ones. TPOT = (E2E - TTFT) / (tokens - 1) is the per-token figure that is "
+    "comparable across servers.",
+    "`ignore_eos` is not an OpenAI field, so the prompts ask for long texts; a request may still stop early.",
+    "Every server gets one untimed warm-up request first (lazy first-request work: CB init, kernel warm-up).",
+    "`transformers serve` without `--continuous-batching` runs all requests on one inference thread, one "
+    "after the other; with it, requests join a paged-attention batch.",
+    "The tutorial server starts one `model.generate` thread per request with a `TextIteratorStreamer`; "
+    "concurrent requests run as concurrent generate calls that share the same cores, with no batching.",
+    "Bare prefill: the decoder, then `lm_head` on the last position as a 2-D tensor. The stock forward with "
+    "`logits_to_keep=1` (what `generate` does) hands `lm_head` a `[:, -1:]` slice; with the weights frozen by "
+    "`requires_grad_(False)`, as `engine.loader.load` leaves them, torch 2.13 on CPU in bf16 runs that "
+    "`F.linear` as a bmm that first copies the whole vocabulary matrix (~0.8 s here), while with trainable "
+    "weights (a plain `from_pretrained`, as the tutorial server and `transformers serve` load) it does not. "
+    "That stock figure is reported next to it.",
+)
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+COLUMNS = (
+    ("conc", lambda s: str(s["concurrency"])),
+    ("reqs", lambda s: str(s["num_requests"])),
+    ("err", lambda s: str(s["errors"])),
+    ("tok/s", lambda s: _f(s["output_tok_s"])),
+    ("req/s", lambda s: _f(s["requests_s"], 2)),
+    ("TTFT p50", lambda s: _f(s["ttft_ms"]["p50"])),
+    ("TTFT p90", lambda s: _f(s["ttft_ms"]["p90"])),
+    ("TTFT p99", lambda s: _f(s["ttft_ms"]["p99"])),
+    ("ITL p50", lambda s: _f(s["itl_ms"]["p50"])),
+    ("ITL p99", lambda s: _f(s["itl_ms"]["p99"])),
+    ("TPOT p50", lambda s: _f(s["tpot_ms"]["p50"])),
+    ("E2E p50", lambda s: _f(s["e2e_ms"]["p50"])),
+    ("E2E p99", lambda s: _f(s["e2e_ms"]["p99"])),
+)
+
+
+def _grid(header: list[str], rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)] if rows else [len(h) for h in header]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def level_table(levels: list[dict], markdown: bool = False) -> str:
+    """One row per concurrency level; latencies in ms."""
+    header = [name for name, _ in COLUMNS]
+    return _grid(header, [[cell(s) for _, cell in COLUMNS] for s in levels], markdown)
+
+
+def ratio_table(servers: dict[str, dict], ours: str = "ours", markdown: bool = False) -> str | None:
+    """Our output tok/s divided by each baseline's, per concurrency level (>1: we are faster)."""
+    if ours not in servers or not servers[ours].get("levels"):
+        return None
+    baselines = [name for name, s in servers.items() if name != ours and s.get("levels")]
+    if not baselines:
+        return None
+    by_conc = {name: {lv["concurrency"]: lv["output_tok_s"] for lv in servers[name]["levels"]} for name in servers if servers[name].get("levels")}
+    rows = []
+    for conc, mine in by_conc[ours].items():
+        row = [str(conc)]
+        for name in baselines:
+            theirs = by_conc[name].get(conc)
+            row.append(f"{mine / theirs:.2f}x" if theirs else "-")
+        rows.append(row)
+    return _grid(["conc"] + [f"vs {name}" for name in baselines], rows, markdown)
+
+
+def bare_table(servers: dict[str, dict], bare: dict, markdown: bool = False) -> str | None:
+    """Each server at concurrency 1 against the bare model: TTFT overhead and ITL/TPOT as multiples of a step."""
+    if not bare:
+        return None
+    step, prefill = bare["decode_step_ms"], bare["prefill_ms"]
+    rows = []
+    for name, server in servers.items():
+        level = next((lv for lv in server.get("levels", ()) if lv["concurrency"] == 1), None)
+        if level is None:
+            continue
+        ttft, itl, tpot = level["ttft_ms"]["p50"], level["itl_ms"]["p50"], level["tpot_ms"]["p50"]
+        rows.append([
+            name,
+            _f(ttft),
+            _f(None if ttft is None else ttft - prefill),
+            _f(itl),
+            _f(None if itl is None else itl / step, 2),
+            _f(None if tpot is None else tpot / step, 2),
+        ])
+    if not rows:
+        return None
+    header = ["server", "TTFT p50", "TTFT p50 - bare prefill", "ITL p50", "ITL p50 / bare step", "TPOT p50 / bare step"]
+    return _grid(header, rows, markdown)
+
+
+def bare_line(bare: dict) -> str:
+    return (
+        f"bare model ({bare['dtype']}, {bare['device']}, {bare['threads']} threads): decode step {bare['decode_step_ms']:.1f} ms "
+        f"(median of {bare['decode_steps']}, batch 1), prefill {bare['prefill_ms']:.1f} ms "
+        f"(median over the prompts, {bare['prompt_tokens_median']:.0f} tokens median; stock forward with "
+        f"logits_to_keep=1: {bare['prefill_stock_forward_ms']:.1f} ms)"
+    )
+
+
+def console_report(payload: dict) -> str:
+    parts = []
+    for name, server in payload["servers"].items():
+        parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')})")
+        if server.get("error"):
+            parts.append(f"   FAILED: {server['error']}")
+        if server.get("levels"):
+            parts.append(level_table(server["levels"]))
+            for level in server["levels"]:
+                if level["error_samples"]:
+                    parts.append(f"   c={level['concurrency']} errors: {'; '.join(level['error_samples'])}")
+    if payload.get("bare"):
+        parts += ["", bare_line(payload["bare"])]
+        table = bare_table(payload["servers"], payload["bare"])
+        if table:
+            parts.append(table)
+    ratios = ratio_table(payload["servers"])
+    if ratios:
+        parts += ["", "output tok/s, ours / baseline:", ratios]
+    return "\n".join(parts)
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def markdown_report(payload: dict) -> str:
+    meta = payload["meta"]
+    machine = meta["machine"]
+    out = [
+        "# Benchmark: oai-gemma against its baselines",
+        "",
+        f"- Command: `{meta['command']}`",
+        f"- Date: {meta['date']}",
+        f"- Machine: {machine['cpu_model']}, nproc {machine['nproc']}, {machine['memory_gib']} GiB RAM; "
+        f"torch {machine['torch']}, transformers {machine['transformers']}",
+        f"- Model: `{meta['model_dir']}`, {meta['dtype']} on {meta['device']}",
+        f"- Workload: per level, {meta['num_requests']} requests (at least the concurrency) of the "
+        f"{meta['num_prompts']} fixed prompts of `oai_gemma/bench/prompts.py`, streamed, temperature 0, "
+        f"max_tokens {meta['max_tokens']}; concurrency levels {', '.join(map(str, meta['concurrency']))}",
+        "",
+    ]
+    if payload.get("bare"):
+        out += ["## The bare model", "", bare_line(payload["bare"]) + ".", ""]
+        table = bare_table(payload["servers"], payload["bare"], markdown=True)
+        if table:
+            out += ["At concurrency 1 (ms):", "", table, ""]
+    ratios = ratio_table(payload["servers"], markdown=True)
+    if ratios:
+        out += ["## Output tokens/s: ours ÷ baseline", "", ratios, ""]
+    out += ["## Per server (latencies in ms)", ""]
+    for name, server in payload["servers"].items():
+        out += [f"### {name}", "", f"`{server.get('command') or server.get('base_url')}`", ""]
+        if server.get("error"):
+            out += [f"Failed: {server['error']}", ""]
+        if server.get("levels"):
+            out += [level_table(server["levels"], markdown=True), ""]
+    out += ["## Notes", ""] + [f"- {note}" for note in NOTES] + [""]
+    return "\n".join(out)

@@ -1,0 +1,104 @@
+"""The engine without HTTP, in float32 so its greedy tokens can be held against transformers' own generate."""
+
+import asyncio
+
+import pytest
+import torch
+
+from oai_gemma.chat import render_chat
+from oai_gemma.engine.engine import Engine
+from oai_gemma.engine.loader import load
+from oai_gemma.engine.types import GenerationRequest, SamplingParams
+from oai_gemma.settings import ModelSettings
+
+
+class EngineHarness:
+    def __init__(self):
+        self.loaded = load(ModelSettings(dtype="float32"))
+        self.engine = Engine(self.loaded, max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024)
+        self.loop = asyncio.new_event_loop()
+        self.engine.start(self.loop)
+        self.counter = 0
+
+    def prompt(self, text: str) -> list[int]:
+        return self.engine.encode(render_chat([{"role": "user", "content": text}]).prompt)
+
+    async def _collect(self, ids, max_tokens, **kw):
+        self.counter += 1
+        request = GenerationRequest(f"t{self.counter}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
+        events = [e async for e in self.engine.generate(request)]
+        return [e.token_id for e in events if e.token_id is not None], events[-1]
+
+    def run(self, *prompts, max_tokens=12, **kw):
+        """Generate for all prompts at once (one batch); returns [(token ids, last event)]."""
+        async def main():
+            return await asyncio.gather(*[self._collect(p, max_tokens, **kw) for p in prompts])
+        return self.loop.run_until_complete(main())
+
+    def reference(self, ids, max_tokens=12) -> list[int]:
+        """transformers' own greedy generate on the same weights."""
+        with torch.inference_mode():
+            out = self.loaded.model.generate(
+                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                eos_token_id=list(self.loaded.eos_token_ids), pad_token_id=0,
+            )
+        return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def harness():
+    h = EngineHarness()
+    yield h
+    h.engine.shutdown()
+    h.loop.close()
+
+
+def test_greedy_matches_transformers_generate(harness):
+    ids = harness.prompt("Write about the ocean.")
+    (tokens, last), = harness.run(ids)
+    assert tokens == harness.reference(ids)[: len(tokens)]
+    assert last.finish_reason in ("stop", "length")
+
+
+def test_greedy_output_is_the_same_alone_or_in_a_batch(harness):
+    prompts = [harness.prompt(t) for t in ("Tell me a joke.", "List some fruits.", "Describe Paris in detail.")]
+    alone = [harness.run(p)[0][0] for p in prompts]
+    together = [tokens for tokens, _ in harness.run(*prompts)]
+    assert together == alone
+
+
+def test_long_prompt_chunked_prefill_and_sliding_window_match_transformers(harness):
+    # 700 tokens: several 256-token prefill chunks, and past the 512-token sliding window
+    ids = harness.prompt(" ".join(f"item {i} is {i * 7 % 13}." for i in range(120)))
+    assert len(ids) > 600
+    (tokens, _), = harness.run(ids, max_tokens=8)
+    assert tokens == harness.reference(ids, max_tokens=8)[: len(tokens)]
+
+
+def test_multi_turn_resend_reuses_the_cached_prefix_and_keeps_the_output(harness):
+    first = harness.prompt("Write a story about a fox.")
+    (reply, _), = harness.run(first, max_tokens=10)
+    follow_up = first + reply + harness.engine.encode("<end_of_turn>\n<start_of_turn>user\nAnd then?<end_of_turn>\n<start_of_turn>model\n")
+    (tokens, last), = harness.run(follow_up, max_tokens=8)
+    assert last.num_cached_tokens >= len(first)
+    assert tokens == harness.reference(follow_up, max_tokens=8)[: len(tokens)]
+
+
+def test_unrelated_prompt_gets_no_cache_hit(harness):
+    (_, last), = harness.run(harness.prompt("Completely different request about trains."), max_tokens=2)
+    # only the shared template head (<bos><start_of_turn>user\n) can match
+    assert last.num_cached_tokens <= 4
+
+
+def test_a_stop_token_ends_generation_with_stop_and_no_text(harness):
+    ids = harness.prompt("Say hi.")
+    (tokens, _), = harness.run(ids, max_tokens=6)
+    saved = harness.engine.eos_token_ids
+    harness.engine.eos_token_ids = frozenset({tokens[2]})  # pretend the third token is <end_of_turn>
+    try:
+        (stopped, last), = harness.run(ids, max_tokens=6)
+    finally:
+        harness.engine.eos_token_ids = saved
+    assert stopped == tokens[:3]
+    assert last.finish_reason == "stop"
+    assert last.num_output_tokens == 3
