@@ -44,6 +44,9 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
 class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 32
     """Sequences decoded together in one batch (KV-cache slots)."""
+    kv_cache_gib: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """KV-cache budget in GiB; fewer slots than max_num_seqs are made if it is smaller than
+    max_num_seqs full-length sequences. 0 means exactly enough for max_num_seqs."""
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024

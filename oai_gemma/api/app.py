@@ -58,6 +58,7 @@ class ServerState:
                 max_num_seqs=self.settings.engine.max_num_seqs,
                 max_prefill_tokens=self.settings.engine.max_prefill_tokens,
                 max_model_len=self.settings.model.max_model_len,
+                kv_cache_gib=self.settings.engine.kv_cache_gib,
             )
             engine.warm_up()
         except Exception as exc:

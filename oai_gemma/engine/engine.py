@@ -18,7 +18,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .loader import LoadedModel
-from .runner import ModelRunner
+from .runner import KVCache, ModelRunner
 from .sampler import RowRandom, sample
 from .scheduler import Scheduler, Sequence
 from .types import GenerationRequest, SamplingParams, TokenEvent
@@ -31,13 +31,17 @@ class EngineDeadError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int):
+    def __init__(
+        self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int, kv_cache_gib: float = 0.0
+    ):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = max_model_len
-        self.runner = ModelRunner(loaded.model, num_slots=max_num_seqs, max_len=max_model_len)
-        self.scheduler = Scheduler(max_num_seqs, max_prefill_tokens, window=min(self.runner.cache.capacity))
+        num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
+        self.runner = ModelRunner(loaded.model, num_slots=num_slots, max_len=max_model_len)
+        log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
+        self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -230,6 +234,20 @@ class Engine:
                     step.advance()
                     for seq, token in zip(step.sampled, tokens):
                         seq.output_ids.append(token)
+
+
+def slots_within_budget(loaded: LoadedModel, max_num_seqs: int, max_model_len: int, kv_cache_gib: float) -> int:
+    """All of the KV cache is allocated once at start, so memory never grows with traffic."""
+    if not kv_cache_gib:
+        return max_num_seqs
+    per_slot = KVCache.bytes_per_slot(loaded.text_config, max_model_len, loaded.dtype)
+    slots = int(kv_cache_gib * 2**30 // per_slot)
+    if slots < 1:
+        raise ValueError(
+            f"kv_cache_gib={kv_cache_gib} cannot hold one sequence of max_model_len={max_model_len} "
+            f"({per_slot / 2**30:.3f} GiB); raise it or lower max_model_len"
+        )
+    return min(slots, max_num_seqs)
 
 
 def _put_all(events: list[tuple[asyncio.Queue, TokenEvent]]) -> None:

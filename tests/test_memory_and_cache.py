@@ -1,0 +1,52 @@
+"""Memory stays flat under traffic, and a multi-turn conversation reuses its cached prefix."""
+
+import asyncio
+from pathlib import Path
+
+import openai
+
+from conftest import MODEL, user
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def burst(server, count: int, offset: int) -> None:
+    async def main():
+        async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        semaphore = asyncio.Semaphore(16)
+
+        async def one(i):
+            async with semaphore:
+                await async_client.chat.completions.create(
+                    model=MODEL, messages=user(f"Request {i}: tell me about number {i * 37}."), max_tokens=3, temperature=0.5
+                )
+
+        await asyncio.gather(*[one(offset + i) for i in range(count)])
+
+    asyncio.run(main())
+
+
+def test_memory_after_200_requests_equals_memory_after_20(server):
+    burst(server, 20, 0)
+    after_20 = rss_mib(server.proc.pid)
+    burst(server, 180, 20)
+    after_200 = rss_mib(server.proc.pid)
+    assert after_200 - after_20 < 0.02 * after_20 + 16, (after_20, after_200)
+
+
+def test_multi_turn_conversation_reports_cached_prompt_tokens(client):
+    messages = user("Write one sentence about lighthouses.")
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens <= 4  # at most the shared template head
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Now one about boats."},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
