@@ -97,3 +97,21 @@ def test_vendored_hf_config_is_a_multimodal_gemma3(path):
     assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
     assert config["text_config"]["model_type"] == "gemma3_text"
     assert config["vision_config"]["model_type"] == "siglip_vision_model"
+
+
+def test_served_name_is_derived_from_the_source_unless_set(tmp_path):
+    assert load_settings(None, environ={}).served_model_name == "gemma-3-270m"
+    assert load_settings(None, {"model": {"source": "google/gemma-3-4b-it"}}, environ={}).served_model_name == "google/gemma-3-4b-it"
+    local = tmp_path / "my-gemma"
+    local.mkdir()
+    assert load_settings(None, {"model": {"source": str(local)}}, environ={}).served_model_name == "my-gemma"
+    named = {"model": {"source": str(local), "served_name": "prod"}}
+    assert load_settings(None, named, environ={}).served_model_name == "prod"
+
+
+def test_cli_flags_win_over_env_and_file(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[server]\nport = 7000\n")
+    env = {"OAI_GEMMA_SERVER__PORT": "7100"}
+    assert load_settings(config, environ=env).server.port == 7100
+    assert load_settings(config, {"server": {"port": 7200}}, environ=env).server.port == 7200

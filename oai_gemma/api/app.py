@@ -89,7 +89,7 @@ def create_app(settings: Settings) -> Litestar:
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
         chat = state.require_ready()
-        prepared = chat.prepare(await request.body(), arrival)
+        prepared = await chat.prepare(await request.body(), arrival)
         if prepared.request.stream:
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
         return Response(content=await chat.complete(prepared), media_type=JSON)

@@ -6,6 +6,7 @@ The HTTP layer translates; it does not compute.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from .protocol import (
 )
 
 DONE = b"data: [DONE]\n\n"
+LONG_PROMPT_CHARS = 20_000
 
 
 def sse(payload) -> bytes:
@@ -56,7 +58,7 @@ class ChatService:
 
     # ---- request -> engine ------------------------------------------------------------------------
 
-    def prepare(self, body: bytes, arrival: float) -> PreparedChat:
+    async def prepare(self, body: bytes, arrival: float) -> PreparedChat:
         try:
             request = decoder.decode(body)
         except msgspec.ValidationError as exc:
@@ -84,7 +86,10 @@ class ChatService:
                 "serve a multimodal Gemma-3 model (google/gemma-3-4b-it, -12b-it or -27b-it) to send images",
                 first.param, "image_not_supported",
             )
-        prompt_ids = self.engine.encode(rendered.prompt)
+        if len(rendered.prompt) > LONG_PROMPT_CHARS:  # tokenizing a book takes a while: not on the event loop
+            prompt_ids = await asyncio.to_thread(self.engine.encode, rendered.prompt)
+        else:
+            prompt_ids = self.engine.encode(rendered.prompt)
         return PreparedChat(request, self._generation_request(request, prompt_ids, arrival), int(time.time()))
 
     def _generation_request(self, request: ChatCompletionRequest, prompt_ids: list[int], arrival: float) -> GenerationRequest:
