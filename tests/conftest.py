@@ -32,7 +32,12 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_seen: list[int] = []
-        cmd = [sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN), *extra]
+        # float32: greedy outputs are then reproducible across batch shapes and prefix-cache hits, so tests can
+        # compare two requests token for token (bf16 matmuls round differently per shape; see README)
+        cmd = [
+            sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(self.port),
+            "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", *extra,
+        ]
         self.log = open(LOG, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 

@@ -17,7 +17,6 @@ def rss_mib(pid: int) -> float:
 
 def burst(server, count: int, offset: int) -> None:
     async def main():
-        async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         semaphore = asyncio.Semaphore(16)
 
         async def one(i):
@@ -26,7 +25,8 @@ def burst(server, count: int, offset: int) -> None:
                     model=MODEL, messages=user(f"Request {i}: tell me about number {i * 37}."), max_tokens=3, temperature=0.5
                 )
 
-        await asyncio.gather(*[one(offset + i) for i in range(count)])
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as async_client:
+            await asyncio.gather(*[one(offset + i) for i in range(count)])
 
     asyncio.run(main())
 

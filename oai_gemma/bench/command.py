@@ -9,6 +9,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from .client import run_level, warm_up
@@ -16,6 +17,8 @@ from .compare import SERVER_NAMES, build_spec, free_port, running
 from .prompts import PROMPTS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
+
+BUSY_WARNING = 0.15
 
 
 def _levels(text: str) -> list[int]:
@@ -45,13 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=8, help="requests per level (raised to the concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--bare", action="store_true", help="also time the bare model in-process (prefill, decode step)")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may wait for its next byte")
+    parser.add_argument("--bare", action="store_true", help="also time the bare model, loaded as the server loads it (in a child process, before the sweep)")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare-model reference in --compare mode")
     parser.add_argument("--compare", action="store_true", help="start each of --servers in turn and sweep each")
     parser.add_argument("--servers", type=_servers, default=list(SERVER_NAMES),
                         help=f"with --compare: which, in order (default {','.join(SERVER_NAMES)})")
-    parser.add_argument("--ours-args", default="", help="with --compare: extra flags for `oai-gemma serve`, one string")
+    parser.add_argument("--ours-args", default="", help="with --compare: extra flags for `oai-gemma serve` as one string, e.g. --ours-args='--max-num-seqs 16'")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     parser.add_argument("--log-dir", default="bench-results/logs", help="with --compare: where server logs go")
     parser.add_argument("--output-json", help="write all results (with raw timings) here")
@@ -85,6 +88,23 @@ def _machine() -> dict:
     }
 
 
+def cpu_busy(seconds: float = 1.0) -> float | None:
+    """Fraction of all cores busy over `seconds` (from /proc/stat). Sampled while the server under test is idle,
+    it shows other load sharing the machine, which skews every number; None where /proc/stat is missing."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
 def _command_line() -> str:
     argv = list(sys.argv)
     if argv and Path(argv[0]).name in ("oai-gemma", "cli.py", "-m", "__main__.py"):
@@ -99,6 +119,10 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
+    server["cpu_busy_idle"] = busy = cpu_busy()
+    if busy is not None and busy > BUSY_WARNING:
+        print(f"[{label}] warning: {busy:.0%} of the CPU is busy while the server idles: other load skews the "
+              "numbers", file=sys.stderr)
     for concurrency in args.concurrency:
         num = max(args.num_requests, concurrency)
         run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key)
@@ -154,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
 
         if not args.compare:
             print("timing the bare model; the server at --base-url should be idle meanwhile", file=sys.stderr)
+        busy = cpu_busy()
         payload["bare"] = measure_bare()
+        payload["bare"]["cpu_busy_idle"] = busy
     if args.compare:
         for name in args.servers:
             try:

@@ -17,6 +17,8 @@ NOTES = (
     "comparable across servers.",
     "`ignore_eos` is not an OpenAI field, so the prompts ask for long texts; a request may still stop early.",
     "Every server gets one untimed warm-up request first (lazy first-request work: CB init, kernel warm-up).",
+    "Before each sweep the CPU is sampled for 1 s while the server idles: a high figure means other load "
+    "shared the machine (or the server spins while idle) and skews that server's numbers.",
     "`transformers serve` without `--continuous-batching` runs all requests on one inference thread, one "
     "after the other; with it, requests join a paged-attention batch.",
     "The tutorial server starts one `model.generate` thread per request with a `TextIteratorStreamer`; "
@@ -109,19 +111,24 @@ def bare_table(servers: dict[str, dict], bare: dict, markdown: bool = False) -> 
     return _grid(header, rows, markdown)
 
 
+def _busy(value: float | None) -> str:
+    return "" if value is None else f"; CPU {value:.0%} busy before"
+
+
 def bare_line(bare: dict) -> str:
     return (
         f"bare model ({bare['dtype']}, {bare['device']}, {bare['threads']} threads): decode step {bare['decode_step_ms']:.1f} ms "
         f"(median of {bare['decode_steps']}, batch 1), prefill {bare['prefill_ms']:.1f} ms "
         f"(median over the prompts, {bare['prompt_tokens_median']:.0f} tokens median; stock forward with "
-        f"logits_to_keep=1: {bare['prefill_stock_forward_ms']:.1f} ms)"
+        f"logits_to_keep=1: {bare['prefill_stock_forward_ms']:.1f} ms{_busy(bare.get('cpu_busy_idle'))})"
     )
 
 
 def console_report(payload: dict) -> str:
     parts = []
     for name, server in payload["servers"].items():
-        parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')})")
+        parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')}"
+                     f"{_busy(server.get('cpu_busy_idle'))})")
         if server.get("error"):
             parts.append(f"   FAILED: {server['error']}")
         if server.get("levels"):
@@ -172,6 +179,8 @@ def markdown_report(payload: dict) -> str:
     out += ["## Per server (latencies in ms)", ""]
     for name, server in payload["servers"].items():
         out += [f"### {name}", "", f"`{server.get('command') or server.get('base_url')}`", ""]
+        if server.get("cpu_busy_idle") is not None:
+            out += [f"CPU busy while the server idled, before the sweep: {server['cpu_busy_idle']:.0%}.", ""]
         if server.get("error"):
             out += [f"Failed: {server['error']}", ""]
         if server.get("levels"):

@@ -8,6 +8,7 @@ asyncio queue. No thread per request, no polling, no lock around the model.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .loader import LoadedModel
-from .runner import KVCache, ModelRunner
+from .runner import KVCache, ModelRunner, StepItem
 from .sampler import RowRandom, sample
 from .scheduler import Scheduler, Sequence
 from .types import GenerationRequest, SamplingParams, TokenEvent
@@ -39,7 +40,9 @@ class Engine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = max_model_len
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
-        self.runner = ModelRunner(loaded.model, num_slots=num_slots, max_len=max_model_len)
+        self.runner = ModelRunner(
+            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=max_prefill_tokens + num_slots
+        )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,6 +107,8 @@ class Engine:
         try:
             with torch.inference_mode():
                 while not self._stopping:
+                    if not self.scheduler.has_work():
+                        release_free_memory()
                     self._take_inbox(block=not self.scheduler.has_work())
                     if self.scheduler.has_work():
                         self._step()
@@ -214,26 +219,32 @@ class Engine:
     # ---- warm-up ----------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Run the step shapes once (prefill, batched decode, sampling) before serving: the first
-        user request must not pay for kernel selection and allocator growth."""
-        prompt = self.tokenizer.encode("Warm-up: say hello.")
-        params = [SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9)]
-        with torch.inference_mode():
-            for batch in (1, 2):
-                scheduler = Scheduler(batch, 512)  # its own slots 0..batch-1: they start empty again after
-                for i in range(batch):
-                    seq = Sequence(GenerationRequest(f"warm-{i}", prompt, params[i]), None, RowRandom(0), None, None)
-                    scheduler.add(seq)
-                for _ in range(3):
-                    step = scheduler.schedule(0.0)
-                    logits = self.runner.forward(step.prefills, step.decodes)
-                    tokens = sample(
-                        logits, [s.request.sampling for s in step.sampled], [s.random for s in step.sampled],
-                        [s.output_ids for s in step.sampled],
-                    )
-                    step.advance()
-                    for seq, token in zip(step.sampled, tokens):
-                        seq.output_ids.append(token)
+        """Run every step shape once before serving (each token-count bucket, each logits-row bucket,
+        both sampling paths): the first user request must not pay for kernel compilation."""
+        runner = self.runner
+        for size in runner.token_buckets:
+            runner.forward([StepItem(0, [0] * min(size, self.max_model_len), 0)], [])
+        for rows in runner.row_buckets:
+            logits = runner.forward([], [StepItem(slot, [0], 0) for slot in range(rows)])
+        params = [SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9)]
+        sample(logits[:1].repeat(2, 1), params, [RowRandom(0), RowRandom(1)], [[1], [1]])
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS when the engine goes idle: each step's logits and
+    activations come in many sizes, and glibc would otherwise keep the high-water mark for good."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def slots_within_budget(loaded: LoadedModel, max_num_seqs: int, max_model_len: int, kv_cache_gib: float) -> int:

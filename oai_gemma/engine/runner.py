@@ -54,6 +54,21 @@ class KVCache:
         )
 
 
+def buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... 64, then multiples of 64, up to the first one >= limit."""
+    sizes = [1]
+    while sizes[-1] < limit:
+        sizes.append(sizes[-1] * 2 if sizes[-1] < 64 else sizes[-1] + 64)
+    return sizes
+
+
+def bucket(n: int, sizes: list[int]) -> int:
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} is larger than the largest bucket {sizes[-1]}")
+
+
 def _text_parts(model):
     """(text decoder, lm_head) of a Gemma3ForCausalLM or Gemma3ForConditionalGeneration."""
     inner = model.model
@@ -67,7 +82,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, max_len: int):
+    def __init__(self, model, num_slots: int, max_len: int, max_tokens_per_step: int):
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
         config = self.text_model.config
@@ -84,6 +99,8 @@ class ModelRunner:
         self.layer_types = list(config.layer_types)
         self.max_len = max_len
         self.cache = KVCache(config, num_slots, max_len, self.dtype, self.device)
+        self.row_buckets = buckets(num_slots)
+        self.token_buckets = buckets(max_tokens_per_step)
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -92,16 +109,20 @@ class ModelRunner:
         """Run one step; returns float32 logits [rows, vocab] for the items with `want_logits`, in order
         prefills then decodes. `embeds` (optional) replaces the token embeddings of the whole step."""
         items = prefills + decodes
-        ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.device)
-        positions = torch.tensor(
-            [it.start + i for it in items for i in range(len(it.token_ids))], dtype=torch.long, device=self.device
-        )
-        hidden = self.text_model.embed_tokens(ids) if embeds is None else embeds
+        token_ids = [t for it in items for t in it.token_ids]
+        positions = [it.start + i for it in items for i in range(len(it.token_ids))]
+        padded = bucket(len(token_ids), self.token_buckets)
+        pad = padded - len(token_ids)
+        # the step runs at a bucketed token count: a few shapes only, each compiled (oneDNN) once at warm-up;
+        # every distinct shape would otherwise keep its own kernels and buffers, and memory would creep up
+        ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.device)
+        positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.device)
+        hidden = self.text_model.embed_tokens(ids) if embeds is None else F.pad(embeds, (0, 0, 0, pad))
         rope = {t: self.text_model.rotary_emb(hidden, positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
         n_prefill = sum(len(it.token_ids) for it in prefills)
         dec_slots = torch.tensor([it.slot for it in decodes], dtype=torch.long, device=self.device)
-        dec_pos = positions[n_prefill:]
+        dec_pos = positions[n_prefill : len(token_ids)]
         dec_contiguous = [it.slot for it in decodes] == list(range(len(decodes)))
 
         for li, layer in enumerate(self.text_model.layers):
@@ -120,7 +141,10 @@ class ModelRunner:
                 outs.append(self._prefill_attention(li, it, q[sl], k[sl], v[sl]))
                 offset += n
             if decodes:
-                outs.append(self._decode_attention(li, dec_slots, dec_pos, dec_contiguous, q[offset:], k[offset:], v[offset:]))
+                end = offset + len(decodes)
+                outs.append(self._decode_attention(li, dec_slots, dec_pos, dec_contiguous, q[offset:end], k[offset:end], v[offset:end]))
+            if pad:
+                outs.append(q.new_zeros(pad, self.num_heads, self.head_dim))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             hidden = hidden + layer.post_attention_layernorm(attn.o_proj(out.reshape(out.shape[0], -1)))
             hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
@@ -132,8 +156,10 @@ class ModelRunner:
                 rows.append(offset - 1)
         if not rows:
             return torch.empty(0, self.config.vocab_size)
+        wanted = len(rows)
+        rows += rows[-1:] * (bucket(wanted, self.row_buckets) - wanted)
         last = self.text_model.norm(hidden[rows])
-        logits = self.lm_head(last).float()
+        logits = self.lm_head(last)[:wanted].float()
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

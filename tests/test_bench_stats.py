@@ -1,0 +1,72 @@
+"""The benchmark's percentile and per-level aggregation, on hand-made timings."""
+
+import pytest
+
+from oai_gemma.bench.client import LevelRun, RequestResult
+from oai_gemma.bench.report import ratio_table
+from oai_gemma.bench.stats import percentile, summarize_level
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 90) == pytest.approx(3.7)  # rank 2.7: 3 + 0.7 * (4 - 3)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def _request(start, chunks, end, usage=None, error=None):
+    return RequestResult(start=start, end=end, chunk_times=list(chunks), usage_tokens=usage, error=error)
+
+
+def test_summarize_level():
+    run = LevelRun(
+        concurrency=2,
+        wall_s=2.0,
+        results=[
+            # TTFT 0.1, gaps 0.1 and 0.2, usage says 4 tokens (one chunk carried two)
+            _request(0.0, [0.1, 0.2, 0.4], 0.5, usage=4),
+            # TTFT 0.3, gap 0.3, no usage: 2 tokens from the chunk count
+            _request(0.5, [0.8, 1.1], 1.2),
+            # failed: excluded from latencies and tokens, counted as an error
+            _request(1.0, [1.5], 1.6, usage=9, error="HTTP 500: boom"),
+            # no content at all: not ok either
+            _request(1.0, [], 1.1),
+        ],
+    )
+    s = summarize_level(run)
+    assert (s["num_requests"], s["completed"], s["errors"]) == (4, 2, 2)
+    assert "HTTP 500: boom" in s["error_samples"]
+    assert s["output_tokens"] == 6
+    assert s["output_tok_s"] == pytest.approx(3.0)
+    assert s["requests_s"] == pytest.approx(1.0)
+    assert s["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert s["ttft_ms"]["p99"] == pytest.approx(100.0 + 200.0 * 0.99)
+    assert sorted(s["raw"]["itl_ms"]) == pytest.approx([100.0, 200.0, 300.0])
+    assert s["itl_ms"]["p50"] == pytest.approx(200.0)
+    assert s["itl_ms"]["p99"] == pytest.approx(298.0)
+    # TPOT: (0.5 - 0.1) / 3 and (1.2 - 0.8) / 1
+    assert sorted(s["raw"]["e2e_ms"]) == pytest.approx([500.0, 700.0])
+    assert s["tpot_ms"]["p50"] == pytest.approx((400.0 / 3 + 400.0) / 2)
+    assert s["e2e_ms"]["mean"] == pytest.approx(600.0)
+
+
+def test_empty_level_has_no_percentiles():
+    s = summarize_level(LevelRun(concurrency=1, wall_s=1.0, results=[_request(0.0, [], 1.0, error="refused")]))
+    assert s["completed"] == 0 and s["errors"] == 1 and s["output_tok_s"] == 0.0
+    assert s["ttft_ms"]["p50"] is None and s["itl_ms"]["mean"] is None
+
+
+def test_ratio_table_divides_our_throughput_by_each_baseline():
+    servers = {
+        "ours": {"levels": [{"concurrency": 1, "output_tok_s": 30.0}, {"concurrency": 8, "output_tok_s": 120.0}]},
+        "tutorial": {"levels": [{"concurrency": 1, "output_tok_s": 20.0}, {"concurrency": 8, "output_tok_s": 15.0}]},
+        "broken": {"error": "did not start", "levels": []},
+    }
+    table = ratio_table(servers)
+    assert "vs tutorial" in table and "broken" not in table
+    assert "1.50x" in table and "8.00x" in table
