@@ -18,7 +18,7 @@ import httpx
 
 import oai_gemma
 
-SERVER_NAMES = ("ours", "transformers", "transformers-cb", "tutorial")
+SERVER_NAMES = ("ours", "transformers", "transformers-cb", "transformers-cb-our-dtype", "tutorial")
 PACKAGE_PARENT = Path(oai_gemma.__file__).resolve().parent.parent
 TUTORIAL_SCRIPT = PACKAGE_PARENT / "benchmarks" / "tutorial_server.py"
 
@@ -59,11 +59,14 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
     if name == "ours":
         argv = [sys.executable, "-m", "oai_gemma.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *ours_args]
         return ServerSpec(name, argv, port, "gemma-3-270m")
-    if name in ("transformers", "transformers-cb"):
-        # the positional model is preloaded before the port opens and pins the server: requests must name it
-        argv = [_script("transformers"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", dtype, "--device", device]
-        if name == "transformers-cb":
+    if name.startswith("transformers"):
+        # the positional model is preloaded before the port opens and pins the server: requests must name it.
+        # `transformers` and `transformers-cb` run at transformers' own default dtype (what its users get: the
+        # checkpoint's float32 here); `transformers-cb-our-dtype` gets ours, for an engine-to-engine comparison
+        argv = [_script("transformers"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--device", device]
+        if name.endswith("-our-dtype"):
+            argv += ["--dtype", dtype]
+        if "-cb" in name:
             argv.append("--continuous-batching")
         return ServerSpec(name, argv, port, model_dir)
     if name == "tutorial":

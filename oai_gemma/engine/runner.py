@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .linear import FrozenLinear
+
 SLIDING = "sliding_attention"
 
 
@@ -86,6 +88,8 @@ class ModelRunner:
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
         config = self.text_model.config
+        if getattr(config, "attention_bias", False):
+            raise ValueError("attention projections with bias are not supported by this runner (Gemma-3 has none)")
         if getattr(config, "attn_logit_softcapping", None):
             raise ValueError("attention logit soft-capping (Gemma-2 style) is not supported by this runner")
         self.config = config
@@ -99,6 +103,14 @@ class ModelRunner:
         self.layer_types = list(config.layer_types)
         self.max_len = max_len
         self.cache = KVCache(config, num_slots, max_len, self.dtype, self.device)
+        self.linears = [
+            tuple(
+                FrozenLinear(module.weight)
+                for module in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            )
+            for a, m in ((layer.self_attn, layer.mlp) for layer in self.text_model.layers)
+        ]
+        self.lm_head_linear = FrozenLinear(self.lm_head.weight)
         self.row_buckets = buckets(num_slots)
         self.token_buckets = buckets(max_tokens_per_step)
 
@@ -126,11 +138,11 @@ class ModelRunner:
         dec_contiguous = [it.slot for it in decodes] == list(range(len(decodes)))
 
         for li, layer in enumerate(self.text_model.layers):
-            attn = layer.self_attn
+            attn, (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) = layer.self_attn, self.linears[li]
             x = layer.input_layernorm(hidden)
-            q = attn.q_norm(attn.q_proj(x).view(-1, self.num_heads, self.head_dim))
-            k = attn.k_norm(attn.k_proj(x).view(-1, self.kv_heads, self.head_dim))
-            v = attn.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+            q = attn.q_norm(q_proj(x).view(-1, self.num_heads, self.head_dim))
+            k = attn.k_norm(k_proj(x).view(-1, self.kv_heads, self.head_dim))
+            v = v_proj(x).view(-1, self.kv_heads, self.head_dim)
             cos, sin = rope[self.layer_types[li]]
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             outs = []
@@ -146,8 +158,9 @@ class ModelRunner:
             if pad:
                 outs.append(q.new_zeros(pad, self.num_heads, self.head_dim))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            hidden = hidden + layer.post_attention_layernorm(attn.o_proj(out.reshape(out.shape[0], -1)))
-            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+            hidden = hidden + layer.post_attention_layernorm(o_proj(out.reshape(out.shape[0], -1)))
+            x = layer.pre_feedforward_layernorm(hidden)
+            hidden = hidden + layer.post_feedforward_layernorm(down_proj(layer.mlp.act_fn(gate_proj(x)) * up_proj(x)))
 
         rows, offset = [], 0
         for it in items:
@@ -159,7 +172,7 @@ class ModelRunner:
         wanted = len(rows)
         rows += rows[-1:] * (bucket(wanted, self.row_buckets) - wanted)
         last = self.text_model.norm(hidden[rows])
-        logits = self.lm_head(last)[:wanted].float()
+        logits = self.lm_head_linear(last)[:wanted].float()
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
