@@ -6,6 +6,7 @@ Env vars name a field by its path with double underscores: `OAI_GEMMA_MODEL__SOU
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -53,6 +54,27 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
 
 
+class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where images may come from and how big they may be (`image_url` parts; multimodal models only)."""
+
+    allow_private_networks: bool = False
+    """Private, loopback, link-local and similar addresses are refused unless True (cloud metadata always is)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Exact hostnames or `*.example.com` (subdomains only), allowed whatever they resolve to."""
+    file_root: str | None = None
+    """`file://` URLs only when set, and only inside this directory."""
+    max_download_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 40_000_000
+    """Decompression-bomb limit (width x height), checked before decoding."""
+    max_images: int = 16
+    """Per request."""
+    connect_timeout: float = 5.0
+    total_timeout: float = 20.0
+    max_redirects: int = 3
+    pan_and_scan: bool = False
+    """Pan-and-scan (up to 4 extra 256-token crops) for `detail: "auto"` images; `"high"` always, `"low"` never."""
+
+
 class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
@@ -63,6 +85,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelSettings = msgspec.field(default_factory=ModelSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
+    images: ImageSettings = msgspec.field(default_factory=ImageSettings)
 
     @property
     def served_model_name(self) -> str:
@@ -82,7 +105,8 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
         if not key.startswith(ENV_PREFIX) or "__" not in key:
             continue
         section, _, field = key[len(ENV_PREFIX) :].lower().partition("__")
-        tree.setdefault(section, {})[field] = value
+        # lists and tables come as JSON: OAI_GEMMA_IMAGES__ALLOWED_HOSTS='["images.example.com"]'
+        tree.setdefault(section, {})[field] = json.loads(value) if value[:1] in "[{" else value
     return tree
 
 

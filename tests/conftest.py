@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, env: dict[str, str] | None = None, log: Path = LOG):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_seen: list[int] = []
@@ -38,14 +38,15 @@ class ServerProcess:
             sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", *extra,
         ]
-        self.log = open(LOG, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {LOG}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
             try:
                 status = httpx.get(self.url + "/health", timeout=2).status_code
                 self.health_seen.append(status)
@@ -54,7 +55,7 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s; see {LOG}")
+        raise TimeoutError(f"server not ready after {timeout} s; see {self.log_path}")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -103,6 +104,14 @@ def tokenizer():
     from oai_gemma.engine.loader import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dir(tmp_path_factory):
+    """The tiny multimodal Gemma-3 (270m text weights + a small random SigLIP), built once per session."""
+    from oai_gemma.engine.tiny_vision import build_tiny_multimodal
+
+    return build_tiny_multimodal(tmp_path_factory.mktemp("tiny-vision") / "gemma-3-tiny-mm")
 
 
 def user(text: str) -> list[dict]:

@@ -34,8 +34,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_vision.build_tiny_multimodal(tmp_path_factory.mktemp("tiny-vision") / "gemma-3-tiny-mm")
+def tiny_dir(tiny_vision_dir):
+    return tiny_vision_dir
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,10 @@ class ServerState:
             return
         engine.start(loop)
         self.engine = engine
-        self.chat = ChatService(engine, self.served_name, self.settings.model.max_model_len, self.settings.engine.default_max_tokens)
+        self.chat = ChatService(
+            engine, self.served_name, self.settings.model.max_model_len, self.settings.engine.default_max_tokens,
+            self.settings.images,
+        )
         log.warning(
             "ready: %s (%s, %s on %s) in %.1f s", self.served_name, loaded.source_dir, str(loaded.dtype).removeprefix("torch."),
             loaded.device, time.monotonic() - started,

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..chat import ChatInputError, render_chat
+from ..chat import ChatInputError, RenderedChat, render_chat
+from ..chat.images import image_client, load_images
+from ..chat.vision import VisionPrompt, expand_images
 from ..engine.engine import Engine, EngineDeadError
 from ..engine.types import GenerationRequest, SamplingParams
+from ..settings import ImageSettings
 from .errors import APIError, invalid_request, not_supported, param_from_validation
 from .protocol import (
     AssistantMessage,
@@ -50,11 +53,16 @@ class PreparedChat:
 
 
 class ChatService:
-    def __init__(self, engine: Engine, served_name: str, max_model_len: int, default_max_tokens: int):
+    def __init__(
+        self, engine: Engine, served_name: str, max_model_len: int, default_max_tokens: int, images: ImageSettings
+    ):
         self.engine = engine
         self.served_name = served_name
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
+        self.images = images
+        self.processor = engine.loaded.processor
+        self._image_client = None
 
     # ---- request -> engine ------------------------------------------------------------------------
 
@@ -80,17 +88,32 @@ class ChatService:
         except ChatInputError as exc:
             raise invalid_request(exc.message, exc.param) from None
         if rendered.images:
-            first = rendered.images[0]
-            raise invalid_request(
-                f"the model `{self.served_name}` is text-only and cannot read images; "
-                "serve a multimodal Gemma-3 model (google/gemma-3-4b-it, -12b-it or -27b-it) to send images",
-                first.param, "image_not_supported",
-            )
+            vision = await self._vision(rendered)
+            generation = self._generation_request(request, vision.token_ids, arrival)
+            generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
+            return PreparedChat(request, generation, int(time.time()))
         if len(rendered.prompt) > LONG_PROMPT_CHARS:  # tokenizing a book takes a while: not on the event loop
             prompt_ids = await asyncio.to_thread(self.engine.encode, rendered.prompt)
         else:
             prompt_ids = self.engine.encode(rendered.prompt)
         return PreparedChat(request, self._generation_request(request, prompt_ids, arrival), int(time.time()))
+
+    async def _vision(self, rendered: RenderedChat) -> VisionPrompt:
+        """Fetch and decode the images (concurrently, off the event loop), then run the model's processor."""
+        if self.processor is None:
+            raise invalid_request(
+                f"the model `{self.served_name}` is text-only and cannot read images; "
+                "serve a multimodal Gemma-3 model (google/gemma-3-4b-it, -12b-it or -27b-it) to send images",
+                rendered.images[0].param, "image_not_supported",
+            )
+        if self._image_client is None:
+            self._image_client = image_client(self.images)
+        try:
+            images = await load_images(rendered.images, self.images, self._image_client)
+        except ChatInputError as exc:
+            raise invalid_request(exc.message, exc.param, "invalid_image") from None
+        scans = [p.detail == "high" or (p.detail == "auto" and self.images.pan_and_scan) for p in rendered.images]
+        return await asyncio.to_thread(expand_images, self.processor, rendered.prompt, images, scans)
 
     def _generation_request(self, request: ChatCompletionRequest, prompt_ids: list[int], arrival: float) -> GenerationRequest:
         room = self.max_model_len - len(prompt_ids)

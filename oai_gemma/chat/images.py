@@ -30,9 +30,9 @@ from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 import httpcore
 import httpx
-import msgspec
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from ..settings import ImageSettings
 from .render import ChatInputError, ImagePart
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -42,17 +42,7 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
-class ImagePolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    allow_private_networks: bool = False
-    allowed_hosts: tuple[str, ...] = ()
-    """Exact hostnames or `*.example.com` (subdomains only), allowed whatever they resolve to."""
-    file_root: str | None = None
-    max_download_bytes: int = 20 * 1024 * 1024
-    max_pixels: int = 40_000_000
-    max_images: int = 16
-    connect_timeout: float = 5.0
-    total_timeout: float = 20.0
-    max_redirects: int = 3
+ImagePolicy = ImageSettings  # the [images] settings section is the policy
 
 
 class _Refused(Exception):

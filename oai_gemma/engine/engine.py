@@ -38,10 +38,16 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        config = loaded.model.config
+        self.image_token_id = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
+        self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
+        # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
+        longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
-            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=max_prefill_tokens + num_slots
+            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
@@ -142,19 +148,40 @@ class Engine:
             random=RowRandom(request.sampling.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
             stopper=StopMatcher(request.sampling.stop),
+            cache_keys=list(prompt),
         )
+        error = None
         if not prompt or len(prompt) + 1 > self.max_model_len:
+            error = f"prompt of {len(prompt)} tokens does not fit the context"
+        elif request.pixel_values is not None:
+            try:
+                self._attach_images(seq)
+            except Exception as exc:  # a bad image fails its own request only
+                log.exception("vision tower failed")
+                error = f"image processing failed: {exc}"
+        if error:
             events: list = []
-            self._finish(seq, "error", events, error=f"prompt of {len(prompt)} tokens does not fit the context")
+            self._finish(seq, "error", events, error=error)
             self._deliver(events)
             return
         self.scheduler.add(seq)
+
+    def _attach_images(self, seq: Sequence) -> None:
+        """Run the vision tower once at admission; mark each image block for the mask and the prefix cache."""
+        spans = token_runs(seq.prompt_ids, self.image_token_id)
+        keys = seq.request.crop_keys
+        if len(spans) != len(keys):
+            raise ValueError(f"{len(spans)} image blocks in the prompt but {len(keys)} crops")
+        seq.image_spans = tuple(spans)
+        seq.image_embeds = self.runner.image_features(seq.request.pixel_values)
+        for (start, end), key in zip(spans, keys):
+            seq.cache_keys[start:end] = [-1 - key % 2**62] * (end - start)
 
     def _step(self) -> None:
         step = self.scheduler.schedule(time.perf_counter())
         events: list[tuple[object, TokenEvent]] = []
         try:
-            logits = self.runner.forward(step.prefills, step.decodes)
+            logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
             tokens = sample(logits, [s.request.sampling for s in sampled], [s.random for s in sampled], [s.output_ids for s in sampled])
         except Exception as exc:  # this step's requests fail alone; the engine keeps serving
@@ -228,6 +255,19 @@ class Engine:
             logits = runner.forward([], [StepItem(slot, [0], 0) for slot in range(rows)])
         params = [SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9)]
         sample(logits[:1].repeat(2, 1), params, [RowRandom(0), RowRandom(1)], [[1], [1]])
+
+
+def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of `token` in `ids`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _malloc_trim():

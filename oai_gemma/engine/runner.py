@@ -27,6 +27,10 @@ class StepItem:
     token_ids: list[int]
     start: int
     want_logits: bool = True
+    image_spans: tuple[tuple[int, int], ...] = ()
+    """[start, end) positions of image soft-token blocks: each attends to itself both ways (Gemma-3)."""
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows within this chunk, their embeddings): the vision tower's output replaces those tokens' embeddings."""
 
 
 class KVCache:
@@ -65,10 +69,19 @@ def buckets(limit: int) -> list[int]:
 
 
 def bucket(n: int, sizes: list[int]) -> int:
+    """The smallest bucket that holds n (n itself past the largest: correct, just not pre-compiled)."""
     for size in sizes:
         if size >= n:
             return size
-    raise ValueError(f"{n} is larger than the largest bucket {sizes[-1]}")
+    return n
+
+
+def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
+    """Index of the image block each position is in, -1 for text."""
+    ids = torch.full_like(positions, -1)
+    for index, (start, end) in enumerate(spans):
+        ids[(positions >= start) & (positions < end)] = index
+    return ids
 
 
 def _text_parts(model):
@@ -117,9 +130,9 @@ class ModelRunner:
     # ---- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, prefills: list[StepItem], decodes: list[StepItem], embeds: torch.Tensor | None = None):
+    def forward(self, prefills: list[StepItem], decodes: list[StepItem]):
         """Run one step; returns float32 logits [rows, vocab] for the items with `want_logits`, in order
-        prefills then decodes. `embeds` (optional) replaces the token embeddings of the whole step."""
+        prefills then decodes."""
         items = prefills + decodes
         token_ids = [t for it in items for t in it.token_ids]
         positions = [it.start + i for it in items for i in range(len(it.token_ids))]
@@ -129,7 +142,13 @@ class ModelRunner:
         # every distinct shape would otherwise keep its own kernels and buffers, and memory would creep up
         ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.device)
         positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.device)
-        hidden = self.text_model.embed_tokens(ids) if embeds is None else F.pad(embeds, (0, 0, 0, pad))
+        hidden = self.text_model.embed_tokens(ids)
+        offset = 0
+        for it in prefills:
+            if it.image_embeds is not None:
+                rows, values = it.image_embeds
+                hidden[offset + rows] = values.to(hidden.dtype)
+            offset += len(it.token_ids)
         rope = {t: self.text_model.rotary_emb(hidden, positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
         n_prefill = sum(len(it.token_ids) for it in prefills)
@@ -200,6 +219,13 @@ class ModelRunner:
             keys, values = kc[it.slot, :, : start + n], vc[it.slot, :, : start + n]
             kpos = torch.arange(start + n, device=self.device)
             mask = kpos[None, :] <= qpos[:, None]
+        if it.image_spans:
+            same_image = _block_ids(qpos, it.image_spans)[:, None] == _block_ids(kpos, it.image_spans)[None, :]
+            same_image &= _block_ids(qpos, it.image_spans)[:, None] >= 0
+            if self.cache.sliding[li]:
+                mask |= same_image & (kpos[None, :] > qpos[:, None] - window)
+            else:
+                mask |= same_image
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
         )
@@ -229,9 +255,9 @@ class ModelRunner:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scaling)
         return out.reshape(bsz, self.num_heads, self.head_dim)
 
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy a sequence's cache from slot `src` to `dst` (used to keep running sequences packed)."""
-        for li, cap in enumerate(self.cache.capacity):
-            n = min(length, cap)
-            self.cache.k[li][dst, :, :n] = self.cache.k[li][src, :, :n]
-            self.cache.v[li][dst, :, :n] = self.cache.v[li][src, :, :n]
+    @torch.inference_mode()
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The vision tower and projector: [crops, 3, H, W] -> [crops * tokens_per_crop, hidden]."""
+        features = self.model.model.get_image_features(pixel_values.to(self.device, self.dtype))
+        features = getattr(features, "pooler_output", features)
+        return features.reshape(-1, features.shape[-1])

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from .runner import StepItem
 from .sampler import RowRandom
 from .types import GenerationRequest
@@ -28,6 +30,11 @@ class Sequence:
     """Prompt + output tokens whose KV is in the cache."""
     num_cached: int = 0
     """Prompt tokens whose KV was reused from an earlier request (prefix cache hit)."""
+    cache_keys: list[int] = field(default_factory=list)
+    """The prompt as the prefix cache sees it: token ids, with each image block's ids replaced by its hash."""
+    image_spans: tuple[tuple[int, int], ...] = ()
+    image_embeds: object | None = None
+    """[image tokens, hidden] from the vision tower, in prompt order."""
     output_ids: list[int] = field(default_factory=list)
     scheduled_time: float | None = None
     finished: bool = False
@@ -78,6 +85,28 @@ def reusable_prefix(cached: list[int], prompt: list[int], window: int) -> int:
     if len(cached) > window and n < len(cached) - 1:
         return 0
     return n
+
+
+def _chunk_end(start: int, end: int, spans) -> int:
+    """Never cut an image block: its tokens attend to each other both ways, so they prefill together."""
+    for block_start, block_end in spans:
+        if block_start < end < block_end:
+            return block_start if block_start > start else block_end
+    return end
+
+
+def _chunk_embeds(seq: Sequence, start: int, end: int):
+    """(rows in the chunk, vision embeddings) for the image tokens in prompt[start:end]."""
+    if seq.image_embeds is None:
+        return None
+    rows, parts, first = [], [], 0
+    for block_start, block_end in seq.image_spans:
+        lo, hi = max(block_start, start), min(block_end, end)
+        if lo < hi:
+            rows.extend(range(lo - start, hi - start))
+            parts.append(seq.image_embeds[first + lo - block_start : first + hi - block_start])
+        first += block_end - block_start
+    return (torch.tensor(rows), torch.cat(parts)) if rows else None
 
 
 class SlotPool:
@@ -132,14 +161,14 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None:
-            cached = (seq.prompt_ids + seq.output_ids)[: seq.num_computed] if cache_valid else []
+            cached = (seq.cache_keys + seq.output_ids)[: seq.num_computed] if cache_valid else []
             self.slots.release(seq.slot, cached)
             seq.slot = None
 
     def schedule(self, now: float) -> Step:
         while self.waiting and self.slots:
             seq = self.waiting.popleft()
-            seq.slot, seq.num_cached = self.slots.acquire(seq.prompt_ids)
+            seq.slot, seq.num_cached = self.slots.acquire(seq.cache_keys)
             seq.num_computed = seq.num_cached
             seq.scheduled_time = now
             self.running.append(seq)
@@ -152,9 +181,10 @@ class Scheduler:
                 decode_seqs.append(seq)
             elif budget > 0:
                 start = seq.num_computed
-                chunk = seq.prompt_ids[start : start + budget]
-                done = start + len(chunk) == len(seq.prompt_ids)
-                prefills.append(StepItem(seq.slot, chunk, start, want_logits=done))
+                end = _chunk_end(start, min(start + budget, len(seq.prompt_ids)), seq.image_spans)
+                chunk = seq.prompt_ids[start:end]
+                done = end == len(seq.prompt_ids)
+                prefills.append(StepItem(seq.slot, chunk, start, done, seq.image_spans, _chunk_embeds(seq, start, end)))
                 prefill_seqs.append(seq)
                 budget -= len(chunk)
         return Step(prefills, decodes, prefill_seqs, decode_seqs)

@@ -34,6 +34,10 @@ class GenerationRequest:
     sampling: SamplingParams
     arrival_time: float = 0.0
     """time.perf_counter() when the HTTP request arrived; set by submit() when left 0."""
+    pixel_values: object | None = None
+    """[crops, 3, H, W] tensor for the image soft-token blocks of the prompt, in order (multimodal models)."""
+    crop_keys: tuple[int, ...] = ()
+    """A content hash per crop, so the prefix cache never takes one image's KV for another's."""
 
 
 @dataclass
