@@ -57,6 +57,17 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready after {timeout} s; see {self.log_path}")
 
+    def __enter__(self) -> "ServerProcess":
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -68,12 +79,8 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def server():
-    proc = ServerProcess()
-    try:
-        proc.wait_ready()
+    with ServerProcess() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="session")

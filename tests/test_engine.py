@@ -102,3 +102,15 @@ def test_a_stop_token_ends_generation_with_stop_and_no_text(harness):
     assert stopped == tokens[:3]
     assert last.finish_reason == "stop"
     assert last.num_output_tokens == 3
+
+
+def test_incremental_detokenizer_emits_whole_characters_once(harness):
+    from oai_gemma.engine.detokenizer import IncrementalDetokenizer
+
+    text = "你好，世界！🙂 🦩ꙮ𓀀 Привет, naïve café"  # 🦩, ꙮ and 𓀀 are not in the vocabulary: byte tokens
+    ids = harness.engine.encode(text)
+    assert all(len(harness.engine.encode(ch)) >= 3 for ch in "🦩ꙮ𓀀"), "these must split into UTF-8 byte tokens"
+    detok = IncrementalDetokenizer(harness.loaded.tokenizer, harness.prompt("hi"))
+    deltas = [detok.push(i) for i in ids]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)

@@ -109,7 +109,7 @@ def _stream_pieces_with_stop(client, prompt, stop):
 
 
 def test_utf8_text_streams_whole_characters(client):
-    prompt = "Repeat exactly: 你好，世界！🙂🎉 Привет"
+    prompt = "Repeat exactly: 你好，世界！🙂🦩ꙮ𓀀 Привет"  # the last three stream as UTF-8 byte tokens
     pieces = _stream_pieces(client, prompt, 40)
     assert pieces
     assert not any("\ufffd" in p for p in pieces)

@@ -4,6 +4,7 @@ and the engine's own multimodal prefill held against transformers' forward."""
 import asyncio
 import base64
 import io
+import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -23,6 +24,7 @@ from openai_schema import validate
 MODEL = "tiny-vision"
 MAX_IMAGES = 4
 MAX_PIXELS = 2_000_000
+MAX_DOWNLOAD = 1_000_000
 
 
 def png(width=320, height=200, color=(200, 30, 30), fmt="PNG") -> bytes:
@@ -46,7 +48,10 @@ def ask(*parts) -> list[dict]:
 @pytest.fixture(scope="module")
 def image_host():
     """A local web server for http image URLs (loopback: allowed by the vision server's allowed_hosts)."""
-    files = {"/red.png": png(), "/blue.jpg": png(color=(0, 0, 250), fmt="JPEG")}
+    noise = io.BytesIO()
+    Image.frombytes("RGB", (1000, 700), random.Random(0).randbytes(1000 * 700 * 3)).save(noise, "PNG")
+    files = {"/red.png": png(), "/blue.jpg": png(color=(0, 0, 250), fmt="JPEG"), "/noise.png": noise.getvalue()}
+    assert len(files["/noise.png"]) > MAX_DOWNLOAD
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -70,14 +75,11 @@ def vision_server(tiny_vision_dir, tmp_path_factory):
         "OAI_GEMMA_IMAGES__ALLOWED_HOSTS": '["127.0.0.1"]',
         "OAI_GEMMA_IMAGES__MAX_IMAGES": str(MAX_IMAGES),
         "OAI_GEMMA_IMAGES__MAX_PIXELS": str(MAX_PIXELS),
+        "OAI_GEMMA_IMAGES__MAX_DOWNLOAD_BYTES": str(MAX_DOWNLOAD),
     }
     log = tmp_path_factory.mktemp("logs") / "vision-server.log"
-    proc = ServerProcess("--model", str(tiny_vision_dir), "--served-model-name", MODEL, env=env, log=log)
-    try:
-        proc.wait_ready()
+    with ServerProcess("--model", str(tiny_vision_dir), "--served-model-name", MODEL, env=env, log=log) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +112,9 @@ def test_one_base64_image_is_answered_with_exact_token_accounting(vclient, proce
     image = Image.open(io.BytesIO(png()))
     assert response.usage.prompt_tokens == expected_prompt_tokens(processor, messages, [image])
     assert response.usage.prompt_tokens >= 256
+    chunks = list(complete(vclient, messages, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == response.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == response.usage.prompt_tokens
 
 
 def test_http_url_on_an_allowed_host_streams_an_answer(vclient, image_host):
@@ -200,6 +205,12 @@ def test_too_many_images_is_400_naming_the_first_extra_one(vclient):
     parts = [image_part(data_url(png())) for _ in range(MAX_IMAGES + 1)]
     body = bad_request(vclient, ask(*parts))
     assert body["param"] == f"messages[0].content[{MAX_IMAGES + 1}]"
+
+
+def test_too_large_download_is_400(vclient, image_host):
+    body = bad_request(vclient, ask(image_part(image_host + "/noise.png")))
+    assert body["param"] == "messages[0].content[1]"
+    assert "large" in body["message"].lower() or "bytes" in body["message"].lower(), body["message"]
 
 
 def test_unreachable_url_is_400(vclient, image_host):

@@ -87,16 +87,17 @@ class ChatService:
             rendered = render_chat(msgspec.to_builtins(request.messages))
         except ChatInputError as exc:
             raise invalid_request(exc.message, exc.param) from None
-        if rendered.images:
-            vision = await self._vision(rendered)
-            generation = self._generation_request(request, vision.token_ids, arrival)
-            generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
-            return PreparedChat(request, generation, int(time.time()))
-        if len(rendered.prompt) > LONG_PROMPT_CHARS:  # tokenizing a book takes a while: not on the event loop
+        vision = await self._vision(rendered) if rendered.images else None
+        if vision is not None:
+            prompt_ids = vision.token_ids
+        elif len(rendered.prompt) > LONG_PROMPT_CHARS:  # tokenizing a book takes a while: not on the event loop
             prompt_ids = await asyncio.to_thread(self.engine.encode, rendered.prompt)
         else:
             prompt_ids = self.engine.encode(rendered.prompt)
-        return PreparedChat(request, self._generation_request(request, prompt_ids, arrival), int(time.time()))
+        generation = self._generation_request(request, prompt_ids, arrival)
+        if vision is not None:
+            generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
+        return PreparedChat(request, generation, int(time.time()))
 
     async def _vision(self, rendered: RenderedChat) -> VisionPrompt:
         """Fetch and decode the images (concurrently, off the event loop), then run the model's processor."""

@@ -134,7 +134,7 @@ class Engine:
                     self._admit(payload, sink)
                 else:
                     seq = self.scheduler.find(payload)
-                    if seq is not None:
+                    if seq is not None:  # its consumer is gone (that is why it cancelled): no event to send
                         self._finish(seq, "cancelled", [])
                 message = self._inbox.get_nowait()
         except queue.Empty:
