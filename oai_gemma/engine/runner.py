@@ -131,7 +131,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, prefills: list[StepItem], decodes: list[StepItem]):
-        """Run one step; returns float32 logits [rows, vocab] for the items with `want_logits`, in order
+        """Run one step; returns logits [rows, vocab] (model dtype) for the items with `want_logits`, in order
         prefills then decodes."""
         items = prefills + decodes
         token_ids = [t for it in items for t in it.token_ids]
@@ -191,9 +191,9 @@ class ModelRunner:
         wanted = len(rows)
         rows += rows[-1:] * (bucket(wanted, self.row_buckets) - wanted)
         last = self.text_model.norm(hidden[rows])
-        logits = self.lm_head_linear(last)[:wanted].float()
+        logits = self.lm_head_linear(last)[:wanted]
         if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
         return logits
 
     # ---- attention ------------------------------------------------------------------------------

@@ -28,14 +28,18 @@ class RowRandom:
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], randoms: list[RowRandom], outputs: list[list[int]]
 ) -> list[int]:
-    """Pick one token per row of float32 `logits` [rows, vocab]; `outputs` are each row's tokens so far."""
-    _apply_penalties(logits, params, outputs)
+    """Pick one token per row of `logits` [rows, vocab] (the model's dtype); `outputs` are each row's tokens so far.
+
+    Greedy rows take the max in the model's dtype (the float32 copy would be the same values, and
+    `max` with indices is the fast reduction on CPU); sampled rows are softmaxed in float32.
+    """
+    logits = _apply_penalties(logits, params, outputs)
     greedy = torch.tensor([p.greedy for p in params])
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.max(dim=-1).indices
     if greedy.all():
         return tokens.tolist()
     rows = (~greedy).nonzero().flatten()
-    sub = logits[rows]
+    sub = logits[rows].float()
     chosen = [params[i] for i in rows.tolist()]
     temperature = torch.tensor([p.temperature for p in chosen], dtype=sub.dtype)
     probs = torch.softmax(sub / temperature[:, None], dim=-1)
@@ -57,11 +61,12 @@ def sample(
     return tokens.tolist()
 
 
-def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> None:
-    """OpenAI's presence and frequency penalties, in place, on the rows that ask for them."""
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties on the rows that ask for them (in float32 then)."""
     rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
     if not rows:
-        return
+        return logits
+    logits = logits.float()
     counts = torch.zeros(len(rows), logits.shape[-1], dtype=logits.dtype)
     for r, i in enumerate(rows):
         ids = torch.tensor(outputs[i])
@@ -69,6 +74,7 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs
     presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype)[:, None]
     frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype)[:, None]
     logits[rows] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
