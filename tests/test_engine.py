@@ -104,6 +104,19 @@ def test_a_stop_token_ends_generation_with_stop_and_no_text(harness):
     assert last.num_output_tokens == 3
 
 
+def test_ignore_eos_keeps_generating_through_stop_tokens(harness):
+    ids = harness.prompt("Say hi.")
+    (tokens, _), = harness.run(ids, max_tokens=6)
+    saved = harness.engine.eos_token_ids
+    harness.engine.eos_token_ids = frozenset({tokens[2]})
+    try:
+        (kept, last), = harness.run(ids, max_tokens=6, ignore_eos=True)
+    finally:
+        harness.engine.eos_token_ids = saved
+    assert last.finish_reason == "length"
+    assert kept == tokens
+
+
 def test_incremental_detokenizer_emits_whole_characters_once(harness):
     from oai_gemma.engine.detokenizer import IncrementalDetokenizer
 

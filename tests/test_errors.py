@@ -47,6 +47,13 @@ def test_unparseable_body_is_400_invalid_request(http, content):
         ({"messages": [{"content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, "messages[0].content[0].type"),
         ({"seed": "abc"}, "seed"),
+        ({"logit_bias": {"100": 150}}, "logit_bias"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ],
 )
 def test_validation_error_names_the_param(http, patch, param):
@@ -90,7 +97,6 @@ def test_prompt_longer_than_context_is_context_length_exceeded(http):
     [
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"logit_bias": {"100": 5}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),

@@ -138,3 +138,22 @@ def test_health_was_503_while_loading_then_200(server, http):
     assert 503 in server.health_seen
     assert server.health_seen[-1] == 200
     assert http.get("/health").status_code == 200
+
+
+def test_logit_bias_forces_and_bans_tokens(client, tokenizer):
+    forced_id = tokenizer.encode(" lighthouse", add_special_tokens=False)[0]
+    forced = greedy(client, "Describe the sky.", max_tokens=3, logit_bias={str(forced_id): 100})
+    assert forced.choices[0].message.content == tokenizer.decode([forced_id] * 3)
+    plain = greedy(client, "Describe the sky.", max_tokens=1).choices[0].message.content
+    first_id = tokenizer.encode(plain, add_special_tokens=False)[0]
+    banned = greedy(client, "Describe the sky.", max_tokens=1, logit_bias={str(first_id): -100})
+    assert banned.choices[0].message.content != plain
+
+
+def test_vllm_sampling_extensions_are_accepted_and_honoured(client):
+    base = dict(model=MODEL, messages=user("Invent a name."), max_tokens=8, temperature=0.8, seed=3)
+    extra = {"top_k": 1, "min_p": 0.1, "repetition_penalty": 1.3, "min_tokens": 2, "ignore_eos": True}
+    response = client.chat.completions.create(**base, extra_body=extra)
+    assert response.usage.completion_tokens == 8
+    greedy_penalised = client.chat.completions.create(**{**base, "temperature": 0}, extra_body={"repetition_penalty": 1.3})
+    assert response.choices[0].message.content == greedy_penalised.choices[0].message.content  # top_k=1 is greedy

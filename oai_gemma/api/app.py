@@ -18,6 +18,7 @@ from ..settings import Settings
 from .errors import APIError
 from .protocol import ModelCard, ModelList, encoder
 from .serving_chat import ChatService
+from .serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger("oai_gemma.server")
 
@@ -97,6 +98,16 @@ def create_app(settings: Settings) -> Litestar:
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
         return Response(content=await chat.complete(prepared), media_type=JSON)
 
+    @post("/tokenize", status_code=200)  # vLLM's extensions, at the root as vLLM serves them
+    async def tokenize_route(request: Request) -> Response:
+        chat = state.require_ready()
+        return Response(content=await tokenize(chat, await request.body()), media_type=JSON)
+
+    @post("/detokenize", status_code=200)
+    async def detokenize_route(request: Request) -> Response:
+        chat = state.require_ready()
+        return Response(content=detokenize(chat, await request.body()), media_type=JSON)
+
     def card() -> ModelCard:
         return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
 
@@ -125,7 +136,7 @@ def create_app(settings: Settings) -> Litestar:
         state.shutdown()
 
     app = Litestar(
-        route_handlers=[chat_completions, list_models, retrieve_model, health],
+        route_handlers=[chat_completions, tokenize_route, detokenize_route, list_models, retrieve_model, health],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},

@@ -34,7 +34,7 @@ _MISSING = re.compile(r"missing required field `([^`]+)`")
 def param_from_validation(message: str) -> str | None:
     """`Expected int, got str - at $.messages[0].content` -> `messages[0].content`."""
     match = _AT_PATH.search(message)
-    path = match.group(1) if match else ""
+    path = match.group(1).replace("[...]", "") if match else ""  # msgspec's "[...]" is a dict value
     missing = _MISSING.search(message)
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)

@@ -65,7 +65,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     service_tier: str | None = None
     # known, accepted by the schema, but not honoured yet: rejected with a 400 naming them unless at their
     # neutral value (see `unsupported_parameter`)
-    logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     response_format: dict[str, Any] | None = None
@@ -79,14 +78,18 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
-    # vLLM extensions honoured now
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    # vLLM extensions
     top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
 
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do yet, else None."""
         neutral = {
             "n": (None, 1),
-            "logit_bias": (None, {}),
             "logprobs": (None, False),
             "top_logprobs": (None, 0),
             "tools": (None, []),

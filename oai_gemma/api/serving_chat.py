@@ -87,7 +87,7 @@ class ChatService:
             rendered = render_chat(msgspec.to_builtins(request.messages))
         except ChatInputError as exc:
             raise invalid_request(exc.message, exc.param) from None
-        vision = await self._vision(rendered) if rendered.images else None
+        vision = await self.vision_prompt(rendered) if rendered.images else None
         if vision is not None:
             prompt_ids = vision.token_ids
         elif len(rendered.prompt) > LONG_PROMPT_CHARS:  # tokenizing a book takes a while: not on the event loop
@@ -99,7 +99,7 @@ class ChatService:
             generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
         return PreparedChat(request, generation, int(time.time()))
 
-    async def _vision(self, rendered: RenderedChat) -> VisionPrompt:
+    async def vision_prompt(self, rendered: RenderedChat) -> VisionPrompt:
         """Fetch and decode the images (concurrently, off the event loop), then run the model's processor."""
         if self.processor is None:
             raise invalid_request(
@@ -128,6 +128,8 @@ class ChatService:
                 "messages", "context_length_exceeded",
             )
         stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+        if request.min_tokens and asked and request.min_tokens > asked:
+            raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
         sampling = SamplingParams(
             max_tokens=asked or min(self.default_max_tokens, room),
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -137,8 +139,22 @@ class ChatService:
             stop=stop,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            min_p=request.min_p or 0.0,
+            logit_bias=self._logit_bias(request.logit_bias),
+            min_tokens=request.min_tokens or 0,
+            ignore_eos=bool(request.ignore_eos),
         )
         return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival)
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's `{"token id": bias}`; the ids must be in the vocabulary."""
+        pairs = []
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) >= self.engine.vocab_limit:
+                raise invalid_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
+            pairs.append((int(key), float(value)))
+        return tuple(pairs)
 
     # ---- engine -> response -----------------------------------------------------------------------
 

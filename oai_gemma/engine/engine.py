@@ -20,7 +20,7 @@ import torch
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .loader import LoadedModel
 from .runner import KVCache, ModelRunner, StepItem
-from .sampler import RowRandom, sample
+from .sampler import PlainRow, RowRandom, sample
 from .scheduler import Scheduler, Sequence
 from .types import GenerationRequest, SamplingParams, TokenEvent
 
@@ -183,7 +183,7 @@ class Engine:
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
-            tokens = sample(logits, [s.request.sampling for s in sampled], [s.random for s in sampled], [s.output_ids for s in sampled])
+            tokens = sample(logits, sampled, self.eos_token_ids)
         except Exception as exc:  # this step's requests fail alone; the engine keeps serving
             log.exception("engine step failed")
             for seq in step.prefill_owners + step.decode_owners:
@@ -201,7 +201,7 @@ class Engine:
         seq.output_ids.append(token)
         params: SamplingParams = seq.request.sampling
         finish = None
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not params.ignore_eos:
             text, finish = seq.stopper.flush(), "stop"
         else:
             text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
@@ -253,8 +253,11 @@ class Engine:
             runner.forward([StepItem(0, [0] * min(size, self.max_model_len), 0)], [])
         for rows in runner.row_buckets:
             logits = runner.forward([], [StepItem(slot, [0], 0) for slot in range(rows)])
-        params = [SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9)]
-        sample(logits[:1].repeat(2, 1), params, [RowRandom(0), RowRandom(1)], [[1], [1]])
+        rows = [
+            PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),
+            PlainRow(SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.1), RowRandom(1)),
+        ]
+        sample(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
 
 
 def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:

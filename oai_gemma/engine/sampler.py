@@ -6,6 +6,9 @@ so a seeded request draws the same tokens alone or in any batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Protocol
+
 import torch
 
 from .types import SamplingParams
@@ -25,56 +28,98 @@ class RowRandom:
         return float(torch.rand((), generator=self.generator))
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], randoms: list[RowRandom], outputs: list[list[int]]
-) -> list[int]:
-    """Pick one token per row of `logits` [rows, vocab] (the model's dtype); `outputs` are each row's tokens so far.
+class Row(Protocol):
+    """What the sampler reads of a sequence (the scheduler's Sequence is one)."""
+
+    sampling: SamplingParams
+    random: RowRandom
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class PlainRow:
+    """A Row outside the engine: warm-up and tests."""
+
+    sampling: SamplingParams
+    random: RowRandom
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+
+def sample(logits: torch.Tensor, rows: list[Row], stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
+    """Pick one token per row of `logits` [rows, vocab] (the model's dtype).
 
     Greedy rows take the max in the model's dtype (the float32 copy would be the same values, and
     `max` with indices is the fast reduction on CPU); sampled rows are softmaxed in float32.
     """
-    logits = _apply_penalties(logits, params, outputs)
+    params = [r.sampling for r in rows]
+    logits = _adjust(logits, rows, stop_token_ids)
     greedy = torch.tensor([p.greedy for p in params])
     tokens = logits.max(dim=-1).indices
     if greedy.all():
         return tokens.tolist()
-    rows = (~greedy).nonzero().flatten()
-    sub = logits[rows].float()
-    chosen = [params[i] for i in rows.tolist()]
+    picks = (~greedy).nonzero().flatten()
+    sub = logits[picks].float()
+    chosen = [params[i] for i in picks.tolist()]
     temperature = torch.tensor([p.temperature for p in chosen], dtype=sub.dtype)
     probs = torch.softmax(sub / temperature[:, None], dim=-1)
-    u = torch.tensor([randoms[i].uniform() for i in rows.tolist()], dtype=torch.float64)
+    min_p = torch.tensor([p.min_p for p in chosen], dtype=sub.dtype)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    u = torch.tensor([rows[i].random.uniform() for i in picks.tolist()], dtype=torch.float64)
     top_p = torch.tensor([p.top_p for p in chosen], dtype=sub.dtype)
     top_k = torch.tensor([p.top_k for p in chosen])
     if bool((top_p < 1.0).any()) or bool((top_k > 0).any()):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the strictly more likely tokens
         ranks = torch.arange(sub.shape[-1])[None, :]
-        drop = (before >= top_p[:, None]) | ((top_k[:, None] > 0) & (ranks >= top_k[:, None]))
+        drop = (before >= top_p[:, None] * sorted_probs.sum(-1, keepdim=True)) | (
+            (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+        )
         drop[:, 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         picked = _inverse_cdf(sorted_probs, u)
         picked = order.gather(1, picked[:, None])[:, 0]
     else:
         picked = _inverse_cdf(probs, u)
-    tokens[rows] = picked
+    tokens[picks] = picked
     return tokens.tolist()
 
 
-def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties on the rows that ask for them (in float32 then)."""
-    rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
-    if not rows:
+def _adjust(logits: torch.Tensor, rows: list[Row], stop_token_ids: frozenset[int]) -> torch.Tensor:
+    """Penalties, logit_bias and min_tokens, in float32, on the rows that ask for them. Each row's work is
+    a handful of tensor ops over the tokens it has seen, never a Python loop over the vocabulary."""
+    wanted = [i for i, r in enumerate(rows) if _adjusts(r)]
+    if not wanted:
         return logits
     logits = logits.float()
-    counts = torch.zeros(len(rows), logits.shape[-1], dtype=logits.dtype)
-    for r, i in enumerate(rows):
-        ids = torch.tensor(outputs[i])
-        counts[r].index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
-    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype)[:, None]
-    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype)[:, None]
-    logits[rows] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long)
+    for i in wanted:
+        p, row, output = rows[i].sampling, logits[i], rows[i].output_ids
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(rows[i].prompt_ids + output).unique()
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and output:
+            counts = torch.bincount(torch.tensor(output), minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            row[torch.tensor(ids)] += torch.tensor(bias, dtype=row.dtype)
+        if len(output) < p.min_tokens and len(stops):
+            row[stops] = float("-inf")
     return logits
+
+
+def _adjusts(row: Row) -> bool:
+    p = row.sampling
+    return bool(
+        p.repetition_penalty != 1.0
+        or ((p.presence_penalty or p.frequency_penalty) and row.output_ids)
+        or p.logit_bias
+        or len(row.output_ids) < p.min_tokens
+    )
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,10 @@ class Sequence:
     finished: bool = False
 
     @property
+    def sampling(self):
+        return self.request.sampling
+
+    @property
     def prompt_ids(self) -> list[int]:
         return self.request.prompt_token_ids
 

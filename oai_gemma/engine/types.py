@@ -21,6 +21,15 @@ class SamplingParams:
     """Stop strings: generation ends before them and they never appear in the output."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """vLLM's: divides positive logits (multiplies negative ones) of every token seen in prompt or output."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    """Stop tokens are banned until this many tokens were generated."""
+    ignore_eos: bool = False
+    """Stop tokens do not end the request (max_tokens or a stop string does)."""
 
     @property
     def greedy(self) -> bool:
