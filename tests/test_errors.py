@@ -54,6 +54,8 @@ def test_unparseable_body_is_400_invalid_request(http, content):
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_validation_error_names_the_param(http, patch, param):
@@ -96,7 +98,6 @@ def test_prompt_longer_than_context_is_context_length_exceeded(http):
     "patch, param",
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),

@@ -157,3 +157,27 @@ def test_vllm_sampling_extensions_are_accepted_and_honoured(client):
     assert response.usage.completion_tokens == 8
     greedy_penalised = client.chat.completions.create(**{**base, "temperature": 0}, extra_body={"repetition_penalty": 1.3})
     assert response.choices[0].message.content == greedy_penalised.choices[0].message.content  # top_k=1 is greedy
+
+
+def test_logprobs_in_non_stream_match_the_tokens_and_the_top_list(client):
+    response = greedy(client, "Describe the sea.", max_tokens=6, logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode() == response.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert entry.logprob == entry.top_logprobs[0].logprob  # greedy takes the most likely token
+
+
+def test_logprobs_stream_in_chunks_and_agree_with_non_stream(client):
+    plain = greedy(client, "Describe the sea.", max_tokens=6, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    stream = greedy(client, "Describe the sea.", max_tokens=6, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in plain]
+    assert [round(e.logprob, 4) for e in streamed] == [round(e.logprob, 4) for e in plain]
+
+
+def test_no_logprobs_unless_asked(client):
+    assert greedy(client, "Hello", max_tokens=2).choices[0].logprobs is None

@@ -96,3 +96,15 @@ def test_models_list_and_retrieve_match_schema(http):
     one = http.get(f"/v1/models/{MODEL}").json()
     validate("Model", one)
     assert one["id"] == MODEL
+
+
+def test_logprobs_chunks_and_response_match_openai_schema(http):
+    payload = {**PAYLOAD, "logprobs": True, "top_logprobs": 2}
+    chunks = post_stream(http, payload).chunks
+    with_logprobs = [c for c in chunks if c["choices"] and c["choices"][0].get("logprobs")]
+    assert with_logprobs
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk)
+    body = http.post("/v1/chat/completions", json={**payload, "stream": False}).json()
+    validate("CreateChatCompletionResponse", body)
+    assert len(body["choices"][0]["logprobs"]["content"]) == 8

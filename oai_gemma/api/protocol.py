@@ -90,8 +90,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
         """The first known parameter set to something this server does not do yet, else None."""
         neutral = {
             "n": (None, 1),
-            "logprobs": (None, False),
-            "top_logprobs": (None, 0),
             "tools": (None, []),
             "tool_choice": (None, "none"),
             "functions": (None, []),
@@ -124,6 +122,24 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class AssistantMessage(Struct):
     content: str | None
     role: str = "assistant"
@@ -134,7 +150,7 @@ class Choice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -154,7 +170,7 @@ class Delta(Struct):
 class StreamChoice(Struct):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 

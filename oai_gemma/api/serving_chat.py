@@ -27,11 +27,14 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     Delta,
     ErrorBody,
     ErrorResponse,
     PromptTokensDetails,
     StreamChoice,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     decoder,
     encoder,
@@ -128,6 +131,8 @@ class ChatService:
                 "messages", "context_length_exceeded",
             )
         stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+        if request.top_logprobs and not request.logprobs:
+            raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
         if request.min_tokens and asked and request.min_tokens > asked:
             raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
         sampling = SamplingParams(
@@ -144,6 +149,7 @@ class ChatService:
             logit_bias=self._logit_bias(request.logit_bias),
             min_tokens=request.min_tokens or 0,
             ignore_eos=bool(request.ignore_eos),
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         )
         return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival)
 
@@ -158,12 +164,31 @@ class ChatService:
 
     # ---- engine -> response -----------------------------------------------------------------------
 
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        text, raw = self.engine.token_text(token_id)
+        return TopLogprob(text, logprob, raw)
+
+    def _logprob_entries(self, events) -> list[TokenLogprob]:
+        """OpenAI's `logprobs.content` for the events' tokens (stop tokens carry none)."""
+        entries = []
+        for event in events:
+            if event.logprob is None:
+                continue
+            text, raw = self.engine.token_text(event.token_id)
+            top = [self._top_logprob(i, lp) for i, lp in event.top_logprobs]
+            entries.append(TokenLogprob(text, event.logprob, raw, top))
+        return entries
+
     async def complete(self, prepared: PreparedChat) -> bytes:
         pieces: list[str] = []
+        logprobs: list = []
+        want_logprobs = prepared.generation.sampling.logprobs is not None
         event = None
         try:
             async for event in self.engine.generate(prepared.generation):
                 pieces.append(event.text)
+                if want_logprobs:
+                    logprobs.append(event)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "server_error", None, "engine_unavailable") from None
         if event is None or event.finish_reason not in ("stop", "length"):
@@ -172,7 +197,12 @@ class ChatService:
             id=prepared.generation.request_id,
             created=prepared.created,
             model=self.served_name,
-            choices=[Choice(0, AssistantMessage("".join(pieces)), event.finish_reason)],
+            choices=[
+                Choice(
+                    0, AssistantMessage("".join(pieces)), event.finish_reason,
+                    ChoiceLogprobs(self._logprob_entries(logprobs)) if want_logprobs else None,
+                )
+            ],
             usage=_usage(event),
         )
         return encoder.encode(response)
@@ -182,13 +212,21 @@ class ChatService:
         usage_field = None if include_usage else msgspec.UNSET
         rid, created, model = prepared.generation.request_id, prepared.created, self.served_name
 
+        want_logprobs = prepared.generation.sampling.logprobs is not None
+        pending: list = []  # events whose text is still held back (a partial character or stop string)
+
         def chunk(delta: Delta, finish: str | None = None) -> bytes:
-            return sse(ChatCompletionChunk(rid, created, model, [StreamChoice(0, delta, None, finish)], usage=usage_field))
+            logprobs = ChoiceLogprobs(self._logprob_entries(pending)) if want_logprobs and pending else None
+            pending.clear()
+            choice = StreamChoice(0, delta, logprobs, finish)
+            return sse(ChatCompletionChunk(rid, created, model, [choice], usage=usage_field))
 
         yield chunk(Delta(role="assistant", content=""))
         event = None
         try:
             async for event in self.engine.generate(prepared.generation):
+                if want_logprobs:
+                    pending.append(event)
                 if event.text:
                     yield chunk(Delta(content=event.text))
         except EngineDeadError as exc:

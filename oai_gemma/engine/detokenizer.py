@@ -7,6 +7,8 @@ byte-fallback tokens decodes to U+FFFD until its last byte arrives, so it is emi
 
 from __future__ import annotations
 
+import re
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], context: int = 6):
@@ -24,6 +26,25 @@ class IncrementalDetokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before) :]
+
+
+class TokenBytes:
+    """Each token's own text and UTF-8 bytes, as OpenAI's logprobs report them: a byte-fallback token
+    (`<0xE4>`) is its one byte, so the bytes of consecutive tokens concatenate to the output's bytes."""
+
+    _BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer):
+        self._piece = tokenizer.convert_ids_to_tokens
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._cache:
+            piece = self._piece(token_id)
+            byte = self._BYTE.fullmatch(piece)
+            raw = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+            self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return self._cache[token_id]
 
 
 class StopMatcher:

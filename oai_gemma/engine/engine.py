@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .loader import LoadedModel
 from .runner import KVCache, ModelRunner, StepItem
-from .sampler import PlainRow, RowRandom, sample
+from .sampler import PlainRow, RowRandom, sample_with_logprobs
 from .scheduler import Scheduler, Sequence
 from .types import GenerationRequest, SamplingParams, TokenEvent
 
@@ -38,6 +38,7 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self._token_bytes = TokenBytes(loaded.tokenizer)
         config = loaded.model.config
         self.image_token_id = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
@@ -99,6 +100,9 @@ class Engine:
     def load(self) -> dict[str, int]:
         """How busy the engine is right now (read from the event loop: a snapshot, not a lock)."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps}
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        return self._token_bytes(token_id)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
@@ -183,7 +187,7 @@ class Engine:
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
-            tokens = sample(logits, sampled, self.eos_token_ids)
+            tokens, logprobs = sample_with_logprobs(logits, sampled, self.eos_token_ids)
         except Exception as exc:  # this step's requests fail alone; the engine keeps serving
             log.exception("engine step failed")
             for seq in step.prefill_owners + step.decode_owners:
@@ -193,16 +197,17 @@ class Engine:
         step.advance()
         self.steps += 1
         now = time.perf_counter()
-        for seq, token in zip(sampled, tokens):
-            self._on_token(seq, token, now, events)
+        for seq, token, token_logprobs in zip(sampled, tokens, logprobs):
+            self._on_token(seq, token, token_logprobs, now, events)
         self._deliver(events)
 
-    def _on_token(self, seq: Sequence, token: int, now: float, events: list) -> None:
+    def _on_token(self, seq: Sequence, token: int, logprobs, now: float, events: list) -> None:
         seq.output_ids.append(token)
         params: SamplingParams = seq.request.sampling
         finish = None
         if token in self.eos_token_ids and not params.ignore_eos:
             text, finish = seq.stopper.flush(), "stop"
+            logprobs = None  # the stop token is not part of the output, nor of its logprobs
         else:
             text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
             if stopped:
@@ -210,6 +215,8 @@ class Engine:
             elif len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
                 text, finish = text + seq.stopper.flush(), "length"
         event = self._event(seq, token, text, now, finish)
+        if logprobs is not None:
+            event.logprob, event.top_logprobs = logprobs
         if len(seq.output_ids) == 1:
             event.scheduled_time = seq.scheduled_time
         events.append((seq.sink, event))
@@ -255,9 +262,12 @@ class Engine:
             logits = runner.forward([], [StepItem(slot, [0], 0) for slot in range(rows)])
         rows = [
             PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),
-            PlainRow(SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.1), RowRandom(1)),
+            PlainRow(
+                SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.1, logprobs=5),
+                RowRandom(1),
+            ),
         ]
-        sample(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
+        sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
 
 
 def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:

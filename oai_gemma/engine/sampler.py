@@ -47,14 +47,47 @@ class PlainRow:
     output_ids: list[int] = field(default_factory=list)
 
 
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
 def sample(logits: torch.Tensor, rows: list[Row], stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
     """Pick one token per row of `logits` [rows, vocab] (the model's dtype).
 
     Greedy rows take the max in the model's dtype (the float32 copy would be the same values, and
     `max` with indices is the fast reduction on CPU); sampled rows are softmaxed in float32.
     """
-    params = [r.sampling for r in rows]
+    return sample_with_logprobs(logits, rows, stop_token_ids)[0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor, rows: list[Row], stop_token_ids: frozenset[int] = frozenset()
+) -> tuple[list[int], list[Logprobs | None]]:
+    """`sample`, plus for the rows that ask: (chosen token's logprob, [(id, logprob)] of the top n), under
+    the distribution the token was drawn from (after penalties and bias, at the row's temperature; greedy
+    rows at temperature 1)."""
     logits = _adjust(logits, rows, stop_token_ids)
+    tokens = _pick(logits, rows)
+    return tokens, _logprobs(logits, rows, tokens)
+
+
+def _logprobs(logits: torch.Tensor, rows: list[Row], tokens: list[int]) -> list[Logprobs | None]:
+    out: list[Logprobs | None] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
+    if not wanted:
+        return out
+    temperature = torch.tensor([rows[i].sampling.temperature or 1.0 for i in wanted])
+    logp = torch.log_softmax(logits[wanted].float() / temperature[:, None], dim=-1)
+    most = max(rows[i].sampling.logprobs for i in wanted)
+    top_values, top_ids = logp.topk(most, dim=-1) if most else (None, None)
+    for r, i in enumerate(wanted):
+        n = rows[i].sampling.logprobs
+        top = list(zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist())) if n else []
+        out[i] = (float(logp[r, tokens[i]]), top)
+    return out
+
+
+def _pick(logits: torch.Tensor, rows: list[Row]) -> list[int]:
+    params = [r.sampling for r in rows]
     greedy = torch.tensor([p.greedy for p in params])
     tokens = logits.max(dim=-1).indices
     if greedy.all():

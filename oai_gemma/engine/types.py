@@ -30,6 +30,8 @@ class SamplingParams:
     """Stop tokens are banned until this many tokens were generated."""
     ignore_eos: bool = False
     """Stop tokens do not end the request (max_tokens or a stop string does)."""
+    logprobs: int | None = None
+    """None: no logprobs; n >= 0: the chosen token's logprob and the n most likely alternatives."""
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +69,9 @@ class TokenEvent:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    logprob: float | None = None
+    """The token's log-probability under the distribution it was sampled from (if asked for)."""
+    top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     scheduled_time: float | None = field(default=None)
     """On the first event: when the request got a batch slot (queue time = scheduled - arrival)."""
