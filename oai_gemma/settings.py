@@ -51,6 +51,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 256
+    """Requests allowed to wait for a batch slot; beyond that a 429 with Retry-After, not an unbounded queue."""
     """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
 
 
@@ -79,6 +81,12 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys clients must send (also `OAI_GEMMA_API_KEYS=k1,k2`); none means open."""
+    health_requires_key: bool = False
+    """`/health` is open by default so load balancers can probe it."""
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 32 * 1024 * 1024
+    """Larger request bodies get a 413."""
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
@@ -127,7 +135,10 @@ def load_settings(
     if config_file:
         with open(config_file, "rb") as f:
             tree = tomllib.load(f)
-    tree = _merge(tree, _env_overrides(dict(os.environ if environ is None else environ)))
+    env = dict(os.environ if environ is None else environ)
+    tree = _merge(tree, _env_overrides(env))
+    if env.get("OAI_GEMMA_API_KEYS"):
+        tree = _merge(tree, {"server": {"api_keys": [k.strip() for k in env["OAI_GEMMA_API_KEYS"].split(",") if k.strip()]}})
     tree = _merge(tree, overrides or {})
     # env values are strings: strict=False lets msgspec turn "9000" into 9000 and "true" into True
     return msgspec.convert(tree, Settings, strict=False)

@@ -4,6 +4,7 @@ background so `/health` can answer 503 while loading and 200 once the warmed-up 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 import time
@@ -60,6 +61,7 @@ class ServerState:
                 max_prefill_tokens=self.settings.engine.max_prefill_tokens,
                 max_model_len=self.settings.model.max_model_len,
                 kv_cache_gib=self.settings.engine.kv_cache_gib,
+                max_waiting=self.settings.engine.max_waiting,
             )
             engine.warm_up()
         except Exception as exc:
@@ -135,19 +137,43 @@ def create_app(settings: Settings) -> Litestar:
     async def on_shutdown() -> None:
         state.shutdown()
 
+    keys = settings.server.api_keys
+    if keys:
+        log.warning("API keys required (%d configured); /health is %s", len(keys), "closed" if settings.server.health_requires_key else "open")
+    else:
+        log.warning("no API key configured: the server is open to anyone who can reach it")
+    open_paths = frozenset() if settings.server.health_requires_key else frozenset({"/health"})
     app = Litestar(
+        before_request=_require_key(keys, open_paths) if keys else None,
         route_handlers=[chat_completions, tokenize_route, detokenize_route, list_models, retrieve_model, health],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
-        request_max_body_size=64 * 1024 * 1024,
+        request_max_body_size=settings.server.max_body_bytes,
     )
     app.state.server = state
     return app
 
 
 def _api_error(_: Request, exc: APIError) -> Response:
-    return Response(content=exc.encode(), media_type=JSON, status_code=exc.status)
+    return Response(content=exc.encode(), media_type=JSON, status_code=exc.status, headers=exc.headers)
+
+
+def _require_key(keys: tuple[str, ...], open_paths: frozenset[str]):
+    """`Authorization: Bearer <key>` on every route but the open ones; compared in constant time."""
+    encoded = [k.encode() for k in keys]
+
+    async def check(request: Request) -> None:
+        if request.url.path in open_paths:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        # compare against every key, so the time taken says nothing about which one nearly matched
+        matched = [hmac.compare_digest(given, key) for key in encoded]
+        if scheme.lower() != "bearer" or not any(matched):
+            raise APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
+
+    return check
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -10,10 +10,14 @@ from .protocol import ErrorBody, ErrorResponse, encoder
 class APIError(Exception):
     """Any failure a client should see as `{"error": {...}}` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.body = ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code))
+        self.headers = headers or {}
 
     def encode(self) -> bytes:
         return encoder.encode(self.body)

@@ -17,7 +17,7 @@ import msgspec
 from ..chat import ChatInputError, RenderedChat, render_chat
 from ..chat.images import image_client, load_images
 from ..chat.vision import VisionPrompt, expand_images
-from ..engine.engine import Engine, EngineDeadError
+from ..engine.engine import Engine, EngineBusyError, EngineDeadError
 from ..engine.types import GenerationRequest, SamplingParams
 from ..settings import ImageSettings
 from .errors import APIError, invalid_request, not_supported, param_from_validation
@@ -100,6 +100,10 @@ class ChatService:
         generation = self._generation_request(request, prompt_ids, arrival)
         if vision is not None:
             generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
+        try:
+            self.engine.check_capacity()
+        except EngineBusyError as exc:
+            raise busy(exc) from None
         return PreparedChat(request, generation, int(time.time()))
 
     async def vision_prompt(self, rendered: RenderedChat) -> VisionPrompt:
@@ -185,12 +189,15 @@ class ChatService:
         want_logprobs = prepared.generation.sampling.logprobs is not None
         event = None
         try:
-            async for event in self.engine.generate(prepared.generation):
-                pieces.append(event.text)
-                if want_logprobs:
-                    logprobs.append(event)
+            async with self.engine.generate(prepared.generation) as events:
+                async for event in events:
+                    pieces.append(event.text)
+                    if want_logprobs:
+                        logprobs.append(event)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "server_error", None, "engine_unavailable") from None
+        except EngineBusyError as exc:
+            raise busy(exc) from None
         if event is None or event.finish_reason not in ("stop", "length"):
             raise APIError(500, f"generation failed: {event.error if event else 'no output'}", "server_error")
         response = ChatCompletion(
@@ -221,17 +228,20 @@ class ChatService:
             choice = StreamChoice(0, delta, logprobs, finish)
             return sse(ChatCompletionChunk(rid, created, model, [choice], usage=usage_field))
 
-        yield chunk(Delta(role="assistant", content=""))
         event = None
         try:
-            async for event in self.engine.generate(prepared.generation):
+            submission = self.engine.generate(prepared.generation)  # takes its place before the first byte
+        except (EngineDeadError, EngineBusyError) as exc:
+            yield sse(ErrorResponse(ErrorBody(str(exc), "server_error", None, "engine_unavailable")))
+            yield DONE
+            return
+        async with submission:
+            yield chunk(Delta(role="assistant", content=""))
+            async for event in submission:
                 if want_logprobs:
                     pending.append(event)
                 if event.text:
                     yield chunk(Delta(content=event.text))
-        except EngineDeadError as exc:
-            event = None
-            yield sse(ErrorResponse(ErrorBody(str(exc), "server_error", None, "engine_unavailable")))
         if event is not None:
             if event.finish_reason in ("stop", "length"):
                 yield chunk(Delta(), event.finish_reason)
@@ -241,6 +251,10 @@ class ChatService:
                 message = f"generation failed: {event.error or event.finish_reason}"
                 yield sse(ErrorResponse(ErrorBody(message, "server_error", None, "generation_failed")))
         yield DONE
+
+
+def busy(exc: Exception) -> APIError:
+    return APIError(429, str(exc), "requests", None, "rate_limit_exceeded", {"Retry-After": "1"})
 
 
 def _usage(event) -> Usage:

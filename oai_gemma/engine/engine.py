@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 
 import torch
 
@@ -31,9 +30,14 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineBusyError(RuntimeError):
+    """Every batch slot is taken and the waiting line is full."""
+
+
 class Engine:
     def __init__(
-        self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int, kv_cache_gib: float = 0.0
+        self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
+        kv_cache_gib: float = 0.0, max_waiting: int = 256,
     ):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -52,6 +56,9 @@ class Engine:
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
+        self.capacity = num_slots + max_waiting
+        self.in_flight = 0
+        """Requests between submit and their last event (touched on the event loop only)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -76,26 +83,26 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Submit a request; yields its events until one carries a finish_reason.
+    def generate(self, request: GenerationRequest) -> "Submission":
+        """Submit a request now; returns an async iterator of its events, the last one with a finish_reason.
 
-        Closing the iterator early (a client that went away) cancels the request in the engine.
+        Raises EngineBusyError / EngineDeadError at once, before any response has started. Closing the
+        submission early (a client that went away) cancels the request in the engine.
         """
-        if not self.alive:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        self.check_capacity()
         if not request.arrival_time:
             request.arrival_time = time.perf_counter()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._inbox.put(("add", request, events))
-        finished = False
-        try:
-            while not finished:
-                event = await events.get()
-                finished = event.finish_reason is not None
-                yield event
-        finally:
-            if not finished:
-                self.cancel(request.request_id)
+        submission = Submission(self, request)
+        self._inbox.put(("add", request, submission.events))
+        self.in_flight += 1
+        return submission
+
+    def check_capacity(self) -> None:
+        """Raise unless a new request can be taken now (call before a response starts)."""
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if self.in_flight >= self.capacity:
+            raise EngineBusyError(f"all {self.capacity} places (batch slots and waiting line) are taken; retry shortly")
 
     def load(self) -> dict[str, int]:
         """How busy the engine is right now (read from the event loop: a snapshot, not a lock)."""
@@ -268,6 +275,47 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
+
+
+class Submission:
+    """One request's events as an async iterator, and its place in the engine until closed.
+
+    A class, not an async generator: closing must free the place even if iteration never started.
+    """
+
+    def __init__(self, engine: Engine, request: GenerationRequest):
+        self.engine = engine
+        self.request = request
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> "Submission":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            self.close()
+            raise StopAsyncIteration
+        event = await self.events.get()
+        if event.finish_reason is not None:
+            self.finished = True
+            self.close()
+        return event
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.in_flight -= 1
+        if not self.finished:
+            self.engine.cancel(self.request.request_id)
+
+    async def __aenter__(self) -> "Submission":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
 
 
 def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
