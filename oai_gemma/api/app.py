@@ -16,7 +16,7 @@ from litestar.response import Stream
 from ..engine.engine import Engine
 from ..engine.loader import load
 from ..settings import Settings
-from .errors import APIError
+from .errors import APIError, model_not_found
 from .protocol import ModelCard, ModelList, encoder
 from .serving_chat import ChatService
 from .serving_tokenize import detokenize, tokenize
@@ -120,7 +120,7 @@ def create_app(settings: Settings) -> Litestar:
     @get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
         if model_id.lstrip("/") != state.served_name:
-            raise APIError(404, f"The model `{model_id.lstrip('/')}` does not exist.", "invalid_request_error", "model", "model_not_found")
+            raise model_not_found(model_id.lstrip("/"), state.served_name)
         return _json(card())
 
     @get("/health")

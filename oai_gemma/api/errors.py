@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import msgspec
+
 from .protocol import ErrorBody, ErrorResponse, encoder
 
 
@@ -29,6 +31,20 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 
 def not_supported(param: str) -> APIError:
     return invalid_request(f"`{param}` is not supported by this server yet; leave it unset", param, "unsupported_parameter")
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.", "invalid_request_error", "model", "model_not_found")
+
+
+def decode_body(decoder: msgspec.json.Decoder, body: bytes):
+    """The request Struct, or a 400 naming the offending field (or saying the JSON is malformed)."""
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise invalid_request(str(exc), param_from_validation(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}") from None
 
 
 _AT_PATH = re.compile(r" - at `\$\.?(.*)`$")

@@ -20,7 +20,7 @@ from ..chat.vision import VisionPrompt, expand_images
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError
 from ..engine.types import GenerationRequest, SamplingParams
 from ..settings import ImageSettings
-from .errors import APIError, invalid_request, not_supported, param_from_validation
+from .errors import APIError, decode_body, invalid_request, model_not_found, not_supported
 from .protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -70,17 +70,9 @@ class ChatService:
     # ---- request -> engine ------------------------------------------------------------------------
 
     async def prepare(self, body: bytes, arrival: float) -> PreparedChat:
-        try:
-            request = decoder.decode(body)
-        except msgspec.ValidationError as exc:
-            raise invalid_request(str(exc), param_from_validation(str(exc))) from None
-        except msgspec.DecodeError as exc:
-            raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+        request = decode_body(decoder, body)
         if request.model != self.served_name:
-            raise APIError(
-                404, f"The model `{request.model}` does not exist. This server serves `{self.served_name}`.",
-                "invalid_request_error", "model", "model_not_found",
-            )
+            raise model_not_found(request.model, self.served_name)
         unsupported = request.unsupported_parameter()
         if unsupported:
             raise not_supported(unsupported)

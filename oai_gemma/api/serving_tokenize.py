@@ -12,7 +12,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from ..chat import ChatInputError, render_chat
-from .errors import APIError, invalid_request, param_from_validation
+from .errors import decode_body, invalid_request, model_not_found
 from .protocol import ChatMessage, encoder
 from .serving_chat import LONG_PROMPT_CHARS, ChatService
 
@@ -49,17 +49,9 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes, chat: ChatService):
-    try:
-        request = decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise invalid_request(str(exc), param_from_validation(str(exc))) from None
-    except msgspec.DecodeError as exc:
-        raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+    request = decode_body(decoder, body)
     if request.model is not None and request.model != chat.served_name:
-        raise APIError(
-            404, f"The model `{request.model}` does not exist. This server serves `{chat.served_name}`.",
-            "invalid_request_error", "model", "model_not_found",
-        )
+        raise model_not_found(request.model, chat.served_name)
     return request
 
 
