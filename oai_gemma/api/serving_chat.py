@@ -85,10 +85,8 @@ class ChatService:
         vision = await self.vision_prompt(rendered) if rendered.images else None
         if vision is not None:
             prompt_ids = vision.token_ids
-        elif len(rendered.prompt) > LONG_PROMPT_CHARS:  # tokenizing a book takes a while: not on the event loop
-            prompt_ids = await asyncio.to_thread(self.engine.encode, rendered.prompt)
         else:
-            prompt_ids = self.engine.encode(rendered.prompt)
+            prompt_ids = await self.encode(rendered.prompt)
         generation = self._generation_request(request, prompt_ids, arrival)
         if vision is not None:
             generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
@@ -97,6 +95,13 @@ class ChatService:
         except EngineBusyError as exc:
             raise busy(exc) from None
         return PreparedChat(request, generation, int(time.time()))
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; a long one (a book) is tokenized off the event loop."""
+        def run() -> list[int]:
+            return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return await asyncio.to_thread(run) if len(text) > LONG_PROMPT_CHARS else run()
 
     async def vision_prompt(self, rendered: RenderedChat) -> VisionPrompt:
         """Fetch and decode the images (concurrently, off the event loop), then run the model's processor."""

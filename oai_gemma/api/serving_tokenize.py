@@ -6,15 +6,13 @@ Chat messages are rendered and encoded exactly as `/v1/chat/completions` does, s
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from ..chat import ChatInputError, render_chat
 from .errors import decode_body, invalid_request, model_not_found
 from .protocol import ChatMessage, encoder
-from .serving_chat import LONG_PROMPT_CHARS, ChatService
+from .serving_chat import ChatService
 
 
 class TokenizeRequest(Struct):
@@ -69,12 +67,7 @@ async def tokenize(chat: ChatService, body: bytes) -> bytes:
         text, special = rendered.prompt, bool(request.add_special_tokens)
     else:
         text, special = request.prompt, request.add_special_tokens is not False
-
-    def encode() -> list[int]:
-        return chat.engine.tokenizer.encode(text, add_special_tokens=True) if special else chat.engine.encode(text)
-
-    ids = await asyncio.to_thread(encode) if len(text) > LONG_PROMPT_CHARS else encode()
-    return _response(chat, ids, request.return_token_strs)
+    return _response(chat, await chat.encode(text, special), request.return_token_strs)
 
 
 def _response(chat: ChatService, ids: list[int], with_strs: bool) -> bytes:

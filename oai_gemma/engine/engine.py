@@ -42,7 +42,8 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self._token_bytes = TokenBytes(loaded.tokenizer)
+        self.token_text = TokenBytes(loaded.tokenizer)
+        """token id -> (its own text, its UTF-8 bytes), as logprobs report them."""
         config = loaded.model.config
         self.image_token_id = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
@@ -107,9 +108,6 @@ class Engine:
     def load(self) -> dict[str, int]:
         """How busy the engine is right now (read from the event loop: a snapshot, not a lock)."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps}
-
-    def token_text(self, token_id: int) -> tuple[str, list[int]]:
-        return self._token_bytes(token_id)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
@@ -295,7 +293,6 @@ class Submission:
 
     async def __anext__(self) -> TokenEvent:
         if self.finished:
-            self.close()
             raise StopAsyncIteration
         event = await self.events.get()
         if event.finish_reason is not None:

@@ -220,8 +220,8 @@ class ModelRunner:
             kpos = torch.arange(start + n, device=self.device)
             mask = kpos[None, :] <= qpos[:, None]
         if it.image_spans:
-            same_image = _block_ids(qpos, it.image_spans)[:, None] == _block_ids(kpos, it.image_spans)[None, :]
-            same_image &= _block_ids(qpos, it.image_spans)[:, None] >= 0
+            q_blocks = _block_ids(qpos, it.image_spans)[:, None]
+            same_image = (q_blocks == _block_ids(kpos, it.image_spans)[None, :]) & (q_blocks >= 0)
             if self.cache.sliding[li]:
                 mask |= same_image & (kpos[None, :] > qpos[:, None] - window)
             else:

@@ -51,11 +51,7 @@ Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 def sample(logits: torch.Tensor, rows: list[Row], stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
-    """Pick one token per row of `logits` [rows, vocab] (the model's dtype).
-
-    Greedy rows take the max in the model's dtype (the float32 copy would be the same values, and
-    `max` with indices is the fast reduction on CPU); sampled rows are softmaxed in float32.
-    """
+    """Pick one token per row of `logits` [rows, vocab] (the model's dtype)."""
     return sample_with_logprobs(logits, rows, stop_token_ids)[0]
 
 
@@ -87,6 +83,8 @@ def _logprobs(logits: torch.Tensor, rows: list[Row], tokens: list[int]) -> list[
 
 
 def _pick(logits: torch.Tensor, rows: list[Row]) -> list[int]:
+    """Greedy rows take the max in the model's dtype (the float32 copy would be the same values, and
+    `max` with indices is the fast reduction on CPU); sampled rows are softmaxed in float32."""
     params = [r.sampling for r in rows]
     greedy = torch.tensor([p.greedy for p in params])
     tokens = logits.max(dim=-1).indices
