@@ -17,9 +17,10 @@ from ..engine.engine import Engine
 from ..engine.loader import load
 from ..settings import Settings
 from .errors import APIError, model_not_found
-from .protocol import ModelCard, ModelList, encoder
+from .openapi import HEALTH, add_wire_components, documented
+from .protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelCard, ModelList, encoder
 from .serving_chat import ChatService
-from .serving_tokenize import detokenize, tokenize
+from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
 
 log = logging.getLogger("oai_gemma.server")
 
@@ -91,7 +92,7 @@ def _json(payload, status: int = 200) -> Response:
 def create_app(settings: Settings) -> Litestar:
     state = ServerState(settings)
 
-    @post("/v1/chat/completions", status_code=200)
+    @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
         chat = state.require_ready()
@@ -100,12 +101,12 @@ def create_app(settings: Settings) -> Litestar:
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
         return Response(content=await chat.complete(prepared), media_type=JSON)
 
-    @post("/tokenize", status_code=200)  # vLLM's extensions, at the root as vLLM serves them
+    @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
         chat = state.require_ready()
         return Response(content=await tokenize(chat, await request.body()), media_type=JSON)
 
-    @post("/detokenize", status_code=200)
+    @post("/detokenize", status_code=200, operation_class=documented(DetokenizeResponse, request=DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
         chat = state.require_ready()
         return Response(content=detokenize(chat, await request.body()), media_type=JSON)
@@ -113,17 +114,17 @@ def create_app(settings: Settings) -> Litestar:
     def card() -> ModelCard:
         return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
 
-    @get("/v1/models")
+    @get("/v1/models", operation_class=documented(ModelList, errors=(401,)))
     async def list_models() -> Response:
         return _json(ModelList(data=[card()]))
 
-    @get("/v1/models/{model_id:path}")
+    @get("/v1/models/{model_id:path}", operation_class=documented(ModelCard, errors=(401, 404)))
     async def retrieve_model(model_id: str) -> Response:
         if model_id.lstrip("/") != state.served_name:
             raise model_not_found(model_id.lstrip("/"), state.served_name)
         return _json(card())
 
-    @get("/health")
+    @get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))
     async def health() -> Response:
         if state.ready:
             load = state.engine.load()
@@ -151,6 +152,7 @@ def create_app(settings: Settings) -> Litestar:
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=settings.server.max_body_bytes,
     )
+    add_wire_components(app)
     app.state.server = state
     return app
 
