@@ -187,7 +187,7 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     else:
         message = exc.detail
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return _api_error(request, APIError(status, message, kind, None, None))
+    return _api_error(request, APIError(status, message, kind, None, None, dict(exc.headers or {})))  # 405 keeps `Allow`
 
 
 def _internal_error(request: Request, exc: Exception) -> Response:

@@ -20,7 +20,7 @@ from ..chat.vision import VisionPrompt, expand_images
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError
 from ..engine.types import GenerationRequest, SamplingParams
 from ..settings import ImageSettings
-from .errors import APIError, decode_body, invalid_request, model_not_found, not_supported
+from .errors import APIError, context_length_exceeded, decode_body, invalid_request, model_not_found, not_supported, shown
 from .protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -65,6 +65,7 @@ class ChatService:
         self.default_max_tokens = default_max_tokens
         self.images = images
         self.processor = engine.loaded.processor
+        self.max_prompt_chars = max_model_len * longest_token_chars(engine.tokenizer)
         self._image_client = None
 
     # ---- request -> engine ------------------------------------------------------------------------
@@ -86,6 +87,10 @@ class ChatService:
         if vision is not None:
             prompt_ids = vision.token_ids
         else:
+            if len(rendered.prompt) > self.max_prompt_chars:  # surely too long: no need to tokenize megabytes to say so
+                raise context_length_exceeded(
+                    self.max_model_len, f"the messages are {len(rendered.prompt)} characters long, more than that many tokens can hold"
+                )
             prompt_ids = await self.encode(rendered.prompt)
         generation = self._generation_request(request, prompt_ids, arrival)
         if vision is not None:
@@ -125,22 +130,21 @@ class ChatService:
         asked = request.max_completion_tokens or request.max_tokens
         if room < 1 or (asked is not None and asked > room):
             wanted = len(prompt_ids) + (asked or 1)
-            raise invalid_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({len(prompt_ids)} in the messages, {asked or 1} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "messages", "context_length_exceeded",
+            raise context_length_exceeded(
+                self.max_model_len,
+                f"you requested {wanted} tokens ({len(prompt_ids)} in the messages, {asked or 1} in the completion)",
             )
+        max_tokens = asked or min(self.default_max_tokens, room)
         stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
         if request.top_logprobs and not request.logprobs:
             raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        if request.min_tokens and asked and request.min_tokens > asked:
+        if request.min_tokens and request.min_tokens > max_tokens:
             raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
         sampling = SamplingParams(
-            max_tokens=asked or min(self.default_max_tokens, room),
+            max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=max(request.top_k or 0, 0),
+            top_k=min(max(request.top_k or 0, 0), self.engine.vocab_limit),  # beyond the vocabulary means off
             seed=request.seed,
             stop=stop,
             presence_penalty=request.presence_penalty or 0.0,
@@ -158,8 +162,8 @@ class ChatService:
         """OpenAI's `{"token id": bias}`; the ids must be in the vocabulary."""
         pairs = []
         for key, value in (bias or {}).items():
-            if not key.isdigit() or int(key) >= self.engine.vocab_limit:
-                raise invalid_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
+            if not (key.isascii() and key.isdigit() and len(key) < 10) or int(key) >= self.engine.vocab_limit:
+                raise invalid_request(f"logit_bias key {shown(key)!r} is not a token id of this model", "logit_bias")
             pairs.append((int(key), float(value)))
         return tuple(pairs)
 
@@ -248,6 +252,12 @@ class ChatService:
                 message = f"generation failed: {event.error or event.finish_reason}"
                 yield sse(ErrorResponse(ErrorBody(message, "server_error", None, "generation_failed")))
         yield DONE
+
+
+def longest_token_chars(tokenizer) -> int:
+    """No token stands for more characters than its longest vocabulary piece (Gemma's normalizer only maps " " to
+    "▁"), so a prompt longer than `max_model_len` times this cannot fit, whatever it says."""
+    return max(len(piece) for piece in tokenizer.get_vocab())
 
 
 def busy(exc: Exception) -> APIError:
