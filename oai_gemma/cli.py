@@ -61,14 +61,16 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api.app import create_app
+    from .api.graceful import GracefulServer
 
     settings = _settings(args)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
         access_log=settings.server.log_level == "debug", timeout_graceful_shutdown=5,
     )
+    GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace).run()
     return 0
 
 

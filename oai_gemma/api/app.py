@@ -37,12 +37,15 @@ class ServerState:
         self.engine: Engine | None = None
         self.chat: ChatService | None = None
         self.load_error: str | None = None
+        self.draining = False
 
     @property
     def ready(self) -> bool:
         return self.chat is not None and self.engine is not None and self.engine.alive
 
     def require_ready(self) -> ChatService:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "server_error", None, "server_shutting_down")
         if not self.ready:
             reason = self.load_error or (self.engine and self.engine.dead_reason) or "the model is still loading"
             raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
@@ -62,6 +65,8 @@ class ServerState:
                 max_model_len=self.settings.model.max_model_len,
                 kv_cache_gib=self.settings.engine.kv_cache_gib,
                 max_waiting=self.settings.engine.max_waiting,
+                request_timeout=self.settings.server.request_timeout,
+                idle_timeout=self.settings.server.idle_timeout,
             )
             engine.warm_up()
         except Exception as exc:
@@ -79,9 +84,32 @@ class ServerState:
             loaded.device, time.monotonic() - started,
         )
 
+    async def drain(self, grace: float) -> None:
+        """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""
+        self.draining = True
+        engine = self.engine
+        if engine is None:
+            return
+        engine.stop_admitting()
+        log.warning("shutting down: %d request(s) in flight get up to %g s to finish", engine.in_flight, grace)
+        if not await _until(lambda: engine.in_flight == 0, grace):
+            log.warning("shutting down: ending %d request(s) still running", engine.in_flight)
+            engine.abort_all("the server is shutting down")
+            await _until(lambda: engine.in_flight == 0, 5.0)
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+async def _until(condition, timeout: float) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 def _json(payload, status: int = 200) -> Response:
@@ -96,9 +124,9 @@ def create_app(settings: Settings) -> Litestar:
         arrival = time.perf_counter()
         chat = state.require_ready()
         prepared = await chat.prepare(await request.body(), arrival)
-        if prepared.request.stream:
+        if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
-        return Response(content=await chat.complete(prepared), media_type=JSON)
+        return Response(content=await unless_disconnected(request, chat.complete(prepared)), media_type=JSON)
 
     @post("/tokenize", status_code=200)  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
@@ -125,10 +153,10 @@ def create_app(settings: Settings) -> Litestar:
 
     @get("/health")
     async def health() -> Response:
-        if state.ready:
+        if state.ready and not state.draining:
             load = state.engine.load()
             return _json({"status": "ok", "model": state.served_name, **load})
-        reason = state.load_error or (state.engine and state.engine.dead_reason) or "loading"
+        reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
         return _json({"status": "unavailable", "reason": reason}, status=503)
 
     async def on_startup() -> None:
@@ -153,6 +181,31 @@ def create_app(settings: Settings) -> Litestar:
     )
     app.state.server = state
     return app
+
+
+async def unless_disconnected(request: Request, work) -> bytes:
+    """Await `work`; if the client disconnects first, cancel it (which cancels its engine request at once).
+
+    Litestar does not cancel a handler whose client went away, so a non-streaming request would otherwise
+    keep its batch slot until its last token.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "the client closed the connection", "invalid_request_error", None, "client_closed_request")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the ASGI server reports that the client is gone (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _api_error(_: Request, exc: APIError) -> Response:

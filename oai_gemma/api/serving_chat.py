@@ -29,8 +29,6 @@ from .protocol import (
     Choice,
     ChoiceLogprobs,
     Delta,
-    ErrorBody,
-    ErrorResponse,
     PromptTokensDetails,
     StreamChoice,
     TokenLogprob,
@@ -192,11 +190,11 @@ class ChatService:
                     if want_logprobs:
                         logprobs.append(event)
         except EngineDeadError as exc:
-            raise APIError(503, str(exc), "server_error", None, "engine_unavailable") from None
+            raise unavailable(exc) from None
         except EngineBusyError as exc:
             raise busy(exc) from None
         if event is None or event.finish_reason not in ("stop", "length"):
-            raise APIError(500, f"generation failed: {event.error if event else 'no output'}", "server_error")
+            raise generation_failure(event)
         response = ChatCompletion(
             id=prepared.generation.request_id,
             created=prepared.created,
@@ -229,7 +227,7 @@ class ChatService:
         try:
             submission = self.engine.generate(prepared.generation)  # takes its place before the first byte
         except (EngineDeadError, EngineBusyError) as exc:
-            yield sse(ErrorResponse(ErrorBody(str(exc), "server_error", None, "engine_unavailable")))
+            yield sse(unavailable(exc).body)
             yield DONE
             return
         async with submission:
@@ -245,13 +243,27 @@ class ChatService:
                 if include_usage:
                     yield sse(ChatCompletionChunk(rid, created, model, [], usage=_usage(event)))
             else:
-                message = f"generation failed: {event.error or event.finish_reason}"
-                yield sse(ErrorResponse(ErrorBody(message, "server_error", None, "generation_failed")))
+                yield sse(generation_failure(event).body)
         yield DONE
 
 
 def busy(exc: Exception) -> APIError:
     return APIError(429, str(exc), "requests", None, "rate_limit_exceeded", {"Retry-After": "1"})
+
+
+def unavailable(exc: Exception) -> APIError:
+    return APIError(503, str(exc), "server_error", None, "engine_unavailable")
+
+
+def generation_failure(event) -> APIError:
+    """Why a request ended without `stop` or `length`, as the client sees it (status, or a stream's error event)."""
+    if event is None:
+        return APIError(500, "generation failed: no output", "server_error", None, "generation_failed")
+    if event.finish_reason == "timeout":
+        return APIError(504, event.error, "server_error", None, "timeout")
+    if event.finish_reason == "aborted":
+        return APIError(503, event.error, "server_error", None, "server_shutting_down")
+    return APIError(500, f"generation failed: {event.error or event.finish_reason}", "server_error", None, "generation_failed")
 
 
 def _usage(event) -> Usage:

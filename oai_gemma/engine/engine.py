@@ -37,7 +37,7 @@ class EngineBusyError(RuntimeError):
 class Engine:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
-        kv_cache_gib: float = 0.0, max_waiting: int = 256,
+        kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
     ):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -58,6 +58,11 @@ class Engine:
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
         self.capacity = num_slots + max_waiting
+        self.request_timeout = request_timeout
+        """Seconds from arrival to the last token; 0 means no limit."""
+        self.idle_timeout = idle_timeout
+        """Longest wait for a request's next event (queue included); 0 means no limit."""
+        self.admitting = True
         self.in_flight = 0
         """Requests between submit and their last event (touched on the event loop only)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,7 +98,7 @@ class Engine:
         self.check_capacity()
         if not request.arrival_time:
             request.arrival_time = time.perf_counter()
-        submission = Submission(self, request)
+        submission = Submission(self, request, self.request_timeout, self.idle_timeout)
         self._inbox.put(("add", request, submission.events))
         self.in_flight += 1
         return submission
@@ -102,6 +107,8 @@ class Engine:
         """Raise unless a new request can be taken now (call before a response starts)."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if not self.admitting:
+            raise EngineDeadError("the server is shutting down")
         if self.in_flight >= self.capacity:
             raise EngineBusyError(f"all {self.capacity} places (batch slots and waiting line) are taken; retry shortly")
 
@@ -115,6 +122,14 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None))
+
+    def stop_admitting(self) -> None:
+        """From now on `generate` refuses new requests; running ones go on (graceful shutdown)."""
+        self.admitting = False
+
+    def abort_all(self, reason: str) -> None:
+        """End every running and waiting request now with finish_reason `aborted` (end of a shutdown grace)."""
+        self._inbox.put(("abort_all", reason, None))
 
     # ---- the engine thread ----------------------------------------------------------------------
 
@@ -141,6 +156,8 @@ class Engine:
                 kind, payload, sink = message
                 if kind == "add":
                     self._admit(payload, sink)
+                elif kind == "abort_all":
+                    self._fail_all(payload, "aborted")
                 else:
                     seq = self.scheduler.find(payload)
                     if seq is not None:  # its consumer is gone (that is why it cancelled): no event to send
@@ -193,9 +210,12 @@ class Engine:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
             tokens, logprobs = sample_with_logprobs(logits, sampled, self.eos_token_ids)
-        except Exception as exc:  # this step's requests fail alone; the engine keeps serving
+        except Exception as exc:  # the culprits fail alone; the engine keeps serving
             log.exception("engine step failed")
-            for seq in step.prefill_owners + step.decode_owners:
+            # a new prompt (huge, or with a bad image) is the likely cause: fail the prefills and let the
+            # decodes run again next step (rewriting their KV entry is harmless); a decode-only step that
+            # failed has no better suspect than all of it
+            for seq in step.prefill_owners or step.decode_owners:
                 self._finish(seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
             self._deliver(events)
             return
@@ -245,10 +265,10 @@ class Engine:
         self.scheduler.finish(seq, cache_valid)
         events.append((seq.sink, self._event(seq, None, "", time.perf_counter(), reason, error)))
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, finish: str = "error") -> None:
         events: list = []
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            self._finish(seq, "error", events, error=reason)
+            self._finish(seq, finish, events, error=reason)
         self._deliver(events)
 
     def _deliver(self, events: list[tuple[object, TokenEvent]]) -> None:
@@ -279,14 +299,18 @@ class Submission:
     """One request's events as an async iterator, and its place in the engine until closed.
 
     A class, not an async generator: closing must free the place even if iteration never started.
+    A request that runs past its total time, or waits too long for its next event, ends with a last
+    event of finish_reason `timeout` (and is cancelled in the engine).
     """
 
-    def __init__(self, engine: Engine, request: GenerationRequest):
+    def __init__(self, engine: Engine, request: GenerationRequest, timeout: float = 0.0, idle_timeout: float = 0.0):
         self.engine = engine
         self.request = request
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.finished = False
         self.closed = False
+        self.deadline = request.arrival_time + timeout if timeout else None
+        self.idle_timeout = idle_timeout or None
 
     def __aiter__(self) -> "Submission":
         return self
@@ -294,11 +318,32 @@ class Submission:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
-        event = await self.events.get()
+        wait = self.idle_timeout
+        if self.deadline is not None:
+            left = self.deadline - time.perf_counter()
+            wait = left if wait is None else min(wait, left)
+        if not self.events.empty():
+            event = self.events.get_nowait()
+        elif wait is None:
+            event = await self.events.get()
+        else:
+            try:
+                event = await asyncio.wait_for(self.events.get(), max(wait, 0.0))
+            except TimeoutError:
+                event = self._timed_out()
+                self.engine.cancel(self.request.request_id)
         if event.finish_reason is not None:
             self.finished = True
             self.close()
         return event
+
+    def _timed_out(self) -> TokenEvent:
+        total = self.deadline is not None and time.perf_counter() >= self.deadline
+        why = (
+            f"the request ran past the server's request timeout ({self.deadline - self.request.arrival_time:g} s)"
+            if total else f"no token for {self.idle_timeout:g} s (the server's idle timeout)"
+        )
+        return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "timeout", error=why)
 
     def close(self) -> None:
         if self.closed:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "timeout", "aborted"]
+"""`cancelled`: the consumer went away; `timeout`: the request ran past its total or idle limit;
+`aborted`: the server ended it (shutting down); `error`: it failed (the event's `error` says why)."""
 
 
 @dataclass(frozen=True)
