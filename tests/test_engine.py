@@ -190,3 +190,28 @@ def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones(harness):
     finally:
         engine.shutdown()
         loop.close()
+
+
+def test_n_choices_prefill_the_prompt_once(harness):
+    ids = harness.prompt("A prompt that only this test sends, about seven green kites.")
+    runner = harness.engine.runner
+    real_forward = runner.forward
+    prefilled = []
+
+    def forward(prefills, decodes):
+        prefilled.extend(len(item.token_ids) for item in prefills)
+        return real_forward(prefills, decodes)
+
+    async def main():
+        request = GenerationRequest("forked", ids, SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True), n=3)
+        return [e async for e in harness.engine.generate(request)]
+
+    runner.forward = forward
+    try:
+        events = harness.loop.run_until_complete(main())
+    finally:
+        runner.forward = real_forward
+    last = [e for e in events if e.finish_reason]
+    assert sorted(e.index for e in last) == [0, 1, 2]
+    assert all(e.finish_reason == "length" and e.num_output_tokens == 5 for e in last)
+    assert sum(prefilled) == len(ids) - last[0].num_cached_tokens  # once, not three times

@@ -89,7 +89,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do yet, else None."""
         neutral = {
-            "n": (None, 1),
             "tools": (None, []),
             "tool_choice": (None, "none"),
             "functions": (None, []),

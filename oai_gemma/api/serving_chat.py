@@ -39,6 +39,8 @@ from .protocol import (
 )
 
 DONE = b"data: [DONE]\n\n"
+FINISHED = ("stop", "length")
+"""A choice that ended with one of these succeeded."""
 LONG_PROMPT_CHARS = 20_000
 
 
@@ -134,6 +136,9 @@ class ChatService:
             raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
         if request.min_tokens and asked and request.min_tokens > asked:
             raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
+        n = request.n or 1
+        if n > self.engine.num_slots:
+            raise invalid_request(f"`n` must be at most {self.engine.num_slots} (the server's batch size)", "n")
         sampling = SamplingParams(
             max_tokens=asked or min(self.default_max_tokens, room),
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -150,7 +155,7 @@ class ChatService:
             ignore_eos=bool(request.ignore_eos),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         )
-        return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival)
+        return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival, n=n)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """OpenAI's `{"token id": bias}`; the ids must be in the vocabulary."""
@@ -179,33 +184,36 @@ class ChatService:
         return entries
 
     async def complete(self, prepared: PreparedChat) -> bytes:
-        pieces: list[str] = []
-        logprobs: list = []
+        n = prepared.generation.n
+        pieces: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
         want_logprobs = prepared.generation.sampling.logprobs is not None
-        event = None
+        last: dict[int, object] = {}  # choice index -> its last event
         try:
             async with self.engine.generate(prepared.generation) as events:
                 async for event in events:
-                    pieces.append(event.text)
+                    pieces[event.index].append(event.text)
                     if want_logprobs:
-                        logprobs.append(event)
+                        logprobs[event.index].append(event)
+                    if event.finish_reason is not None:
+                        last[event.index] = event
         except EngineDeadError as exc:
             raise unavailable(exc) from None
         except EngineBusyError as exc:
             raise busy(exc) from None
-        if event is None or event.finish_reason not in ("stop", "length"):
-            raise generation_failure(event)
+        failed = [e for e in last.values() if e.finish_reason not in FINISHED]
+        if failed or len(last) < n:
+            raise generation_failure(failed[0] if failed else None)
+        choices = [
+            Choice(
+                i, AssistantMessage("".join(pieces[i])), last[i].finish_reason,
+                ChoiceLogprobs(self._logprob_entries(logprobs[i])) if want_logprobs else None,
+            )
+            for i in range(n)
+        ]
         response = ChatCompletion(
-            id=prepared.generation.request_id,
-            created=prepared.created,
-            model=self.served_name,
-            choices=[
-                Choice(
-                    0, AssistantMessage("".join(pieces)), event.finish_reason,
-                    ChoiceLogprobs(self._logprob_entries(logprobs)) if want_logprobs else None,
-                )
-            ],
-            usage=_usage(event),
+            id=prepared.generation.request_id, created=prepared.created, model=self.served_name, choices=choices,
+            usage=_usage(list(last.values())),
         )
         return encoder.encode(response)
 
@@ -213,37 +221,43 @@ class ChatService:
         include_usage = bool(prepared.request.stream_options and prepared.request.stream_options.include_usage)
         usage_field = None if include_usage else msgspec.UNSET
         rid, created, model = prepared.generation.request_id, prepared.created, self.served_name
+        n = prepared.generation.n
 
         want_logprobs = prepared.generation.sampling.logprobs is not None
-        pending: list = []  # events whose text is still held back (a partial character or stop string)
+        pending: list[list] = [[] for _ in range(n)]  # per choice: events whose text is still held back
 
-        def chunk(delta: Delta, finish: str | None = None) -> bytes:
-            logprobs = ChoiceLogprobs(self._logprob_entries(pending)) if want_logprobs and pending else None
-            pending.clear()
-            choice = StreamChoice(0, delta, logprobs, finish)
+        def chunk(index: int, delta: Delta, finish: str | None = None) -> bytes:
+            held = pending[index]
+            logprobs = ChoiceLogprobs(self._logprob_entries(held)) if want_logprobs and held else None
+            held.clear()
+            choice = StreamChoice(index, delta, logprobs, finish)
             return sse(ChatCompletionChunk(rid, created, model, [choice], usage=usage_field))
 
-        event = None
         try:
             submission = self.engine.generate(prepared.generation)  # takes its place before the first byte
         except (EngineDeadError, EngineBusyError) as exc:
             yield sse(unavailable(exc).body)
             yield DONE
             return
+        last = []
         async with submission:
-            yield chunk(Delta(role="assistant", content=""))
+            for index in range(n):
+                yield chunk(index, Delta(role="assistant", content=""))
             async for event in submission:
                 if want_logprobs:
-                    pending.append(event)
+                    pending[event.index].append(event)
                 if event.text:
-                    yield chunk(Delta(content=event.text))
-        if event is not None:
-            if event.finish_reason in ("stop", "length"):
-                yield chunk(Delta(), event.finish_reason)
-                if include_usage:
-                    yield sse(ChatCompletionChunk(rid, created, model, [], usage=_usage(event)))
-            else:
-                yield sse(generation_failure(event).body)
+                    yield chunk(event.index, Delta(content=event.text))
+                if event.finish_reason is None:
+                    continue
+                if event.finish_reason not in FINISHED:  # one choice failed: the request fails (the rest is cancelled)
+                    yield sse(generation_failure(event).body)
+                    yield DONE
+                    return
+                last.append(event)
+                yield chunk(event.index, Delta(), event.finish_reason)
+        if include_usage and last:
+            yield sse(ChatCompletionChunk(rid, created, model, [], usage=_usage(last)))
         yield DONE
 
 
@@ -266,8 +280,8 @@ def generation_failure(event) -> APIError:
     return APIError(500, f"generation failed: {event.error or event.finish_reason}", "server_error", None, "generation_failed")
 
 
-def _usage(event) -> Usage:
-    return Usage(
-        event.num_prompt_tokens, event.num_output_tokens, event.num_prompt_tokens + event.num_output_tokens,
-        PromptTokensDetails(event.num_cached_tokens),
-    )
+def _usage(last_events: list) -> Usage:
+    """One prompt, however many choices: completion tokens add up over the choices' last events."""
+    prompt = last_events[0].num_prompt_tokens
+    completion = sum(e.num_output_tokens for e in last_events)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(last_events[0].num_cached_tokens))

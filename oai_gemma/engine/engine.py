@@ -50,6 +50,7 @@ class Engine:
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
+        self.num_slots = num_slots
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
@@ -100,7 +101,7 @@ class Engine:
             request.arrival_time = time.perf_counter()
         submission = Submission(self, request, self.request_timeout, self.idle_timeout)
         self._inbox.put(("add", request, submission.events))
-        self.in_flight += 1
+        self.in_flight += request.n
         return submission
 
     def check_capacity(self) -> None:
@@ -159,23 +160,29 @@ class Engine:
                 elif kind == "abort_all":
                     self._fail_all(payload, "aborted")
                 else:
-                    seq = self.scheduler.find(payload)
-                    if seq is not None:  # its consumer is gone (that is why it cancelled): no event to send
+                    for seq in self.scheduler.find(payload):  # its consumer is gone (that is why it cancelled): no event to send
                         self._finish(seq, "cancelled", [])
                 message = self._inbox.get_nowait()
         except queue.Empty:
             return
 
-    def _admit(self, request: GenerationRequest, sink) -> None:
-        prompt = request.prompt_token_ids
-        seq = Sequence(
+    def _sequence(self, request: GenerationRequest, sink, index: int) -> Sequence:
+        seed = request.sampling.seed
+        return Sequence(
             request=request,
             sink=sink,
-            random=RowRandom(request.sampling.seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
+            # each choice its own stream of uniforms, still reproducible from the request's seed
+            random=RowRandom(seed if seed is None or index == 0 else hash((seed, index))),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             stopper=StopMatcher(request.sampling.stop),
-            cache_keys=list(prompt),
+            cache_keys=list(request.prompt_token_ids),
+            index=index,
         )
+
+    def _admit(self, request: GenerationRequest, sink) -> None:
+        prompt = request.prompt_token_ids
+        seq = self._sequence(request, sink, 0)
+        seq.forks = [self._sequence(request, sink, index) for index in range(1, request.n)]
         error = None
         if not prompt or len(prompt) + 1 > self.max_model_len:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
@@ -190,6 +197,8 @@ class Engine:
             self._finish(seq, "error", events, error=error)
             self._deliver(events)
             return
+        for fork in seq.forks:  # should a fork prefill on its own after all (no free slot), it needs these too
+            fork.cache_keys, fork.image_spans, fork.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
         self.scheduler.add(seq)
 
     def _attach_images(self, seq: Sequence) -> None:
@@ -209,6 +218,7 @@ class Engine:
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
+            logits, sampled = self._fork(logits, sampled)
             tokens, logprobs = sample_with_logprobs(logits, sampled, self.eos_token_ids)
         except Exception as exc:  # the culprits fail alone; the engine keeps serving
             log.exception("engine step failed")
@@ -225,6 +235,20 @@ class Engine:
         for seq, token, token_logprobs in zip(sampled, tokens, logprobs):
             self._on_token(seq, token, token_logprobs, now, events)
         self._deliver(events)
+
+    def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Choices 1..n-1 of a request whose prompt just finished prefilling: copy its KV into their slots
+        and give them its logits row to sample from, each with its own randomness."""
+        rows, children = [], []
+        for row, seq in enumerate(sampled):
+            if seq.forks:
+                for child in self.scheduler.fork(seq, time.perf_counter()):
+                    self.runner.cache.copy_slot(seq.slot, child.slot)
+                    rows.append(row)
+                    children.append(child)
+        if not children:
+            return logits, sampled
+        return torch.cat((logits, logits[rows])), sampled + children
 
     def _on_token(self, seq: Sequence, token: int, logprobs, now: float, events: list) -> None:
         seq.output_ids.append(token)
@@ -259,11 +283,15 @@ class Engine:
             num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_cached,
             error=error,
+            index=seq.index,
         )
 
     def _finish(self, seq: Sequence, reason: str, events: list, error: str | None = None, cache_valid: bool = True) -> None:
         self.scheduler.finish(seq, cache_valid)
         events.append((seq.sink, self._event(seq, None, "", time.perf_counter(), reason, error)))
+        for fork in seq.forks:  # choices that never started end with the one they were waiting for
+            self._finish(fork, reason, events, error)
+        seq.forks = []
 
     def _fail_all(self, reason: str, finish: str = "error") -> None:
         events: list = []
@@ -307,6 +335,8 @@ class Submission:
         self.engine = engine
         self.request = request
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.unfinished = request.n
+        """Choices still generating: the submission ends with the last one's last event."""
         self.finished = False
         self.closed = False
         self.deadline = request.arrival_time + timeout if timeout else None
@@ -332,9 +362,12 @@ class Submission:
             except TimeoutError:
                 event = self._timed_out()
                 self.engine.cancel(self.request.request_id)
+                self.unfinished = 1  # the timeout ends every choice
         if event.finish_reason is not None:
-            self.finished = True
-            self.close()
+            self.unfinished -= 1
+            if not self.unfinished:
+                self.finished = True
+                self.close()
         return event
 
     def _timed_out(self) -> TokenEvent:
@@ -349,7 +382,7 @@ class Submission:
         if self.closed:
             return
         self.closed = True
-        self.engine.in_flight -= 1
+        self.engine.in_flight -= self.request.n
         if not self.finished:
             self.engine.cancel(self.request.request_id)
 

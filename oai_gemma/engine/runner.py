@@ -47,6 +47,12 @@ class KVCache:
         self.v = [torch.zeros_like(k) for k in self.k]
         self.num_slots = num_slots
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot `dst` the KV of slot `src` (a choice forked from a shared prompt)."""
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
     @property
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k in self.k)

@@ -51,6 +51,8 @@ class GenerationRequest:
     """[crops, 3, H, W] tensor for the image soft-token blocks of the prompt, in order (multimodal models)."""
     crop_keys: tuple[int, ...] = ()
     """A content hash per crop, so the prefix cache never takes one image's KV for another's."""
+    n: int = 1
+    """Choices to generate from the one prompt: its prefill runs once, then each choice samples on its own."""
 
 
 @dataclass
@@ -67,6 +69,9 @@ class TokenEvent:
     timestamp: float
     """time.perf_counter() when the engine produced the token."""
     finish_reason: FinishReason | None = None
+    """Set on the last event of a choice (a request with n choices has n last events)."""
+    index: int = 0
+    """Which of the request's n choices this event belongs to."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
