@@ -62,6 +62,7 @@ class ServerState:
                 max_model_len=self.settings.model.max_model_len,
                 kv_cache_gib=self.settings.engine.kv_cache_gib,
                 max_waiting=self.settings.engine.max_waiting,
+                compile=self.settings.model.compile,
             )
             engine.warm_up()
         except Exception as exc:
