@@ -203,7 +203,7 @@ def measure_mode(loaded, p: dict, compile_mode: str, report: dict) -> None:
     started = time.perf_counter()
     engine = Engine(
         loaded, max_num_seqs=p["max_num_seqs"], max_prefill_tokens=p["max_prefill_tokens"],
-        max_model_len=p["max_model_len"], compile=compile_mode,
+        max_model_len=p["max_model_len"], compile=compile_mode, static_decode=True,
     )
     engine.warm_up()
     runner = engine.runner

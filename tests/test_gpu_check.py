@@ -26,3 +26,4 @@ def test_gpu_check_smoke_writes_every_target_number(tmp_path):
     assert len(mode["ttft_ms_all"]) == params["repeats"]
     assert mode["output_tokens"] == params["concurrency"] * params["throughput_tokens"]
     assert report["weights_bytes"] > 0 and mode["step_ms_batch1"] > 0
+    assert mode["static_decode"] and len(mode["buckets"]) == 3 * 1  # rows 1, 2, 4; one span (max_len 256)

@@ -4,11 +4,15 @@ On CPU the static step runs eagerly (no CUDA graph); the logic a graph would rep
 Tests that need CUDA skip without it.
 """
 
+import asyncio
+
 import pytest
 import torch
 
+from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.loader import load
 from oai_gemma.engine.runner import ModelRunner, StepItem
+from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.engine.static_decode import DecodeGraph, post_attention, pre_attention, span_buckets
 from oai_gemma.settings import ModelSettings
 
@@ -18,8 +22,13 @@ WINDOW = 512  # gemma-3-270m's sliding window
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load(ModelSettings(dtype="float32")).model
+def loaded():
+    return load(ModelSettings(dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def model(loaded):
+    return loaded.model
 
 
 def make_runner(model, static: bool) -> ModelRunner:
@@ -147,6 +156,32 @@ def test_layer_functions_compile_as_one_graph_each(runners):
     q, k, v = pre(hidden, w, cos, sin, static.eps, *static.shape)
     out = post(hidden, q, w, static.eps)
     assert out.shape == hidden.shape and torch.isfinite(out).all()
+
+
+def test_engine_with_static_decode_generates_what_transformers_generates(loaded):
+    engine = Engine(loaded, max_num_seqs=2, max_prefill_tokens=64, max_model_len=256, static_decode=True)
+    loop = asyncio.new_event_loop()
+    engine.start(loop)
+
+    async def tokens(request_id, ids):
+        request = GenerationRequest(request_id, ids, SamplingParams(max_tokens=6, temperature=0.0))
+        return [e.token_id async for e in engine.generate(request) if e.token_id is not None]
+
+    async def both(prompts):
+        return await asyncio.gather(*(tokens(f"r{i}", ids) for i, ids in enumerate(prompts)))
+
+    prompts = [[2] + prompt(9, seed=1), [2] + prompt(20, seed=2)]  # two rows: a static bucket of 2
+    try:
+        got = loop.run_until_complete(both(prompts))
+    finally:
+        engine.shutdown()
+        loop.close()
+    with torch.inference_mode():
+        for ids, ours in zip(prompts, got):
+            reference = loaded.model.generate(
+                torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=list(loaded.eos_token_ids), pad_token_id=0
+            )
+            assert ours and ours == reference[0, len(ids) :].tolist()[: len(ours)]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

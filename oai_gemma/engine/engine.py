@@ -37,7 +37,7 @@ class EngineBusyError(RuntimeError):
 class Engine:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
-        kv_cache_gib: float = 0.0, max_waiting: int = 256, compile: str = "auto",
+        kv_cache_gib: float = 0.0, max_waiting: int = 256, compile: str = "auto", static_decode: bool | None = None,
     ):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -54,7 +54,7 @@ class Engine:
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
             loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
-            compile=compile,
+            compile=compile, static_decode=static_decode,
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
