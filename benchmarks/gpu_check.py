@@ -1,6 +1,7 @@
 """GPU check: gemma-3-12b-it shapes with dummy bf16 weights on one GPU, measured at the engine level in one run.
 
 What it measures (issue #3, GPU targets), written to `<out>/gpu_check.json` after every phase:
+- the text decoder of the config (gemma-3-12b-it's, 48 layers, hidden 3840; no vision tower);
 - device copy bandwidth (a device-to-device copy, bytes read + written) and the weight-streaming floor of a
   decode step: the bytes of the weights a step reads (decoder layers and lm_head) / that bandwidth;
 - the raw decode step (`runner.forward`, CUDA-graph replay) at batch 1 and 64;
@@ -66,6 +67,15 @@ TINY_TEXT_CONFIG = dict(
 
 # ---- the model directory: a config and a tokenizer, no weights -----------------------------------------
 
+def text_decoder_config(config: dict) -> dict:
+    """The text decoder of a multimodal Gemma-3 config (a Gemma3ForCausalLM of the same shapes): a decode step
+    never runs the vision tower, and a dummy multimodal model would also need a processor config to load."""
+    text = config.get("text_config")
+    if text is None:
+        return config
+    return {**text, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "eos_token_id": config.get("eos_token_id", 1)}
+
+
 def model_dir(config: dict, tokenizer_dir: str | None) -> str:
     """A temporary source directory for `load_format = "dummy"`: the config, and a tokenizer beside it."""
     directory = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -75,7 +85,10 @@ def model_dir(config: dict, tokenizer_dir: str | None) -> str:
             if (Path(tokenizer_dir) / name).exists():
                 (directory / name).write_bytes((Path(tokenizer_dir) / name).read_bytes())
     else:
-        stand_in_tokenizer(config.get("text_config", config)["vocab_size"]).save_pretrained(directory)
+        from transformers import AutoConfig
+
+        full = AutoConfig.from_pretrained(directory)  # fields the file leaves out take transformers' defaults
+        stand_in_tokenizer(getattr(full, "text_config", full).vocab_size).save_pretrained(directory)
     return str(directory)
 
 
@@ -250,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     p = SMOKE if args.smoke else FULL
-    config = TINY_TEXT_CONFIG if args.smoke else json.loads(Path(args.config).read_text())
+    config = TINY_TEXT_CONFIG if args.smoke else text_decoder_config(json.loads(Path(args.config).read_text()))
     device = "cpu" if args.smoke else "cuda"
     report: dict = {"smoke": args.smoke, "config": "tiny" if args.smoke else args.config, "params": p, "modes": {}}
     report["torch"] = torch.__version__

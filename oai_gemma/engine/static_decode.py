@@ -51,13 +51,16 @@ class LayerWeights(NamedTuple):
 
     @classmethod
     def of(cls, layer) -> "LayerWeights":
+        """Plain (detached) tensors, not Parameters: dynamo then guards on their shapes, never on which layer."""
         a, m = layer.self_attn, layer.mlp
-        return cls(
-            layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
-            a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
-            layer.pre_feedforward_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-            layer.post_feedforward_layernorm.weight,
-        )
+        return cls(*(
+            t.detach() for t in (
+                layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
+                a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                layer.pre_feedforward_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+                layer.post_feedforward_layernorm.weight,
+            )
+        ))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,6 +127,10 @@ class DecodeGraph:
 
     def _capture(self, pool) -> None:
         device = self.inputs.device
+        with torch.cuda.device(device):
+            self._capture_on(device, pool)
+
+    def _capture_on(self, device: torch.device, pool) -> None:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -163,7 +170,10 @@ class StaticDecode:
         self.row_buckets = runner.row_buckets
         self.span_buckets = [runner.max_len] if flash else span_buckets(runner.max_len)
         self.use_graphs = use_graphs and len(self.devices) == 1 and self.devices[0].type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = None
+        if self.use_graphs:
+            with torch.cuda.device(self.devices[0]):
+                self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
         self.pre, self.post = pre_attention, post_attention
         if compiled:
