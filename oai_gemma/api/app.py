@@ -67,6 +67,7 @@ class ServerState:
                 max_waiting=self.settings.engine.max_waiting,
                 request_timeout=self.settings.server.request_timeout,
                 idle_timeout=self.settings.server.idle_timeout,
+                compile=self.settings.model.compile,
             )
             engine.warm_up()
         except Exception as exc:

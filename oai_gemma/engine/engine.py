@@ -38,6 +38,7 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
+        compile: str = "auto", static_decode: bool | None = None,
     ):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -54,7 +55,8 @@ class Engine:
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
-            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots
+            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
+            compile=compile, static_decode=static_decode,
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
@@ -307,12 +309,14 @@ class Engine:
 
     def warm_up(self) -> None:
         """Run every step shape once before serving (each token-count bucket, each logits-row bucket,
-        both sampling paths): the first user request must not pay for kernel compilation."""
+        both sampling paths, on a GPU every static decode bucket's CUDA graph): the first user request must not
+        pay for kernel compilation."""
         runner = self.runner
         for size in runner.token_buckets:
             runner.forward([StepItem(0, [0] * min(size, self.max_model_len), 0)], [])
         for rows in runner.row_buckets:
-            logits = runner.forward([], [StepItem(slot, [0], 0) for slot in range(rows)])
+            logits = runner.forward([], [StepItem(slot % runner.cache.num_slots, [0], 0) for slot in range(rows)])
+        runner.capture_decode_graphs()
         rows = [
             PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),
             PlainRow(
