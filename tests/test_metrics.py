@@ -45,11 +45,14 @@ def long_stream(http: httpx.Client):
     return http.stream("POST", "/v1/chat/completions", json=body)
 
 
-def first_token(stream) -> None:
-    """Read the stream up to its first token (the role chunk before it comes even while still waiting)."""
+def read_to_first_token(stream):
+    """Read the stream up to its first token (the role chunk before it comes even while still waiting).
+
+    Returns the line iterator: keep it, dropping it closes the response."""
     data = (line for line in stream.iter_lines() if line.startswith("data: "))
     next(data)
     next(data)
+    return data
 
 
 def access_line(server, request_id: str) -> dict:
@@ -118,8 +121,9 @@ def test_gauges_show_a_running_request_and_its_kv_cache_slot(server):
     slots = EngineSettings().max_num_seqs  # the session server keeps the default
     with httpx.Client(base_url=server.url, timeout=60) as own:
         with long_stream(own) as stream:
-            first_token(stream)
+            lines = read_to_first_token(stream)
             during = scrape(server.url)
+            assert next(lines)  # still streaming when scraped
     assert during.value(M + "num_requests_running") == 1
     assert during.value(M + "num_requests_waiting") == 0
     assert during.value(M + "kv_cache_usage_perc") == 1 / slots

@@ -110,8 +110,8 @@ class ServerMetrics(RequestObserver):
     def on_close(self, request: GenerationRequest, cancelled: bool) -> None:
         stats, record = self._stats(request)
         del self._live[request.request_id]
-        if cancelled:
-            stats.outcome, stats.finish_time = "cancelled", time.perf_counter()
+        if cancelled or stats.outcome is None:  # closed before its last event
+            stats.outcome, stats.finish_time = "cancelled" if cancelled else "error", time.perf_counter()
         self.e2e.observe(stats.finish_time - stats.arrival)
         if record is None or record.done:
             self._count(stats.outcome)
