@@ -85,6 +85,10 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Bearer keys clients must send (also `OAI_GEMMA_API_KEYS=k1,k2`); none means open."""
     health_requires_key: bool = False
     """`/health` is open by default so load balancers can probe it."""
+    metrics_requires_key: bool = False
+    """`/metrics` is open by default so Prometheus can scrape it."""
+    log_request_text: bool = False
+    """Debugging only: access-log lines then carry the request body and the output text."""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 32 * 1024 * 1024
     """Larger request bodies get a 413."""
     request_timeout: Annotated[float, msgspec.Meta(ge=0)] = 600.0

@@ -16,7 +16,10 @@ from litestar.response import Stream
 from ..engine.engine import Engine
 from ..engine.loader import load
 from ..settings import Settings
+from .access_log import access_log_middleware
 from .errors import APIError, model_not_found
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics
 from .protocol import ModelCard, ModelList, encoder
 from .serving_chat import ChatService
 from .serving_tokenize import detokenize, tokenize
@@ -38,6 +41,9 @@ class ServerState:
         self.chat: ChatService | None = None
         self.load_error: str | None = None
         self.draining = False
+        self.metrics = ServerMetrics(
+            self.served_name, lambda: self.engine.load() if self.engine else None, settings.server.log_request_text
+        )
 
     @property
     def ready(self) -> bool:
@@ -74,6 +80,7 @@ class ServerState:
             self.load_error = f"loading the model failed: {exc!r}"
             log.exception("loading the model failed")
             return
+        engine.observer = self.metrics
         engine.start(loop)
         self.engine = engine
         self.chat = ChatService(
@@ -160,6 +167,10 @@ def create_app(settings: Settings) -> Litestar:
         reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
         return _json({"status": "unavailable", "reason": reason}, status=503)
 
+    @get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     async def on_startup() -> None:
         state.start_loading(asyncio.get_running_loop())
 
@@ -167,20 +178,22 @@ def create_app(settings: Settings) -> Litestar:
         state.shutdown()
 
     keys = settings.server.api_keys
+    open_paths = open_without_key(settings)
     if keys:
-        log.warning("API keys required (%d configured); /health is %s", len(keys), "closed" if settings.server.health_requires_key else "open")
+        log.warning("API keys required (%d configured); open without one: %s", len(keys), ", ".join(sorted(open_paths)) or "nothing")
     else:
         log.warning("no API key configured: the server is open to anyone who can reach it")
-    open_paths = frozenset() if settings.server.health_requires_key else frozenset({"/health"})
     app = Litestar(
         before_request=_require_key(keys, open_paths) if keys else None,
-        route_handlers=[chat_completions, tokenize_route, detokenize_route, list_models, retrieve_model, health],
+        route_handlers=[chat_completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=settings.server.max_body_bytes,
     )
     app.state.server = state
+    # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
+    app.asgi_handler = access_log_middleware(app.asgi_handler, state.metrics.count_outcomes, settings.server.log_request_text)
     return app
 
 
@@ -207,6 +220,10 @@ async def _disconnect(request: Request) -> None:
     """Returns once the ASGI server reports that the client is gone (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+def open_without_key(settings: Settings) -> frozenset[str]:
+    """`/health` and `/metrics` answer without an API key unless their switch says otherwise."""
+    server = settings.server
+    return frozenset(path for path, closed in (("/health", server.health_requires_key), ("/metrics", server.metrics_requires_key)) if not closed)
 
 
 def _api_error(_: Request, exc: APIError) -> Response:

@@ -18,6 +18,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .loader import LoadedModel
+from .observer import RequestObserver
 from .runner import KVCache, ModelRunner, StepItem
 from .sampler import PlainRow, RowRandom, sample_with_logprobs
 from .scheduler import Scheduler, Sequence
@@ -74,6 +75,7 @@ class Engine:
         self._stopping = False
         self.dead_reason: str | None = None
         self.steps = 0
+        self.observer = RequestObserver()
 
     # ---- the event-loop side --------------------------------------------------------------------
 
@@ -109,15 +111,23 @@ class Engine:
     def check_capacity(self) -> None:
         """Raise unless a new request can be taken now (call before a response starts)."""
         if not self.alive:
+            self.observer.on_reject("dead")
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if not self.admitting:
             raise EngineDeadError("the server is shutting down")
         if self.in_flight >= self.capacity:
+            self.observer.on_reject("busy")
             raise EngineBusyError(f"all {self.capacity} places (batch slots and waiting line) are taken; retry shortly")
 
-    def load(self) -> dict[str, int]:
-        """How busy the engine is right now (read from the event loop: a snapshot, not a lock)."""
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps}
+    def load(self) -> dict[str, float]:
+        """How busy the engine is right now (read from the event loop: a snapshot, not a lock).
+
+        `kv_cache_usage`: the share of KV-cache slots held by requests (0..1)."""
+        slots = self.runner.cache.num_slots
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps,
+            "kv_cache_usage": (slots - len(self.scheduler.slots)) / slots,
+        }
 
     def encode(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
@@ -367,6 +377,7 @@ class Submission:
                 event = self._timed_out()
                 self.engine.cancel(self.request.request_id)
                 self.unfinished = 1  # the timeout ends every choice
+        self.engine.observer.on_event(self.request, event)
         if event.finish_reason is not None:
             self.unfinished -= 1
             if not self.unfinished:
@@ -389,6 +400,7 @@ class Submission:
         self.engine.in_flight -= self.request.n
         if not self.finished:
             self.engine.cancel(self.request.request_id)
+        self.engine.observer.on_close(self.request, cancelled=not self.finished)
 
     async def __aenter__(self) -> "Submission":
         return self
