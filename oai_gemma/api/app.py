@@ -19,6 +19,7 @@ from ..settings import Settings
 from .errors import APIError, model_not_found
 from .protocol import ModelCard, ModelList, encoder
 from .serving_chat import ChatService
+from .serving_completions import CompletionService
 from .serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger("oai_gemma.server")
@@ -100,6 +101,15 @@ def create_app(settings: Settings) -> Litestar:
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
         return Response(content=await chat.complete(prepared), media_type=JSON)
 
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        service = CompletionService(state.require_ready())
+        prepared = await service.prepare(await request.body(), arrival)
+        if prepared.request.stream:
+            return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await service.complete(prepared), media_type=JSON)
+
     @post("/tokenize", status_code=200)  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
         chat = state.require_ready()
@@ -145,7 +155,7 @@ def create_app(settings: Settings) -> Litestar:
     open_paths = frozenset() if settings.server.health_requires_key else frozenset({"/health"})
     app = Litestar(
         before_request=_require_key(keys, open_paths) if keys else None,
-        route_handlers=[chat_completions, tokenize_route, detokenize_route, list_models, retrieve_model, health],
+        route_handlers=[chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
