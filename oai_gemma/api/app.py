@@ -22,6 +22,7 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
 from .protocol import ModelCard, ModelList, encoder
 from .serving_chat import ChatService
+from .serving_completions import CompletionService
 from .serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger("oai_gemma.server")
@@ -136,6 +137,15 @@ def create_app(settings: Settings) -> Litestar:
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
         return Response(content=await unless_disconnected(request, chat.complete(prepared)), media_type=JSON)
 
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        service = CompletionService(state.require_ready())
+        prepared = await service.prepare(await request.body(), arrival)
+        if prepared.request.stream:
+            return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await unless_disconnected(request, service.complete(prepared)), media_type=JSON)
+
     @post("/tokenize", status_code=200)  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
         chat = state.require_ready()
@@ -185,7 +195,9 @@ def create_app(settings: Settings) -> Litestar:
         log.warning("no API key configured: the server is open to anyone who can reach it")
     app = Litestar(
         before_request=_require_key(keys, open_paths) if keys else None,
-        route_handlers=[chat_completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics],
+        route_handlers=[
+            chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics,
+        ],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},

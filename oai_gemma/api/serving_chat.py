@@ -18,7 +18,7 @@ from ..chat import ChatInputError, RenderedChat, render_chat
 from ..chat.images import image_client, load_images
 from ..chat.vision import VisionPrompt, expand_images
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError
-from ..engine.types import GenerationRequest, SamplingParams
+from ..engine.types import GenerationRequest
 from ..settings import ImageSettings
 from .errors import APIError, decode_body, invalid_request, model_not_found, not_supported
 from .protocol import (
@@ -37,6 +37,7 @@ from .protocol import (
     decoder,
     encoder,
 )
+from .sampling import choice_count, completion_budget, sampling_params
 
 DONE = b"data: [DONE]\n\n"
 FINISHED = ("stop", "length")
@@ -121,50 +122,14 @@ class ChatService:
         return await asyncio.to_thread(expand_images, self.processor, rendered.prompt, images, scans)
 
     def _generation_request(self, request: ChatCompletionRequest, prompt_ids: list[int], arrival: float) -> GenerationRequest:
-        room = self.max_model_len - len(prompt_ids)
         asked = request.max_completion_tokens or request.max_tokens
-        if room < 1 or (asked is not None and asked > room):
-            wanted = len(prompt_ids) + (asked or 1)
-            raise invalid_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({len(prompt_ids)} in the messages, {asked or 1} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "messages", "context_length_exceeded",
-            )
-        stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+        max_tokens = completion_budget(len(prompt_ids), asked, self.default_max_tokens, self.max_model_len, "messages")
         if request.top_logprobs and not request.logprobs:
             raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        if request.min_tokens and asked and request.min_tokens > asked:
-            raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
-        n = request.n or 1
-        if n > self.engine.num_slots:
-            raise invalid_request(f"`n` must be at most {self.engine.num_slots} (the server's batch size)", "n")
-        sampling = SamplingParams(
-            max_tokens=asked or min(self.default_max_tokens, room),
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=max(request.top_k or 0, 0),
-            seed=request.seed,
-            stop=stop,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=request.repetition_penalty or 1.0,
-            min_p=request.min_p or 0.0,
-            logit_bias=self._logit_bias(request.logit_bias),
-            min_tokens=request.min_tokens or 0,
-            ignore_eos=bool(request.ignore_eos),
-            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-        )
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        sampling = sampling_params(request, max_tokens, asked, logprobs, self.engine.vocab_limit)
+        n = choice_count(request.n, self.engine.num_slots)
         return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival, n=n)
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `{"token id": bias}`; the ids must be in the vocabulary."""
-        pairs = []
-        for key, value in (bias or {}).items():
-            if not key.isdigit() or int(key) >= self.engine.vocab_limit:
-                raise invalid_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
-            pairs.append((int(key), float(value)))
-        return tuple(pairs)
 
     # ---- engine -> response -----------------------------------------------------------------------
 
