@@ -14,10 +14,10 @@ from openai_schema import validate
 LONG = {"model": MODEL, "messages": user("Write a very long story."), "max_tokens": 1500, "ignore_eos": True}
 
 
-def sse_events(response) -> list:
-    """Every `data:` payload of a stream, `[DONE]` as the string."""
+def sse_events(lines) -> list:
+    """Every `data:` payload of a stream's lines, `[DONE]` as the string."""
     events = []
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("data: "):
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
@@ -59,7 +59,7 @@ def timed(tmp_path_factory):
 def test_a_stream_past_the_request_timeout_ends_with_an_error_event_then_done(timed):
     started = time.monotonic()
     with httpx.stream("POST", timed.url + "/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as response:
-        events = sse_events(response)
+        events = sse_events(response.iter_lines())
     assert 5.5 < time.monotonic() - started < 20
     assert events[-1] == "[DONE]"
     error = events[-2]
@@ -126,7 +126,7 @@ class Shutdown:
             lines = response.iter_lines()
             first = next(lines)
             started.set()
-            self.streams[name] = sse_events(response) + [json.loads(first[len("data: "):])]
+            self.streams[name] = sse_events([first, *lines])
 
 
 @pytest.fixture(scope="module")

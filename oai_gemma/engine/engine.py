@@ -362,10 +362,11 @@ class Submission:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
-        wait = self.idle_timeout
+        limit, wait = "idle", self.idle_timeout  # whichever limit comes first is the one armed
         if self.deadline is not None:
             left = self.deadline - time.perf_counter()
-            wait = left if wait is None else min(wait, left)
+            if wait is None or left < wait:
+                limit, wait = "total", left
         if not self.events.empty():
             event = self.events.get_nowait()
         elif wait is None:
@@ -374,7 +375,7 @@ class Submission:
             try:
                 event = await asyncio.wait_for(self.events.get(), max(wait, 0.0))
             except TimeoutError:
-                event = self._timed_out()
+                event = self._timed_out(limit)
                 self.engine.cancel(self.request.request_id)
                 self.unfinished = 1  # the timeout ends every choice
         self.engine.observer.on_event(self.request, event)
@@ -385,11 +386,10 @@ class Submission:
                 self.close()
         return event
 
-    def _timed_out(self) -> TokenEvent:
-        total = self.deadline is not None and time.perf_counter() >= self.deadline
+    def _timed_out(self, limit: str) -> TokenEvent:
         why = (
             f"the request ran past the server's request timeout ({self.deadline - self.request.arrival_time:g} s)"
-            if total else f"no token for {self.idle_timeout:g} s (the server's idle timeout)"
+            if limit == "total" else f"no token for {self.idle_timeout:g} s (the server's idle timeout)"
         )
         return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "timeout", error=why)
 
