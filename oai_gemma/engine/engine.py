@@ -13,10 +13,12 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
+from .grammar import GrammarCompiler, GrammarMasks
 from .loader import LoadedModel
 from .runner import KVCache, ModelRunner, StepItem
 from .sampler import PlainRow, RowRandom, sample_with_logprobs
@@ -49,6 +51,8 @@ class Engine:
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
+        self._grammars = _in_background(GrammarCompiler, loaded.tokenizer, sorted(self.eos_token_ids))
+        self.grammar_masks = GrammarMasks(len(loaded.tokenizer))
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
@@ -113,6 +117,12 @@ class Engine:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output grammars; built in the background at start (seconds: the vocabulary's
+        token trie), so the first call may block: call it off the event loop."""
+        return self._grammars.result()
+
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None))
 
@@ -158,6 +168,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
             stopper=StopMatcher(request.sampling.stop),
             cache_keys=list(prompt),
+            matcher=request.grammar.matcher() if request.grammar is not None else None,
         )
         error = None
         if not prompt or len(prompt) + 1 > self.max_model_len:
@@ -192,6 +203,7 @@ class Engine:
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
+            logits = self.grammar_masks.apply(logits, [seq.matcher for seq in sampled])
             tokens, logprobs = sample_with_logprobs(logits, sampled, self.eos_token_ids)
         except Exception as exc:  # this step's requests fail alone; the engine keeps serving
             log.exception("engine step failed")
@@ -209,7 +221,7 @@ class Engine:
     def _on_token(self, seq: Sequence, token: int, logprobs, now: float, events: list) -> None:
         seq.output_ids.append(token)
         params: SamplingParams = seq.request.sampling
-        finish = None
+        finish = error = None
         if token in self.eos_token_ids and not params.ignore_eos:
             text, finish = seq.stopper.flush(), "stop"
             logprobs = None  # the stop token is not part of the output, nor of its logprobs
@@ -217,9 +229,13 @@ class Engine:
             text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
             if stopped:
                 finish = "stop"
+            elif seq.matcher is not None and not seq.matcher.consume_token(token):
+                text, finish, error = "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
+            elif seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
+                text, finish = text + seq.stopper.flush(), "stop"
             elif len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
                 text, finish = text + seq.stopper.flush(), "length"
-        event = self._event(seq, token, text, now, finish)
+        event = self._event(seq, token, text, now, finish, error)
         if logprobs is not None:
             event.logprob, event.top_logprobs = logprobs
         if len(seq.output_ids) == 1:
@@ -273,6 +289,7 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
+        self.grammar_masks.apply(logits[:1].clone(), [self.grammars.json_object().matcher()])
 
 
 class Submission:
@@ -357,6 +374,14 @@ def slots_within_budget(loaded: LoadedModel, max_num_seqs: int, max_model_len: i
             f"({per_slot / 2**30:.3f} GiB); raise it or lower max_model_len"
         )
     return min(slots, max_num_seqs)
+
+
+def _in_background(build, *args) -> Future:
+    """Run `build(*args)` on its own thread; the Future holds its result (or its exception)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="oai-gemma-build")
+    future = pool.submit(build, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _put_all(events: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
