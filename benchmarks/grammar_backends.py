@@ -63,6 +63,7 @@ FEATURES = {
     "contains": {"type": "array", "contains": {"type": "integer"}},
     "dependentRequired": {"type": "object", "dependentRequired": {"a": ["b"]}},
     "unknown keyword": {"type": "string", "x-made-up": 1},
+    "unknown format": {"type": "string", "format": "madeup"},
 }
 
 
