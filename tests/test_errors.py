@@ -97,7 +97,6 @@ def test_prompt_longer_than_context_is_context_length_exceeded(http):
 @pytest.mark.parametrize(
     "patch, param",
     [
-        ({"n": 2}, "n"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
