@@ -45,6 +45,30 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(Struct):
+    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    schema: dict[str, Any] | None = None
+    """None: any JSON value."""
+    description: str | None = None
+    strict: bool | None = None
+    """Accepted either way: the schema is always enforced by the grammar."""
+
+
+class TextFormat(Struct, tag="text", tag_field="type"):
+    pass
+
+
+class JSONObjectFormat(Struct, tag="json_object", tag_field="type"):
+    pass
+
+
+class JSONSchemaResponseFormat(Struct, tag="json_schema", tag_field="type"):
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = TextFormat | JSONObjectFormat | JSONSchemaResponseFormat
+
+
 class ChatCompletionRequest(Struct, omit_defaults=True):
     model: str
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -67,7 +91,7 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     # neutral value (see `unsupported_parameter`)
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -102,8 +126,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
         for name, allowed in neutral.items():
             if getattr(self, name) not in allowed:
                 return name
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
         return None
 
 

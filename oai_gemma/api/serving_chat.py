@@ -37,6 +37,7 @@ from .protocol import (
     decoder,
     encoder,
 )
+from .response_format import response_format_grammar
 from .sampling import choice_count, completion_budget, sampling_params
 
 DONE = b"data: [DONE]\n\n"
@@ -89,6 +90,7 @@ class ChatService:
         else:
             prompt_ids = await self.encode(rendered.prompt)
         generation = self._generation_request(request, prompt_ids, arrival)
+        generation.grammar = await response_format_grammar(self.engine, request.response_format)
         if vision is not None:
             generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
         try:

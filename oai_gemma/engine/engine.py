@@ -13,10 +13,12 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
+from .grammar import GrammarCompiler, GrammarMasks
 from .loader import LoadedModel
 from .observer import RequestObserver
 from .runner import KVCache, ModelRunner, StepItem
@@ -51,6 +53,8 @@ class Engine:
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
+        self._grammars = _in_background(GrammarCompiler, loaded.tokenizer, sorted(self.eos_token_ids))
+        self.grammar_masks = GrammarMasks(len(loaded.tokenizer))
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
         self.num_slots = num_slots
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
@@ -133,6 +137,12 @@ class Engine:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output grammars; built in the background at start (seconds: the vocabulary's
+        token trie), so the first call may block: call it off the event loop."""
+        return self._grammars.result()
+
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None))
 
@@ -189,6 +199,7 @@ class Engine:
             stopper=StopMatcher(request.sampling.stop),
             cache_keys=list(request.prompt_token_ids),
             index=index,
+            matcher=request.grammar.matcher() if request.grammar is not None else None,
         )
 
     def _admit(self, request: GenerationRequest, sink) -> None:
@@ -231,6 +242,7 @@ class Engine:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
             logits, sampled = self._fork(logits, sampled)
+            logits = self.grammar_masks.apply(logits, [seq.matcher for seq in sampled])
             tokens, logprobs = sample_with_logprobs(logits, sampled, self.eos_token_ids)
         except Exception as exc:  # the culprits fail alone; the engine keeps serving
             log.exception("engine step failed")
@@ -265,7 +277,7 @@ class Engine:
     def _on_token(self, seq: Sequence, token: int, logprobs, now: float, events: list) -> None:
         seq.output_ids.append(token)
         params: SamplingParams = seq.request.sampling
-        finish = None
+        finish = error = None
         if token in self.eos_token_ids and not params.ignore_eos:
             text, finish = seq.stopper.flush(), "stop"
             logprobs = None  # the stop token is not part of the output, nor of its logprobs
@@ -273,9 +285,13 @@ class Engine:
             text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
             if stopped:
                 finish = "stop"
+            elif seq.matcher is not None and not seq.matcher.consume_token(token):
+                text, finish, error = "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
+            elif seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
+                text, finish = text + seq.stopper.flush(), "stop"
             elif len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
                 text, finish = text + seq.stopper.flush(), "length"
-        event = self._event(seq, token, text, now, finish)
+        event = self._event(seq, token, text, now, finish, error)
         if logprobs is not None:
             event.logprob, event.top_logprobs = logprobs
         if len(seq.output_ids) == 1:
@@ -335,6 +351,7 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
+        self.grammar_masks.apply(logits[:1].clone(), [self.grammars.json_object().matcher()])
 
 
 class Submission:
@@ -451,6 +468,14 @@ def slots_within_budget(loaded: LoadedModel, max_num_seqs: int, max_model_len: i
             f"({per_slot / 2**30:.3f} GiB); raise it or lower max_model_len"
         )
     return min(slots, max_num_seqs)
+
+
+def _in_background(build, *args) -> Future:
+    """Run `build(*args)` on its own thread; the Future holds its result (or its exception)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="oai-gemma-build")
+    future = pool.submit(build, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _put_all(events: list[tuple[asyncio.Queue, TokenEvent]]) -> None:

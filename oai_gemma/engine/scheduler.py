@@ -36,6 +36,8 @@ class Sequence:
     image_embeds: object | None = None
     """[image tokens, hidden] from the vision tower, in prompt order."""
     output_ids: list[int] = field(default_factory=list)
+    matcher: object | None = None
+    """This sequence's place in its request's grammar (structured output), else None."""
     scheduled_time: float | None = None
     finished: bool = False
     index: int = 0

@@ -51,6 +51,8 @@ class GenerationRequest:
     """[crops, 3, H, W] tensor for the image soft-token blocks of the prompt, in order (multimodal models)."""
     crop_keys: tuple[int, ...] = ()
     """A content hash per crop, so the prefix cache never takes one image's KV for another's."""
+    grammar: object | None = None
+    """A compiled `engine.grammar.Grammar` the output must follow (structured output), else None."""
     n: int = 1
     """Choices to generate from the one prompt: its prefill runs once, then each choice samples on its own."""
 
