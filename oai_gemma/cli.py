@@ -61,15 +61,27 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api.app import create_app
+    from .api.graceful import GracefulServer
 
     settings = _settings(args)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_access_as_json_lines()
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
-        access_log=settings.server.log_level == "debug", timeout_graceful_shutdown=5,
+        access_log=False, timeout_graceful_shutdown=5,  # ours (oai_gemma.access) replaces uvicorn's
     )
+    GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace).run()
     return 0
+
+
+def _log_access_as_json_lines() -> None:
+    """The access log's lines are JSON objects alone, so a log shipper can parse them as they are."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("oai_gemma.access")
+    access.addHandler(handler)
+    access.propagate = False
 
 
 def prepare(args: argparse.Namespace) -> int:

@@ -51,9 +51,9 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
     max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 256
     """Requests allowed to wait for a batch slot; beyond that a 429 with Retry-After, not an unbounded queue."""
-    """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
 
 
 class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,8 +85,21 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Bearer keys clients must send (also `OAI_GEMMA_API_KEYS=k1,k2`); none means open."""
     health_requires_key: bool = False
     """`/health` is open by default so load balancers can probe it."""
+    metrics_requires_key: bool = False
+    """`/metrics` is open by default so Prometheus can scrape it."""
+    log_request_text: bool = False
+    """Debugging only: access-log lines then carry the request body and the output text."""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 32 * 1024 * 1024
     """Larger request bodies get a 413."""
+    request_timeout: Annotated[float, msgspec.Meta(ge=0)] = 600.0
+    """Seconds from a request's arrival to its last token; past it the request ends (504, or a stream's
+    error event then `[DONE]`). 0 means no limit."""
+    idle_timeout: Annotated[float, msgspec.Meta(ge=0)] = 120.0
+    """Longest wait for a request's next token, time in the queue included (a stream that goes quiet
+    this long ends the same way). 0 means no limit."""
+    shutdown_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    """On SIGTERM/SIGINT: seconds running requests get to finish while new ones get 503; the rest are then
+    ended (503, or an error event then `[DONE]`) and the process exits 0."""
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True):

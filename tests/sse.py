@@ -29,9 +29,9 @@ class RawStream:
         return "".join(c["choices"][0]["delta"].get("content") or "" for c in self.chunks if c.get("choices"))
 
 
-def post_stream(http: httpx.Client, payload: dict) -> RawStream:
+def post_stream(http: httpx.Client, payload: dict, path: str = "/v1/chat/completions") -> RawStream:
     arrivals = []
-    with http.stream("POST", "/v1/chat/completions", json=payload) as response:
+    with http.stream("POST", path, json=payload) as response:
         for raw in response.iter_raw():
             arrivals.append((time.perf_counter(), raw))
         return RawStream(response.status_code, response.headers, b"".join(r for _, r in arrivals), arrivals)

@@ -87,6 +87,12 @@ CATALOGUE = [
     Bad("10k-messages", chat(messages=user("hi") * 10_000), param="messages", code="context_length_exceeded"),
     Bad("body-over-the-cap", b" " * (MAX_BODY_BYTES + 1), status=413),
     Bad("megabyte-model-name", {**chat(), "model": "x" * 1_000_000}, status=404, param="model", code="model_not_found"),
+    # /v1/completions: the same limits on its `prompt`
+    Bad("completions-10MB-prompt", {"model": MODEL, "prompt": "word " * 2_000_000, "max_tokens": 1}, path="/v1/completions",
+        param="prompt", code="context_length_exceeded"),
+    Bad("completions-negative-token-id", {"model": MODEL, "prompt": [-1], "max_tokens": 1}, path="/v1/completions",
+        param="prompt", code="invalid_token_id"),
+    Bad("completions-nested-100k", b'{"model": "%s", "prompt": ' % MODEL.encode() + nested(100_000) + b"}", path="/v1/completions"),
     # ids outside every range
     Bad("detokenize-id-10e30", {"tokens": [10**30]}, path="/detokenize", param="tokens", code="invalid_token_id"),
     Bad("detokenize-negative-id", {"tokens": [-1]}, path="/detokenize", param="tokens", code="invalid_token_id"),

@@ -127,3 +127,91 @@ def test_incremental_detokenizer_emits_whole_characters_once(harness):
     deltas = [detok.push(i) for i in ids]
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_step_that_fails_on_a_new_prompt_fails_that_request_alone(harness):
+    """E.g. out of memory on a huge prompt: the running stream beside it goes on, token for token."""
+    steady = harness.prompt("Describe a long walk in the mountains.")
+    doomed = harness.prompt("This prompt breaks the model.")
+    (alone, _), = harness.run(steady, max_tokens=16)
+    runner = harness.engine.runner
+    real_forward = runner.forward
+
+    def forward(prefills, decodes):
+        if any(item.token_ids[-4:] == doomed[-4:] for item in prefills):
+            raise RuntimeError("out of memory (injected)")
+        return real_forward(prefills, decodes)
+
+    async def main():
+        harness.counter += 1
+        first = harness.engine.generate(GenerationRequest("steady", steady, SamplingParams(max_tokens=16, temperature=0.0)))
+        events = [await first.__anext__()]  # it is decoding now
+        failed = [e async for e in harness.engine.generate(GenerationRequest("doomed", doomed, SamplingParams(max_tokens=4)))]
+        events += [e async for e in first]
+        return events, failed
+
+    runner.forward = forward
+    try:
+        events, failed = harness.loop.run_until_complete(main())
+    finally:
+        runner.forward = real_forward
+    assert failed[-1].finish_reason == "error" and "out of memory" in failed[-1].error
+    assert [e.token_id for e in events if e.token_id is not None] == alone
+    assert events[-1].finish_reason == "length"
+    assert harness.engine.alive
+
+
+def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones(harness):
+    from oai_gemma.engine.engine import EngineDeadError
+
+    engine = Engine(harness.loaded, max_num_seqs=2, max_prefill_tokens=64, max_model_len=256)
+
+    class Broken(BaseException):
+        pass
+
+    def step():
+        raise Broken("the loop itself broke (injected)")
+
+    engine._step = step
+    loop = asyncio.new_event_loop()
+    engine.start(loop)
+
+    async def main():
+        request = GenerationRequest("victim", harness.prompt("hi"), SamplingParams(max_tokens=4))
+        return [e async for e in engine.generate(request)]
+
+    try:
+        events = loop.run_until_complete(asyncio.wait_for(main(), 30))
+        assert events[-1].finish_reason == "error" and "loop died" in events[-1].error
+        assert not engine.alive
+        assert "Broken" in engine.dead_reason
+        with pytest.raises(EngineDeadError):
+            engine.generate(GenerationRequest("late", harness.prompt("hi"), SamplingParams(max_tokens=1)))
+    finally:
+        engine.shutdown()
+        loop.close()
+
+
+def test_n_choices_prefill_the_prompt_once(harness):
+    ids = harness.prompt("A prompt that only this test sends, about seven green kites.")
+    runner = harness.engine.runner
+    real_forward = runner.forward
+    prefilled = []
+
+    def forward(prefills, decodes):
+        prefilled.extend(len(item.token_ids) for item in prefills)
+        return real_forward(prefills, decodes)
+
+    async def main():
+        request = GenerationRequest("forked", ids, SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True), n=3)
+        return [e async for e in harness.engine.generate(request)]
+
+    runner.forward = forward
+    try:
+        events = harness.loop.run_until_complete(main())
+    finally:
+        runner.forward = real_forward
+    last = [e for e in events if e.finish_reason]
+    assert sorted(e.index for e in last) == [0, 1, 2]
+    assert all(e.finish_reason == "length" and e.num_output_tokens == 5 for e in last)
+    assert sum(prefilled) == len(ids) - last[0].num_cached_tokens  # once, not three times

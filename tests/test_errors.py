@@ -97,8 +97,7 @@ def test_prompt_longer_than_context_is_context_length_exceeded(http):
 @pytest.mark.parametrize(
     "patch, param",
     [
-        ({"n": 2}, "n"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
     ],

@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from conftest import ServerProcess, user
+from metrics_scrape import delta, scrape
 from openai_schema import validate
 
 KEYS = ("key-one", "key-two")
@@ -69,3 +70,21 @@ def test_a_full_batch_and_waiting_line_answer_429_with_retry_after(guarded):
         while (status := own.post("/v1/chat/completions", json=short).status_code) == 429 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert status == 200
+
+
+def test_metrics_stay_open_with_keys(guarded):
+    assert scrape(guarded.url).value("oai_gemma:num_requests_running") == 0
+
+
+def test_a_429_counts_as_rejected(guarded):
+    headers = {"Authorization": "Bearer key-one"}
+    long = {"model": MODEL, "messages": user("Write a long story."), "max_tokens": 200, "stream": True, "ignore_eos": True}
+    before = scrape(guarded.url)
+    with httpx.Client(base_url=guarded.url, timeout=60, headers=headers) as own:
+        with own.stream("POST", "/v1/chat/completions", json=long) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            short = {"model": MODEL, "messages": user("hi"), "max_tokens": 1}
+            assert own.post("/v1/chat/completions", json=short).status_code == 429
+            during = scrape(guarded.url)
+    assert delta(before, during, "oai_gemma:request_success_total", finished_reason="rejected") == 1

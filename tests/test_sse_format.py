@@ -1,6 +1,5 @@
 """The stream's bytes, exactly as OpenAI and vLLM send them."""
 
-import json
 
 from conftest import MODEL, user
 from openai_schema import validate

@@ -16,10 +16,16 @@ from litestar.response import Stream
 from ..engine.engine import Engine
 from ..engine.loader import load
 from ..settings import Settings
+from .access_log import access_log_middleware
 from .errors import APIError, model_not_found
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics
 from .openapi import HEALTH, add_wire_components, documented
-from .protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelCard, ModelList, encoder
+from .protocol import (
+    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
+)
 from .serving_chat import ChatService
+from .serving_completions import CompletionService
 from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
 
 log = logging.getLogger("oai_gemma.server")
@@ -38,12 +44,18 @@ class ServerState:
         self.engine: Engine | None = None
         self.chat: ChatService | None = None
         self.load_error: str | None = None
+        self.draining = False
+        self.metrics = ServerMetrics(
+            self.served_name, lambda: self.engine.load() if self.engine else None, settings.server.log_request_text
+        )
 
     @property
     def ready(self) -> bool:
         return self.chat is not None and self.engine is not None and self.engine.alive
 
     def require_ready(self) -> ChatService:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "server_error", None, "server_shutting_down")
         if not self.ready:
             reason = self.load_error or (self.engine and self.engine.dead_reason) or "the model is still loading"
             raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
@@ -63,12 +75,16 @@ class ServerState:
                 max_model_len=self.settings.model.max_model_len,
                 kv_cache_gib=self.settings.engine.kv_cache_gib,
                 max_waiting=self.settings.engine.max_waiting,
+                request_timeout=self.settings.server.request_timeout,
+                idle_timeout=self.settings.server.idle_timeout,
+                compile=self.settings.model.compile,
             )
             engine.warm_up()
         except Exception as exc:
             self.load_error = f"loading the model failed: {exc!r}"
             log.exception("loading the model failed")
             return
+        engine.observer = self.metrics
         engine.start(loop)
         self.engine = engine
         self.chat = ChatService(
@@ -80,9 +96,32 @@ class ServerState:
             loaded.device, time.monotonic() - started,
         )
 
+    async def drain(self, grace: float) -> None:
+        """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""
+        self.draining = True
+        engine = self.engine
+        if engine is None:
+            return
+        engine.stop_admitting()
+        log.warning("shutting down: %d request(s) in flight get up to %g s to finish", engine.in_flight, grace)
+        if not await _until(lambda: engine.in_flight == 0, grace):
+            log.warning("shutting down: ending %d request(s) still running", engine.in_flight)
+            engine.abort_all("the server is shutting down")
+            await _until(lambda: engine.in_flight == 0, 5.0)
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+async def _until(condition, timeout: float) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 def _json(payload, status: int = 200) -> Response:
@@ -97,9 +136,18 @@ def create_app(settings: Settings) -> Litestar:
         arrival = time.perf_counter()
         chat = state.require_ready()
         prepared = await chat.prepare(await request.body(), arrival)
-        if prepared.request.stream:
+        if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
-        return Response(content=await chat.complete(prepared), media_type=JSON)
+        return Response(content=await unless_disconnected(request, chat.complete(prepared)), media_type=JSON)
+
+    @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        service = CompletionService(state.require_ready())
+        prepared = await service.prepare(await request.body(), arrival)
+        if prepared.request.stream:
+            return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await unless_disconnected(request, service.complete(prepared)), media_type=JSON)
 
     @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
@@ -126,11 +174,15 @@ def create_app(settings: Settings) -> Litestar:
 
     @get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))
     async def health() -> Response:
-        if state.ready:
+        if state.ready and not state.draining:
             load = state.engine.load()
             return _json({"status": "ok", "model": state.served_name, **load})
-        reason = state.load_error or (state.engine and state.engine.dead_reason) or "loading"
+        reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
         return _json({"status": "unavailable", "reason": reason}, status=503)
+
+    @get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
+    async def metrics() -> Response:
+        return Response(content=state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def on_startup() -> None:
         state.start_loading(asyncio.get_running_loop())
@@ -139,14 +191,16 @@ def create_app(settings: Settings) -> Litestar:
         state.shutdown()
 
     keys = settings.server.api_keys
+    open_paths = open_without_key(settings)
     if keys:
-        log.warning("API keys required (%d configured); /health is %s", len(keys), "closed" if settings.server.health_requires_key else "open")
+        log.warning("API keys required (%d configured); open without one: %s", len(keys), ", ".join(sorted(open_paths)) or "nothing")
     else:
         log.warning("no API key configured: the server is open to anyone who can reach it")
-    open_paths = frozenset() if settings.server.health_requires_key else frozenset({"/health"})
     app = Litestar(
         before_request=_require_key(keys, open_paths) if keys else None,
-        route_handlers=[chat_completions, tokenize_route, detokenize_route, list_models, retrieve_model, health],
+        route_handlers=[
+            chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics,
+        ],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
@@ -154,7 +208,38 @@ def create_app(settings: Settings) -> Litestar:
     )
     add_wire_components(app)
     app.state.server = state
+    # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
+    app.asgi_handler = access_log_middleware(app.asgi_handler, state.metrics.count_outcomes, settings.server.log_request_text)
     return app
+
+
+async def unless_disconnected(request: Request, work) -> bytes:
+    """Await `work`; if the client disconnects first, cancel it (which cancels its engine request at once).
+
+    Litestar does not cancel a handler whose client went away, so a non-streaming request would otherwise
+    keep its batch slot until its last token.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "the client closed the connection", "invalid_request_error", None, "client_closed_request")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the ASGI server reports that the client is gone (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+def open_without_key(settings: Settings) -> frozenset[str]:
+    """`/health` and `/metrics` answer without an API key unless their switch says otherwise."""
+    server = settings.server
+    return frozenset(path for path, closed in (("/health", server.health_requires_key), ("/metrics", server.metrics_requires_key)) if not closed)
 
 
 def _api_error(_: Request, exc: APIError) -> Response:

@@ -45,11 +45,12 @@ def model_not_found(model: str, served: str) -> APIError:
     return APIError(404, f"The model `{shown(model)}` does not exist. This server serves `{served}`.", "invalid_request_error", "model", "model_not_found")
 
 
-def context_length_exceeded(max_model_len: int, detail: str) -> APIError:
+def context_length_exceeded(max_model_len: int, detail: str, where: str = "messages") -> APIError:
+    """`where`: the request field that holds the prompt (`messages`, `prompt`)."""
     return invalid_request(
         f"This model's maximum context length is {max_model_len} tokens. However, {detail}. "
-        "Please reduce the length of the messages or completion.",
-        "messages", "context_length_exceeded",
+        f"Please reduce the length of the {where} or completion.",
+        where, "context_length_exceeded",
     )
 
 

@@ -44,12 +44,12 @@ def _ref(wire_type: Any) -> dict[str, str] | Any:
 
 def documented(
     response: Any, *, request: type | None = None, stream: type | None = None, errors: tuple[int, ...] = tuple(ERRORS),
-    also: tuple[int, ...] = (),
+    also: tuple[int, ...] = (), media_type: str = JSON,
 ) -> type[Operation]:
     """An `operation_class` for a route: its request body, its 200 (JSON, and SSE chunks when it streams), its errors.
 
     `response` is a Struct or a plain JSON schema dict; `stream`, when set, is the Struct each SSE `data:` event holds;
-    `also` are statuses answered with `response`'s schema too (`/health`'s 503).
+    `also` are statuses answered with `response`'s schema too (`/health`'s 503); `media_type`, the 200's (`/metrics`'s text).
     """
     wire_types = tuple(t for t in (request, response, stream, ErrorResponse) if isinstance(t, type))
 
@@ -59,13 +59,13 @@ def documented(
             self.wire_types = wire_types
             if request is not None:
                 self.request_body = RequestBody(content={JSON: OpenAPIMediaType(schema=_ref(request))}, required=True)
-            ok = {JSON: OpenAPIMediaType(schema=_ref(response))}
+            ok = {media_type: OpenAPIMediaType(schema=_ref(response))}
             if stream is not None:
                 description = f"with `stream: true`: Server-Sent Events, each `data:` a {stream.__name__}, then `data: [DONE]`"
                 ok[SSE] = OpenAPIMediaType(schema={"type": "string", "description": description})
             self.responses = {"200": OpenAPIResponse(description="OK", content=ok)}
             for status in also:
-                self.responses[str(status)] = OpenAPIResponse(description="see the body", content={JSON: ok[JSON]})
+                self.responses[str(status)] = OpenAPIResponse(description="see the body", content={media_type: ok[media_type]})
             for status in errors:
                 headers = {"Retry-After": OpenAPIHeader(schema={"type": "string"})} if status == 429 else None
                 self.responses[str(status)] = OpenAPIResponse(

@@ -45,6 +45,30 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(Struct):
+    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    schema: dict[str, Any] | None = None
+    """None: any JSON value."""
+    description: str | None = None
+    strict: bool | None = None
+    """Accepted either way: the schema is always enforced by the grammar."""
+
+
+class TextFormat(Struct, tag="text", tag_field="type"):
+    pass
+
+
+class JSONObjectFormat(Struct, tag="json_object", tag_field="type"):
+    pass
+
+
+class JSONSchemaResponseFormat(Struct, tag="json_schema", tag_field="type"):
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = TextFormat | JSONObjectFormat | JSONSchemaResponseFormat
+
+
 class ChatCompletionRequest(Struct, omit_defaults=True):
     model: str
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -67,7 +91,7 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     # neutral value (see `unsupported_parameter`)
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -89,7 +113,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do yet, else None."""
         neutral = {
-            "n": (None, 1),
             "tools": (None, []),
             "tool_choice": (None, "none"),
             "functions": (None, []),
@@ -103,8 +126,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
         for name, allowed in neutral.items():
             if getattr(self, name) not in allowed:
                 return name
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
         return None
 
 
@@ -210,3 +231,80 @@ class ErrorResponse(Struct):
 
 decoder = msgspec.json.Decoder(ChatCompletionRequest)
 encoder = msgspec.json.Encoder()
+
+
+# ==== /v1/completions: the legacy text-completions endpoint ==========================================
+# (kept apart from the chat types above; `Usage`, `StreamOptions` and `Penalty` are shared)
+
+TokenId = Annotated[int, Meta(ge=0)]
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+
+
+class CompletionRequest(Struct, omit_defaults=True):
+    model: str
+    prompt: str | Annotated[list[str | TokenId | TokenIds], Meta(min_length=1)]
+    """A string, a list of strings, a list of token ids or a list of token-id lists (msgspec allows one
+    array type per union, so the list's items are checked to be of one kind in `serving_completions`)."""
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    """None: OpenAI's legacy default, 16. 0 only with `echo` (the prompt back, nothing generated)."""
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    best_of: Annotated[int, Meta(ge=0, le=20)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    suffix: str | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
+
+    def unsupported_parameter(self) -> str | None:
+        """The first known parameter set to something this server does not do (yet), else None."""
+        if self.best_of not in (None, 1, self.n or 1):
+            return "best_of"
+        if self.suffix is not None:
+            return "suffix"
+        return None
+
+
+class CompletionLogprobs(Struct):
+    """The legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    """Null on every stream chunk but a choice's last."""
+
+
+class Completion(Struct):
+    """Both the response and each stream chunk (OpenAI's legacy endpoint uses one shape for both)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | UnsetType = UNSET
+    """Always in a response; in a stream only on the last chunk (`"choices": []`), with include_usage."""
+
+
+completion_decoder = msgspec.json.Decoder(CompletionRequest)

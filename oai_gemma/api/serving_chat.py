@@ -18,9 +18,9 @@ from ..chat import ChatInputError, RenderedChat, render_chat
 from ..chat.images import image_client, load_images
 from ..chat.vision import VisionPrompt, expand_images
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError
-from ..engine.types import GenerationRequest, SamplingParams
+from ..engine.types import GenerationRequest
 from ..settings import ImageSettings
-from .errors import APIError, context_length_exceeded, decode_body, invalid_request, model_not_found, not_supported, shown
+from .errors import APIError, context_length_exceeded, decode_body, invalid_request, model_not_found, not_supported
 from .protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -29,8 +29,6 @@ from .protocol import (
     Choice,
     ChoiceLogprobs,
     Delta,
-    ErrorBody,
-    ErrorResponse,
     PromptTokensDetails,
     StreamChoice,
     TokenLogprob,
@@ -39,8 +37,12 @@ from .protocol import (
     decoder,
     encoder,
 )
+from .response_format import response_format_grammar
+from .sampling import choice_count, completion_budget, sampling_params
 
 DONE = b"data: [DONE]\n\n"
+FINISHED = ("stop", "length")
+"""A choice that ended with one of these succeeded."""
 LONG_PROMPT_CHARS = 20_000
 
 
@@ -87,12 +89,9 @@ class ChatService:
         if vision is not None:
             prompt_ids = vision.token_ids
         else:
-            if len(rendered.prompt) > self.max_prompt_chars:  # surely too long: no need to tokenize megabytes to say so
-                raise context_length_exceeded(
-                    self.max_model_len, f"the messages are {len(rendered.prompt)} characters long, more than that many tokens can hold"
-                )
-            prompt_ids = await self.encode(rendered.prompt)
+            prompt_ids = await self.encode_prompt(rendered.prompt, "messages")
         generation = self._generation_request(request, prompt_ids, arrival)
+        generation.grammar = await response_format_grammar(self.engine, request.response_format)
         if vision is not None:
             generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
         try:
@@ -107,6 +106,14 @@ class ChatService:
             return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         return await asyncio.to_thread(run) if len(text) > LONG_PROMPT_CHARS else run()
+
+    async def encode_prompt(self, text: str, where: str, add_special_tokens: bool = False) -> list[int]:
+        """A prompt's token ids; one too long to fit whatever it says is a 400 at once, not after tokenizing megabytes."""
+        if len(text) > self.max_prompt_chars:
+            raise context_length_exceeded(
+                self.max_model_len, f"the {where} is {len(text)} characters long, more than that many tokens can hold", where
+            )
+        return await self.encode(text, add_special_tokens)
 
     async def vision_prompt(self, rendered: RenderedChat) -> VisionPrompt:
         """Fetch and decode the images (concurrently, off the event loop), then run the model's processor."""
@@ -126,46 +133,14 @@ class ChatService:
         return await asyncio.to_thread(expand_images, self.processor, rendered.prompt, images, scans)
 
     def _generation_request(self, request: ChatCompletionRequest, prompt_ids: list[int], arrival: float) -> GenerationRequest:
-        room = self.max_model_len - len(prompt_ids)
         asked = request.max_completion_tokens or request.max_tokens
-        if room < 1 or (asked is not None and asked > room):
-            wanted = len(prompt_ids) + (asked or 1)
-            raise context_length_exceeded(
-                self.max_model_len,
-                f"you requested {wanted} tokens ({len(prompt_ids)} in the messages, {asked or 1} in the completion)",
-            )
-        max_tokens = asked or min(self.default_max_tokens, room)
-        stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+        max_tokens = completion_budget(len(prompt_ids), asked, self.default_max_tokens, self.max_model_len, "messages")
         if request.top_logprobs and not request.logprobs:
             raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        if request.min_tokens and request.min_tokens > max_tokens:
-            raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=min(max(request.top_k or 0, 0), self.engine.vocab_limit),  # beyond the vocabulary means off
-            seed=request.seed,
-            stop=stop,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=request.repetition_penalty or 1.0,
-            min_p=request.min_p or 0.0,
-            logit_bias=self._logit_bias(request.logit_bias),
-            min_tokens=request.min_tokens or 0,
-            ignore_eos=bool(request.ignore_eos),
-            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-        )
-        return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival)
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `{"token id": bias}`; the ids must be in the vocabulary."""
-        pairs = []
-        for key, value in (bias or {}).items():
-            if not (key.isascii() and key.isdigit() and len(key) < 10) or int(key) >= self.engine.vocab_limit:
-                raise invalid_request(f"logit_bias key {shown(key)!r} is not a token id of this model", "logit_bias")
-            pairs.append((int(key), float(value)))
-        return tuple(pairs)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        sampling = sampling_params(request, max_tokens, logprobs, self.engine.vocab_limit)
+        n = choice_count(request.n, self.engine.num_slots)
+        return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival, n=n)
 
     # ---- engine -> response -----------------------------------------------------------------------
 
@@ -185,33 +160,36 @@ class ChatService:
         return entries
 
     async def complete(self, prepared: PreparedChat) -> bytes:
-        pieces: list[str] = []
-        logprobs: list = []
+        n = prepared.generation.n
+        pieces: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
         want_logprobs = prepared.generation.sampling.logprobs is not None
-        event = None
+        last: dict[int, object] = {}  # choice index -> its last event
         try:
             async with self.engine.generate(prepared.generation) as events:
                 async for event in events:
-                    pieces.append(event.text)
+                    pieces[event.index].append(event.text)
                     if want_logprobs:
-                        logprobs.append(event)
+                        logprobs[event.index].append(event)
+                    if event.finish_reason is not None:
+                        last[event.index] = event
         except EngineDeadError as exc:
-            raise APIError(503, str(exc), "server_error", None, "engine_unavailable") from None
+            raise unavailable(exc) from None
         except EngineBusyError as exc:
             raise busy(exc) from None
-        if event is None or event.finish_reason not in ("stop", "length"):
-            raise APIError(500, f"generation failed: {event.error if event else 'no output'}", "server_error")
+        failed = [e for e in last.values() if e.finish_reason not in FINISHED]
+        if failed or len(last) < n:
+            raise generation_failure(failed[0] if failed else None)
+        choices = [
+            Choice(
+                i, AssistantMessage("".join(pieces[i])), last[i].finish_reason,
+                ChoiceLogprobs(self._logprob_entries(logprobs[i])) if want_logprobs else None,
+            )
+            for i in range(n)
+        ]
         response = ChatCompletion(
-            id=prepared.generation.request_id,
-            created=prepared.created,
-            model=self.served_name,
-            choices=[
-                Choice(
-                    0, AssistantMessage("".join(pieces)), event.finish_reason,
-                    ChoiceLogprobs(self._logprob_entries(logprobs)) if want_logprobs else None,
-                )
-            ],
-            usage=_usage(event),
+            id=prepared.generation.request_id, created=prepared.created, model=self.served_name, choices=choices,
+            usage=_usage(list(last.values())),
         )
         return encoder.encode(response)
 
@@ -219,38 +197,43 @@ class ChatService:
         include_usage = bool(prepared.request.stream_options and prepared.request.stream_options.include_usage)
         usage_field = None if include_usage else msgspec.UNSET
         rid, created, model = prepared.generation.request_id, prepared.created, self.served_name
+        n = prepared.generation.n
 
         want_logprobs = prepared.generation.sampling.logprobs is not None
-        pending: list = []  # events whose text is still held back (a partial character or stop string)
+        pending: list[list] = [[] for _ in range(n)]  # per choice: events whose text is still held back
 
-        def chunk(delta: Delta, finish: str | None = None) -> bytes:
-            logprobs = ChoiceLogprobs(self._logprob_entries(pending)) if want_logprobs and pending else None
-            pending.clear()
-            choice = StreamChoice(0, delta, logprobs, finish)
+        def chunk(index: int, delta: Delta, finish: str | None = None) -> bytes:
+            held = pending[index]
+            logprobs = ChoiceLogprobs(self._logprob_entries(held)) if want_logprobs and held else None
+            held.clear()
+            choice = StreamChoice(index, delta, logprobs, finish)
             return sse(ChatCompletionChunk(rid, created, model, [choice], usage=usage_field))
 
-        event = None
         try:
             submission = self.engine.generate(prepared.generation)  # takes its place before the first byte
         except (EngineDeadError, EngineBusyError) as exc:
-            yield sse(ErrorResponse(ErrorBody(str(exc), "server_error", None, "engine_unavailable")))
+            yield sse(unavailable(exc).body)
             yield DONE
             return
+        last = []
         async with submission:
-            yield chunk(Delta(role="assistant", content=""))
+            for index in range(n):
+                yield chunk(index, Delta(role="assistant", content=""))
             async for event in submission:
                 if want_logprobs:
-                    pending.append(event)
+                    pending[event.index].append(event)
                 if event.text:
-                    yield chunk(Delta(content=event.text))
-        if event is not None:
-            if event.finish_reason in ("stop", "length"):
-                yield chunk(Delta(), event.finish_reason)
-                if include_usage:
-                    yield sse(ChatCompletionChunk(rid, created, model, [], usage=_usage(event)))
-            else:
-                message = f"generation failed: {event.error or event.finish_reason}"
-                yield sse(ErrorResponse(ErrorBody(message, "server_error", None, "generation_failed")))
+                    yield chunk(event.index, Delta(content=event.text))
+                if event.finish_reason is None:
+                    continue
+                if event.finish_reason not in FINISHED:  # one choice failed: the request fails (the rest is cancelled)
+                    yield sse(generation_failure(event).body)
+                    yield DONE
+                    return
+                last.append(event)
+                yield chunk(event.index, Delta(), event.finish_reason)
+        if include_usage and last:
+            yield sse(ChatCompletionChunk(rid, created, model, [], usage=_usage(last)))
         yield DONE
 
 
@@ -264,8 +247,23 @@ def busy(exc: Exception) -> APIError:
     return APIError(429, str(exc), "requests", None, "rate_limit_exceeded", {"Retry-After": "1"})
 
 
-def _usage(event) -> Usage:
-    return Usage(
-        event.num_prompt_tokens, event.num_output_tokens, event.num_prompt_tokens + event.num_output_tokens,
-        PromptTokensDetails(event.num_cached_tokens),
-    )
+def unavailable(exc: Exception) -> APIError:
+    return APIError(503, str(exc), "server_error", None, "engine_unavailable")
+
+
+def generation_failure(event) -> APIError:
+    """Why a request ended without `stop` or `length`, as the client sees it (status, or a stream's error event)."""
+    if event is None:
+        return APIError(500, "generation failed: no output", "server_error", None, "generation_failed")
+    if event.finish_reason == "timeout":
+        return APIError(504, event.error, "server_error", None, "timeout")
+    if event.finish_reason == "aborted":
+        return APIError(503, event.error, "server_error", None, "server_shutting_down")
+    return APIError(500, f"generation failed: {event.error or event.finish_reason}", "server_error", None, "generation_failed")
+
+
+def _usage(last_events: list) -> Usage:
+    """One prompt, however many choices: completion tokens add up over the choices' last events."""
+    prompt = last_events[0].num_prompt_tokens
+    completion = sum(e.num_output_tokens for e in last_events)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(last_events[0].num_cached_tokens))

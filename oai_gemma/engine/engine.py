@@ -13,11 +13,14 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
+from .grammar import GrammarCompiler, GrammarMasks
 from .loader import LoadedModel
+from .observer import RequestObserver
 from .runner import KVCache, ModelRunner, StepItem
 from .sampler import PlainRow, RowRandom, sample_with_logprobs
 from .scheduler import Scheduler, Sequence
@@ -37,7 +40,8 @@ class EngineBusyError(RuntimeError):
 class Engine:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
-        kv_cache_gib: float = 0.0, max_waiting: int = 256,
+        kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
+        compile: str = "auto", static_decode: bool | None = None,
     ):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -49,15 +53,24 @@ class Engine:
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
+        self._grammars = _in_background(GrammarCompiler, loaded.tokenizer, sorted(self.eos_token_ids))
+        self.grammar_masks = GrammarMasks(len(loaded.tokenizer))
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
+        self.num_slots = num_slots
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
-            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots
+            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
+            compile=compile, static_decode=static_decode,
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
         self.capacity = num_slots + max_waiting
+        self.request_timeout = request_timeout
+        """Seconds from arrival to the last token; 0 means no limit."""
+        self.idle_timeout = idle_timeout
+        """Longest wait for a request's next event (queue included); 0 means no limit."""
+        self.admitting = True
         self.in_flight = 0
         """Requests between submit and their last event (touched on the event loop only)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -66,6 +79,7 @@ class Engine:
         self._stopping = False
         self.dead_reason: str | None = None
         self.steps = 0
+        self.observer = RequestObserver()
 
     # ---- the event-loop side --------------------------------------------------------------------
 
@@ -93,28 +107,52 @@ class Engine:
         self.check_capacity()
         if not request.arrival_time:
             request.arrival_time = time.perf_counter()
-        submission = Submission(self, request)
+        submission = Submission(self, request, self.request_timeout, self.idle_timeout)
         self._inbox.put(("add", request, submission.events))
-        self.in_flight += 1
+        self.in_flight += request.n
         return submission
 
     def check_capacity(self) -> None:
         """Raise unless a new request can be taken now (call before a response starts)."""
         if not self.alive:
+            self.observer.on_reject("dead")
             raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if not self.admitting:
+            raise EngineDeadError("the server is shutting down")
         if self.in_flight >= self.capacity:
+            self.observer.on_reject("busy")
             raise EngineBusyError(f"all {self.capacity} places (batch slots and waiting line) are taken; retry shortly")
 
-    def load(self) -> dict[str, int]:
-        """How busy the engine is right now (read from the event loop: a snapshot, not a lock)."""
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps}
+    def load(self) -> dict[str, float]:
+        """How busy the engine is right now (read from the event loop: a snapshot, not a lock).
+
+        `kv_cache_usage`: the share of KV-cache slots held by requests (0..1)."""
+        slots = self.runner.cache.num_slots
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps,
+            "kv_cache_usage": (slots - len(self.scheduler.slots)) / slots,
+        }
 
     def encode(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output grammars; built in the background at start (seconds: the vocabulary's
+        token trie), so the first call may block: call it off the event loop."""
+        return self._grammars.result()
+
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None))
+
+    def stop_admitting(self) -> None:
+        """From now on `generate` refuses new requests; running ones go on (graceful shutdown)."""
+        self.admitting = False
+
+    def abort_all(self, reason: str) -> None:
+        """End every running and waiting request now with finish_reason `aborted` (end of a shutdown grace)."""
+        self._inbox.put(("abort_all", reason, None))
 
     # ---- the engine thread ----------------------------------------------------------------------
 
@@ -141,24 +179,33 @@ class Engine:
                 kind, payload, sink = message
                 if kind == "add":
                     self._admit(payload, sink)
+                elif kind == "abort_all":
+                    self._fail_all(payload, "aborted")
                 else:
-                    seq = self.scheduler.find(payload)
-                    if seq is not None:  # its consumer is gone (that is why it cancelled): no event to send
+                    for seq in self.scheduler.find(payload):  # its consumer is gone (that is why it cancelled): no event to send
                         self._finish(seq, "cancelled", [])
                 message = self._inbox.get_nowait()
         except queue.Empty:
             return
 
-    def _admit(self, request: GenerationRequest, sink) -> None:
-        prompt = request.prompt_token_ids
-        seq = Sequence(
+    def _sequence(self, request: GenerationRequest, sink, index: int) -> Sequence:
+        seed = request.sampling.seed
+        return Sequence(
             request=request,
             sink=sink,
-            random=RowRandom(request.sampling.seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
+            # each choice its own stream of uniforms, still reproducible from the request's seed
+            random=RowRandom(seed if seed is None or index == 0 else hash((seed, index))),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             stopper=StopMatcher(request.sampling.stop),
-            cache_keys=list(prompt),
+            cache_keys=list(request.prompt_token_ids),
+            index=index,
+            matcher=request.grammar.matcher() if request.grammar is not None else None,
         )
+
+    def _admit(self, request: GenerationRequest, sink) -> None:
+        prompt = request.prompt_token_ids
+        seq = self._sequence(request, sink, 0)
+        seq.forks = [self._sequence(request, sink, index) for index in range(1, request.n)]
         error = None
         if not prompt or len(prompt) + 1 > self.max_model_len:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
@@ -173,6 +220,8 @@ class Engine:
             self._finish(seq, "error", events, error=error)
             self._deliver(events)
             return
+        for fork in seq.forks:  # should a fork prefill on its own after all (no free slot), it needs these too
+            fork.cache_keys, fork.image_spans, fork.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
         self.scheduler.add(seq)
 
     def _attach_images(self, seq: Sequence) -> None:
@@ -192,10 +241,15 @@ class Engine:
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             sampled = step.sampled
+            logits, sampled = self._fork(logits, sampled)
+            logits = self.grammar_masks.apply(logits, [seq.matcher for seq in sampled])
             tokens, logprobs = sample_with_logprobs(logits, sampled, self.eos_token_ids)
-        except Exception as exc:  # this step's requests fail alone; the engine keeps serving
+        except Exception as exc:  # the culprits fail alone; the engine keeps serving
             log.exception("engine step failed")
-            for seq in step.prefill_owners + step.decode_owners:
+            # a new prompt (huge, or with a bad image) is the likely cause: fail the prefills and let the
+            # decodes run again next step (rewriting their KV entry is harmless); a decode-only step that
+            # failed has no better suspect than all of it
+            for seq in step.prefill_owners or step.decode_owners:
                 self._finish(seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
             self._deliver(events)
             return
@@ -206,10 +260,24 @@ class Engine:
             self._on_token(seq, token, token_logprobs, now, events)
         self._deliver(events)
 
+    def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Choices 1..n-1 of a request whose prompt just finished prefilling: copy its KV into their slots
+        and give them its logits row to sample from, each with its own randomness."""
+        rows, children = [], []
+        for row, seq in enumerate(sampled):
+            if seq.forks:
+                for child in self.scheduler.fork(seq, time.perf_counter()):
+                    self.runner.cache.copy_slot(seq.slot, child.slot)
+                    rows.append(row)
+                    children.append(child)
+        if not children:
+            return logits, sampled
+        return torch.cat((logits, logits[rows])), sampled + children
+
     def _on_token(self, seq: Sequence, token: int, logprobs, now: float, events: list) -> None:
         seq.output_ids.append(token)
         params: SamplingParams = seq.request.sampling
-        finish = None
+        finish = error = None
         if token in self.eos_token_ids and not params.ignore_eos:
             text, finish = seq.stopper.flush(), "stop"
             logprobs = None  # the stop token is not part of the output, nor of its logprobs
@@ -217,9 +285,13 @@ class Engine:
             text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
             if stopped:
                 finish = "stop"
+            elif seq.matcher is not None and not seq.matcher.consume_token(token):
+                text, finish, error = "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
+            elif seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
+                text, finish = text + seq.stopper.flush(), "stop"
             elif len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
                 text, finish = text + seq.stopper.flush(), "length"
-        event = self._event(seq, token, text, now, finish)
+        event = self._event(seq, token, text, now, finish, error)
         if logprobs is not None:
             event.logprob, event.top_logprobs = logprobs
         if len(seq.output_ids) == 1:
@@ -239,16 +311,20 @@ class Engine:
             num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_cached,
             error=error,
+            index=seq.index,
         )
 
     def _finish(self, seq: Sequence, reason: str, events: list, error: str | None = None, cache_valid: bool = True) -> None:
         self.scheduler.finish(seq, cache_valid)
         events.append((seq.sink, self._event(seq, None, "", time.perf_counter(), reason, error)))
+        for fork in seq.forks:  # choices that never started end with the one they were waiting for
+            self._finish(fork, reason, events, error)
+        seq.forks = []
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, finish: str = "error") -> None:
         events: list = []
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            self._finish(seq, "error", events, error=reason)
+            self._finish(seq, finish, events, error=reason)
         self._deliver(events)
 
     def _deliver(self, events: list[tuple[object, TokenEvent]]) -> None:
@@ -259,12 +335,14 @@ class Engine:
 
     def warm_up(self) -> None:
         """Run every step shape once before serving (each token-count bucket, each logits-row bucket,
-        both sampling paths): the first user request must not pay for kernel compilation."""
+        both sampling paths, on a GPU every static decode bucket's CUDA graph): the first user request must not
+        pay for kernel compilation."""
         runner = self.runner
         for size in runner.token_buckets:
             runner.forward([StepItem(0, [0] * min(size, self.max_model_len), 0)], [])
         for rows in runner.row_buckets:
-            logits = runner.forward([], [StepItem(slot, [0], 0) for slot in range(rows)])
+            logits = runner.forward([], [StepItem(slot % runner.cache.num_slots, [0], 0) for slot in range(rows)])
+        runner.capture_decode_graphs()
         rows = [
             PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),
             PlainRow(
@@ -273,20 +351,27 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
+        self.grammar_masks.apply(logits[:1].clone(), [self.grammars.json_object().matcher()])
 
 
 class Submission:
     """One request's events as an async iterator, and its place in the engine until closed.
 
     A class, not an async generator: closing must free the place even if iteration never started.
+    A request that runs past its total time, or waits too long for its next event, ends with a last
+    event of finish_reason `timeout` (and is cancelled in the engine).
     """
 
-    def __init__(self, engine: Engine, request: GenerationRequest):
+    def __init__(self, engine: Engine, request: GenerationRequest, timeout: float = 0.0, idle_timeout: float = 0.0):
         self.engine = engine
         self.request = request
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.unfinished = request.n
+        """Choices still generating: the submission ends with the last one's last event."""
         self.finished = False
         self.closed = False
+        self.deadline = request.arrival_time + timeout if timeout else None
+        self.idle_timeout = idle_timeout or None
 
     def __aiter__(self) -> "Submission":
         return self
@@ -294,19 +379,45 @@ class Submission:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
-        event = await self.events.get()
+        limit, wait = "idle", self.idle_timeout  # whichever limit comes first is the one armed
+        if self.deadline is not None:
+            left = self.deadline - time.perf_counter()
+            if wait is None or left < wait:
+                limit, wait = "total", left
+        if not self.events.empty():
+            event = self.events.get_nowait()
+        elif wait is None:
+            event = await self.events.get()
+        else:
+            try:
+                event = await asyncio.wait_for(self.events.get(), max(wait, 0.0))
+            except TimeoutError:
+                event = self._timed_out(limit)
+                self.engine.cancel(self.request.request_id)
+                self.unfinished = 1  # the timeout ends every choice
+        self.engine.observer.on_event(self.request, event)
         if event.finish_reason is not None:
-            self.finished = True
-            self.close()
+            self.unfinished -= 1
+            if not self.unfinished:
+                self.finished = True
+                self.close()
         return event
+
+    def _timed_out(self, limit: str) -> TokenEvent:
+        why = (
+            f"the request ran past the server's request timeout ({self.deadline - self.request.arrival_time:g} s)"
+            if limit == "total" else f"no token for {self.idle_timeout:g} s (the server's idle timeout)"
+        )
+        return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "timeout", error=why)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self.engine.in_flight -= 1
+        self.engine.in_flight -= self.request.n
         if not self.finished:
             self.engine.cancel(self.request.request_id)
+        self.engine.observer.on_close(self.request, cancelled=not self.finished)
 
     async def __aenter__(self) -> "Submission":
         return self
@@ -357,6 +468,14 @@ def slots_within_budget(loaded: LoadedModel, max_num_seqs: int, max_model_len: i
             f"({per_slot / 2**30:.3f} GiB); raise it or lower max_model_len"
         )
     return min(slots, max_num_seqs)
+
+
+def _in_background(build, *args) -> Future:
+    """Run `build(*args)` on its own thread; the Future holds its result (or its exception)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="oai-gemma-build")
+    future = pool.submit(build, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _put_all(events: list[tuple[asyncio.Queue, TokenEvent]]) -> None:

@@ -37,15 +37,41 @@ class KVCache:
     """Per layer K and V of shape [slots, kv_heads, capacity, head_dim].
 
     Full-attention layers hold `max_len` positions; sliding layers hold their window, position p at p % window.
+    Each layer's tensors live on that layer's device (`layer_devices`, for a model spread over several GPUs).
+    `scratch_slot` adds one slot past the served ones that no sequence owns: padded rows of a static-shape decode
+    step write there. `positions_first` stores [slots, capacity, kv_heads, head_dim] (flash-attn's layout; `k`/`v`
+    are then transposed views of `k_store`/`v_store`, so every other reader sees the same shape).
     """
 
-    def __init__(self, text_config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, text_config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+        layer_devices: list[torch.device] | None = None, scratch_slot: bool = False, positions_first: bool = False,
+    ):
         kv_heads, head_dim = text_config.num_key_value_heads, text_config.head_dim
         self.sliding = [t == SLIDING for t in text_config.layer_types]
         self.capacity = [min(text_config.sliding_window, max_len) if s else max_len for s in self.sliding]
-        self.k = [torch.zeros(num_slots, kv_heads, c, head_dim, dtype=dtype, device=device) for c in self.capacity]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        devices = layer_devices or [device] * len(self.capacity)
+        allocated = num_slots + 1 if scratch_slot else num_slots
+        if positions_first:
+            self.k_store = [
+                torch.zeros(allocated, c, kv_heads, head_dim, dtype=dtype, device=d) for c, d in zip(self.capacity, devices)
+            ]
+            self.v_store = [torch.zeros_like(k) for k in self.k_store]
+            self.k = [k.transpose(1, 2) for k in self.k_store]
+            self.v = [v.transpose(1, 2) for v in self.v_store]
+        else:
+            self.k = [torch.zeros(allocated, kv_heads, c, head_dim, dtype=dtype, device=d) for c, d in zip(self.capacity, devices)]
+            self.v = [torch.zeros_like(k) for k in self.k]
+            self.k_store, self.v_store = self.k, self.v
         self.num_slots = num_slots
+        self.scratch = num_slots if scratch_slot else None
+        """The slot padded rows write to, or None."""
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot `dst` the KV of slot `src` (a choice forked from a shared prompt)."""
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +123,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, max_len: int, max_tokens_per_step: int):
+    """`static_decode` (default: on a GPU) runs decode-only steps at static shapes, CUDA graphs where possible
+    (engine/static_decode.py); `compile` (`auto` = with the static path) compiles its layer functions."""
+
+    def __init__(
+        self, model, num_slots: int, max_len: int, max_tokens_per_step: int,
+        static_decode: bool | None = None, compile: str = "auto",
+    ):
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
         config = self.text_model.config
@@ -107,6 +139,9 @@ class ModelRunner:
             raise ValueError("attention logit soft-capping (Gemma-2 style) is not supported by this runner")
         self.config = config
         self.device = self.lm_head.weight.device
+        self.input_device = self.text_model.embed_tokens.weight.device
+        self.layer_devices = [layer.self_attn.q_proj.weight.device for layer in self.text_model.layers]
+        """Each layer's device: several GPUs when the model was loaded with device_map="auto"."""
         self.dtype = self.lm_head.weight.dtype
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -115,7 +150,14 @@ class ModelRunner:
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.layer_types = list(config.layer_types)
         self.max_len = max_len
-        self.cache = KVCache(config, num_slots, max_len, self.dtype, self.device)
+        static = self.device.type == "cuda" if static_decode is None else static_decode
+        from .static_decode import StaticDecode, flash_kernel
+
+        flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
+        self.cache = KVCache(
+            config, num_slots, max_len, self.dtype, self.device, self.layer_devices,
+            scratch_slot=static, positions_first=flash is not None,
+        )
         self.linears = [
             tuple(
                 FrozenLinear(module.weight)
@@ -126,6 +168,15 @@ class ModelRunner:
         self.lm_head_linear = FrozenLinear(self.lm_head.weight)
         self.row_buckets = buckets(num_slots)
         self.token_buckets = buckets(max_tokens_per_step)
+        self.static = None
+        if static:
+            compiled = compile == "on" or (compile == "auto" and self.device.type == "cuda")
+            self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=compiled, flash=flash)
+
+    def capture_decode_graphs(self) -> None:
+        """Build (capture) every static decode bucket now: warm-up, before the server says it is ready."""
+        if self.static is not None:
+            self.static.capture_all()
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -133,6 +184,8 @@ class ModelRunner:
     def forward(self, prefills: list[StepItem], decodes: list[StepItem]):
         """Run one step; returns logits [rows, vocab] (model dtype) for the items with `want_logits`, in order
         prefills then decodes."""
+        if self.static is not None and decodes and not prefills:
+            return self.static.run(decodes)
         items = prefills + decodes
         token_ids = [t for it in items for t in it.token_ids]
         positions = [it.start + i for it in items for i in range(len(it.token_ids))]
@@ -140,24 +193,29 @@ class ModelRunner:
         pad = padded - len(token_ids)
         # the step runs at a bucketed token count: a few shapes only, each compiled (oneDNN) once at warm-up;
         # every distinct shape would otherwise keep its own kernels and buffers, and memory would creep up
-        ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.device)
-        positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.device)
+        ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.input_device)
+        positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.input_device)
         hidden = self.text_model.embed_tokens(ids)
         offset = 0
         for it in prefills:
             if it.image_embeds is not None:
                 rows, values = it.image_embeds
-                hidden[offset + rows] = values.to(hidden.dtype)
+                hidden[offset + rows] = values.to(hidden.device, hidden.dtype)
             offset += len(it.token_ids)
         rope = {t: self.text_model.rotary_emb(hidden, positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
         n_prefill = sum(len(it.token_ids) for it in prefills)
-        dec_slots = torch.tensor([it.slot for it in decodes], dtype=torch.long, device=self.device)
+        dec_slots = torch.tensor([it.slot for it in decodes], dtype=torch.long, device=self.input_device)
         dec_pos = positions[n_prefill : len(token_ids)]
+        dec_longest = max((it.start for it in decodes), default=0) + 1  # from the host: no device sync
         dec_contiguous = [it.slot for it in decodes] == list(range(len(decodes)))
 
         for li, layer in enumerate(self.text_model.layers):
             attn, (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) = layer.self_attn, self.linears[li]
+            if hidden.device != self.layer_devices[li]:  # device_map="auto": the next layer is on another GPU
+                device = self.layer_devices[li]
+                hidden, dec_slots, dec_pos = hidden.to(device), dec_slots.to(device), dec_pos.to(device)
+                rope = {t: (cos.to(device), sin.to(device)) for t, (cos, sin) in rope.items()}
             x = layer.input_layernorm(hidden)
             q = attn.q_norm(q_proj(x).view(-1, self.num_heads, self.head_dim))
             k = attn.k_norm(k_proj(x).view(-1, self.kv_heads, self.head_dim))
@@ -173,7 +231,9 @@ class ModelRunner:
                 offset += n
             if decodes:
                 end = offset + len(decodes)
-                outs.append(self._decode_attention(li, dec_slots, dec_pos, dec_contiguous, q[offset:end], k[offset:end], v[offset:end]))
+                outs.append(
+                    self._decode_attention(li, dec_slots, dec_pos, dec_longest, dec_contiguous, q[offset:end], k[offset:end], v[offset:end])
+                )
             if pad:
                 outs.append(q.new_zeros(pad, self.num_heads, self.head_dim))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -190,7 +250,7 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size)
         wanted = len(rows)
         rows += rows[-1:] * (bucket(wanted, self.row_buckets) - wanted)
-        last = self.text_model.norm(hidden[rows])
+        last = self.text_model.norm(hidden.to(self.device)[rows])
         logits = self.lm_head_linear(last)[:wanted]
         if self.final_softcap:
             logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
@@ -202,10 +262,10 @@ class ModelRunner:
         """Attention of one chunk (positions start..start+n-1) over its cached past and itself."""
         kc, vc = self.cache.k[li], self.cache.v[li]
         n, start = q.shape[0], it.start
-        qpos = torch.arange(start, start + n, device=self.device)
+        qpos = torch.arange(start, start + n, device=q.device)
         if self.cache.sliding[li]:
             window = self.cache.capacity[li]
-            past = torch.arange(max(0, start - window + 1), start, device=self.device)
+            past = torch.arange(max(0, start - window + 1), start, device=q.device)
             keys = torch.cat((kc[it.slot][:, past % window], k.transpose(0, 1)), dim=1)
             values = torch.cat((vc[it.slot][:, past % window], v.transpose(0, 1)), dim=1)
             kpos = torch.cat((past, qpos))
@@ -217,7 +277,7 @@ class ModelRunner:
             kc[it.slot, :, start : start + n] = k.transpose(0, 1)
             vc[it.slot, :, start : start + n] = v.transpose(0, 1)
             keys, values = kc[it.slot, :, : start + n], vc[it.slot, :, : start + n]
-            kpos = torch.arange(start + n, device=self.device)
+            kpos = torch.arange(start + n, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
         if it.image_spans:
             q_blocks = _block_ids(qpos, it.image_spans)[:, None]
@@ -231,11 +291,11 @@ class ModelRunner:
         )
         return out[0].transpose(0, 1)
 
-    def _decode_attention(self, li: int, slots, pos, contiguous: bool, q, k, v) -> torch.Tensor:
-        """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache."""
+    def _decode_attention(self, li: int, slots, pos, longest: int, contiguous: bool, q, k, v) -> torch.Tensor:
+        """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache
+        (`longest`: the longest row's length, known on the host)."""
         kc, vc = self.cache.k[li], self.cache.v[li]
         bsz = q.shape[0]
-        longest = int(pos.max()) + 1
         if self.cache.sliding[li]:
             window = self.cache.capacity[li]
             kc[slots, :, pos % window] = k
@@ -249,7 +309,7 @@ class ModelRunner:
             keys, values = kc[:bsz, :, :span], vc[:bsz, :, :span]
         else:
             keys, values = kc[slots, :, :span], vc[slots, :, :span]
-        mask = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
+        mask = torch.arange(span, device=q.device)[None, :] <= pos[:, None]  # [B, span]
         # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]
         qg = q.view(bsz, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scaling)

@@ -72,7 +72,8 @@ def _logprobs(logits: torch.Tensor, rows: list[Row], tokens: list[int]) -> list[
     if not wanted:
         return out
     temperature = torch.tensor([rows[i].sampling.temperature or 1.0 for i in wanted])
-    logp = torch.log_softmax(logits[wanted].float() / temperature[:, None], dim=-1)
+    # a banned token (grammar, min_tokens) has -inf, which JSON cannot carry: report it as vLLM does
+    logp = torch.log_softmax(logits[wanted].float() / temperature[:, None], dim=-1).clamp(min=-9999.0)
     most = max(rows[i].sampling.logprobs for i in wanted)
     top_values, top_ids = logp.topk(most, dim=-1) if most else (None, None)
     for r, i in enumerate(wanted):

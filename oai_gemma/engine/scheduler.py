@@ -36,8 +36,15 @@ class Sequence:
     image_embeds: object | None = None
     """[image tokens, hidden] from the vision tower, in prompt order."""
     output_ids: list[int] = field(default_factory=list)
+    matcher: object | None = None
+    """This sequence's place in its request's grammar (structured output), else None."""
     scheduled_time: float | None = None
     finished: bool = False
+    index: int = 0
+    """Which choice of its request this sequence generates (n > 1)."""
+    forks: list["Sequence"] = field(default_factory=list)
+    """The request's other choices, waiting for this sequence's prefill to finish: they then take a copy
+    of its KV cache and sample from its last logits instead of prefilling the same prompt again."""
 
     @property
     def sampling(self):
@@ -151,11 +158,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def find(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting):
-            if seq.request_id == request_id:
-                return seq
-        return None
+    def find(self, request_id: str) -> list[Sequence]:
+        """Every running or waiting sequence of a request (one per choice)."""
+        return [seq for seq in (*self.running, *self.waiting) if seq.request_id == request_id]
+
+    def fork(self, seq: Sequence, now: float) -> list[Sequence]:
+        """Start `seq`'s forks now that its prompt is in the cache: each that gets a free slot is returned
+        (the caller copies the KV and samples it from `seq`'s logits); the others wait and prefill themselves."""
+        started = []
+        for child in seq.forks:
+            if self.slots:
+                child.slot, _ = self.slots.acquire(child.cache_keys)
+                child.num_computed, child.num_cached = len(child.prompt_ids), seq.num_cached
+                child.scheduled_time = now
+                self.running.append(child)
+                started.append(child)
+            else:
+                self.waiting.append(child)
+        seq.forks = []
+        return started
 
     def finish(self, seq: Sequence, cache_valid: bool = True) -> None:
         """Remove a sequence at once and free its slot, which keeps the KV of the tokens it computed."""

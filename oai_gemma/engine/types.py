@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "timeout", "aborted"]
+"""`cancelled`: the consumer went away; `timeout`: the request ran past its total or idle limit;
+`aborted`: the server ended it (shutting down); `error`: it failed (the event's `error` says why)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ class GenerationRequest:
     """[crops, 3, H, W] tensor for the image soft-token blocks of the prompt, in order (multimodal models)."""
     crop_keys: tuple[int, ...] = ()
     """A content hash per crop, so the prefix cache never takes one image's KV for another's."""
+    grammar: object | None = None
+    """A compiled `engine.grammar.Grammar` the output must follow (structured output), else None."""
+    n: int = 1
+    """Choices to generate from the one prompt: its prefill runs once, then each choice samples on its own."""
 
 
 @dataclass
@@ -65,6 +71,9 @@ class TokenEvent:
     timestamp: float
     """time.perf_counter() when the engine produced the token."""
     finish_reason: FinishReason | None = None
+    """Set on the last event of a choice (a request with n choices has n last events)."""
+    index: int = 0
+    """Which of the request's n choices this event belongs to."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

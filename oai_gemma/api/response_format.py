@@ -1,0 +1,34 @@
+"""`response_format` -> the grammar the engine enforces, compiled off the event loop; schema errors as 400s.
+
+`json_schema_grammar` is the generic piece: anything that must constrain a request to a JSON schema
+(tool calls too) can use it with its own `param`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..engine.engine import Engine
+from ..engine.grammar import Grammar, InvalidSchema, UnsupportedSchema
+from .errors import invalid_request
+from .protocol import JSONObjectFormat, JSONSchemaResponseFormat, ResponseFormat
+
+
+async def response_format_grammar(engine: Engine, response_format: ResponseFormat | None) -> Grammar | None:
+    """None for free text (unset or `{"type": "text"}`)."""
+    if isinstance(response_format, JSONObjectFormat):
+        return await json_schema_grammar(engine, {"type": "object"}, "response_format")
+    if isinstance(response_format, JSONSchemaResponseFormat):
+        schema = response_format.json_schema.schema
+        return await json_schema_grammar(engine, {} if schema is None else schema, "response_format")
+    return None
+
+
+async def json_schema_grammar(engine: Engine, schema: dict, param: str) -> Grammar:
+    """The compiled grammar for `schema` (cached by the compiler), or a 400 naming `param`."""
+    try:
+        return await asyncio.to_thread(lambda: engine.grammars.json_schema(schema))
+    except UnsupportedSchema as exc:
+        raise invalid_request(f"{exc} (`{exc.feature}`)", param, "unsupported_schema_feature") from None
+    except InvalidSchema as exc:
+        raise invalid_request(f"invalid JSON schema: {exc}", param, "invalid_json_schema") from None

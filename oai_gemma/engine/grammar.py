@@ -1,0 +1,157 @@
+"""Structured output: grammars that constrain a request's tokens, and the token masks that enforce them.
+
+llguidance compiles JSON schemas and tracks each sequence's place in its grammar; xgrammar's kernel applies
+the step's masks to the logits in one batched op (as vLLM does). Why these two: docs/engine.md,
+"Structured output".
+
+The interface, generic on purpose (response_format uses it; so can tool calls):
+
+    compiler = engine.grammars                      # GrammarCompiler, one per model (built once at start)
+    grammar = compiler.json_schema(schema_dict)     # -> Grammar; raises UnsupportedSchema / InvalidSchema
+    grammar = compiler.json_object()                # any JSON object
+    grammar = compiler.lark(text)                   # anything llguidance's Lark dialect says, e.g. free text
+                                                    # OR a tool call: `start: TEXT | json_call` ...
+    GenerationRequest(..., grammar=grammar)         # the engine makes a matcher per sequence
+
+Compiling takes well under a millisecond for typical schemas but must stay off the event loop and out of
+the engine thread: call it through `asyncio.to_thread`. Results are cached (LRU) by the grammar's
+canonical text, so a repeated schema costs a dictionary lookup.
+
+Whitespace between JSON tokens is not allowed (compact `,` and `:`): a small base model would otherwise
+emit whitespace forever inside a JSON document.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+import xgrammar
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+CACHE_SIZE = 256
+
+
+class InvalidSchema(ValueError):
+    """The schema is not a valid JSON schema (or the grammar does not compile)."""
+
+
+class UnsupportedSchema(ValueError):
+    """The schema is valid but uses a feature the grammar engine cannot enforce; `feature` names it."""
+
+    def __init__(self, feature: str, message: str):
+        super().__init__(message)
+        self.feature = feature
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar: immutable, shared by every request that asks for it."""
+
+    key: str
+    template: llguidance.LLMatcher
+    """A matcher at the start of the grammar; never advanced, only copied."""
+
+    def matcher(self) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence (a copy: microseconds, no compilation)."""
+        return self.template.deep_copy()
+
+
+class GrammarCompiler:
+    """Schema -> Grammar for one tokenizer, with an LRU cache. Thread-safe."""
+
+    def __init__(self, tokenizer, eos_token_ids: list[int]):
+        # the token trie of a 262k vocabulary: a few seconds, once per model
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=list(eos_token_ids))
+        self.vocab_size = self.tokenizer.vocab_size
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def json_schema(self, schema: dict) -> Grammar:
+        if not isinstance(schema, dict):
+            raise InvalidSchema("a JSON schema must be an object")
+        key = "json_schema:" + json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        return self._cached(key, lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS))
+
+    def json_object(self) -> Grammar:
+        return self.json_schema({"type": "object"})
+
+    def lark(self, text: str) -> Grammar:
+        return self._cached("lark:" + text, lambda: llguidance.LLMatcher.grammar_from_lark(text))
+
+    def _cached(self, key: str, build) -> Grammar:
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return grammar
+            self.misses += 1
+        grammar = Grammar(key, self._compile(build))  # outside the lock: compiles may run side by side
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, build) -> llguidance.LLMatcher:
+        try:
+            text = build()
+        except ValueError as exc:
+            raise InvalidSchema(str(exc)) from None
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise schema_error(matcher.get_error())
+        return matcher
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def schema_error(message: str) -> ValueError:
+    """llguidance's error text -> UnsupportedSchema naming the feature, or InvalidSchema."""
+    unimplemented = _UNIMPLEMENTED.search(message)
+    if unimplemented:
+        keys = ", ".join(k.strip().strip('"') for k in unimplemented.group(1).split(","))
+        return UnsupportedSchema(keys, f"the JSON schema keyword(s) {keys} are not supported for structured output")
+    unknown_format = _UNKNOWN_FORMAT.search(message)
+    if unknown_format:
+        feature = f"format: {unknown_format.group(1)}"
+        return UnsupportedSchema(feature, f"the JSON schema `{feature}` is not supported for structured output")
+    return InvalidSchema(message.strip())
+
+
+class GrammarMasks:
+    """Each step: the rows that have a grammar get -inf on every token their grammar forbids.
+
+    The masks are filled in parallel (llguidance's executor, off the GIL) into one bitmask and applied in
+    one batched op; rows without a grammar are not touched.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.words = (vocab_size + 31) // 32
+        self.executor = llguidance.LLExecutor()
+
+    def apply(self, logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> torch.Tensor:
+        """`logits` [rows, vocab] with the masks applied; the same tensor unless it had to be made contiguous."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits
+        if not logits.is_contiguous():
+            logits = logits.contiguous()
+        bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(matchers[i], i) for i in rows], bitmask)
+        xgrammar.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
+        )
+        return logits

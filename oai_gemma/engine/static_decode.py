@@ -1,0 +1,284 @@
+"""Decode steps at static shapes, for GPUs: one CUDA graph per (rows, span) bucket, captured once, replayed.
+
+Why: a decode step of gemma-3-12b is ~1,300 small kernels. Launched one by one from Python, the launches and
+not the weights' memory bandwidth bound the step at small batches. Captured into a CUDA graph, a step is one
+replay. A graph replays fixed memory at fixed shapes, so everything a step varies lives in a static input
+buffer (token ids, positions, slots); the attention mask is computed on the device from the positions (no
+host sync); padded rows write their K/V into a scratch slot that no sequence owns.
+
+Attention is flash-attn's `flash_attn_with_kvcache` when it is installed (it reads each row's cache in place
+through `cache_batch_idx`, up to `cache_seqlens`), else SDPA over a gathered span of the cache; the span is
+bucketed too, so a short context does not pay for `max_len`. The projections, norms and MLP of a layer are
+two plain functions of tensors (`pre_attention`, `post_attention`): `torch.compile` compiles each once for
+every layer (the weights are arguments, not constants), instead of one huge graph per shape.
+
+On CPU, or with layers on several GPUs (a graph is captured on one device), the same static-shape
+function runs eagerly: that is how the tests check it against the dynamic path.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .runner import bucket
+
+log = logging.getLogger("oai_gemma.static_decode")
+
+MIN_SPAN = 256
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors, passed as arguments so one compiled function serves every layer."""
+
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+
+    @classmethod
+    def of(cls, layer) -> "LayerWeights":
+        """Plain (detached) tensors, not Parameters: dynamo then guards on their shapes, never on which layer."""
+        a, m = layer.self_attn, layer.mlp
+        return cls(*(
+            t.detach() for t in (
+                layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
+                a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                layer.pre_feedforward_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+                layer.post_feedforward_layernorm.weight,
+            )
+        ))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-3's RMSNorm (transformers' Gemma3RMSNorm): in float32, scaled by (1 + weight), then cast back."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).type_as(x)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def pre_attention(hidden, w: LayerWeights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """hidden [B, H] -> q [B, heads, D], k and v [B, kv_heads, D], normed and rotated."""
+    x = rms_norm(hidden, w.input_norm, eps)
+    q = rms_norm(F.linear(x, w.q).view(-1, heads, head_dim), w.q_norm, eps)
+    k = rms_norm(F.linear(x, w.k).view(-1, kv_heads, head_dim), w.k_norm, eps)
+    v = F.linear(x, w.v).view(-1, kv_heads, head_dim)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def post_attention(hidden, attn, w: LayerWeights, eps: float):
+    """Output projection, residuals and the gated-GELU MLP of one layer."""
+    hidden = hidden + rms_norm(F.linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps)
+    x = rms_norm(hidden, w.pre_feedforward_norm, eps)
+    mlp = F.linear(F.gelu(F.linear(x, w.gate), approximate="tanh") * F.linear(x, w.up), w.down)
+    return hidden + rms_norm(mlp, w.post_feedforward_norm, eps)
+
+
+def span_buckets(max_len: int) -> list[int]:
+    """KV spans attended by the SDPA path: 256, 512, ... doubling, then max_len."""
+    sizes = []
+    size = MIN_SPAN
+    while size < max_len:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_len]
+
+
+def flash_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """flash-attn's `flash_attn_with_kvcache` where it is installed and fits the layout, else None (SDPA)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256 or head_dim % 8:
+        return None
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        return None
+    return flash_attn_with_kvcache
+
+
+class DecodeGraph:
+    """One bucket: a static input buffer [3, rows] (token ids, positions, slots) and the step captured over it
+    as a CUDA graph (`pool` shared by every bucket), or the same step run eagerly where there is no graph."""
+
+    def __init__(self, step, inputs: torch.Tensor, use_graph: bool, pool=None):
+        self.step = step
+        self.inputs = inputs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+        if use_graph:
+            self._capture(pool)
+
+    def _capture(self, pool) -> None:
+        device = self.inputs.device
+        with torch.cuda.device(device):
+            self._capture_on(device, pool)
+
+    def _capture_on(self, device: torch.device, pool) -> None:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation (cuBLAS workspaces, torch.compile) must happen outside capture
+                self.step(self.inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = self.step(self.inputs)
+
+    def __call__(self, host_inputs: torch.Tensor) -> torch.Tensor:
+        """Run the step on these inputs; a graph's output is its static buffer, so it is copied out."""
+        self.inputs.copy_(host_inputs, non_blocking=True)
+        if self.graph is None:
+            return self.step(self.inputs)
+        self.graph.replay()
+        return self.output.clone()
+
+
+class StaticDecode:
+    """The decode-only step of a ModelRunner at bucketed static shapes (see the module docstring)."""
+
+    def __init__(self, runner, *, use_graphs: bool, compiled: bool, flash=None):
+        self.runner = runner
+        config = runner.config
+        if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"static decode implements Gemma-3's tanh GELU, not {config.hidden_activation}")
+        if runner.cache.scratch is None:
+            raise ValueError("static decode needs a KV cache with a scratch slot for its padded rows")
+        self.weights = [LayerWeights.of(layer) for layer in runner.text_model.layers]
+        self.eps = config.rms_norm_eps
+        self.shape = (runner.num_heads, runner.kv_heads, runner.head_dim)
+        self.flash = flash
+        self.devices = sorted(set(runner.layer_devices) | {runner.input_device, runner.device}, key=str)
+        self.rope = self._rope_tables()
+        self.positions = {d: torch.arange(runner.max_len, device=d) for d in self.devices}
+        self.row_buckets = runner.row_buckets
+        self.span_buckets = [runner.max_len] if flash else span_buckets(runner.max_len)
+        self.use_graphs = use_graphs and len(self.devices) == 1 and self.devices[0].type == "cuda"
+        self.pool = None
+        if self.use_graphs:
+            with torch.cuda.device(self.devices[0]):
+                self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self.pre, self.post = pre_attention, post_attention
+        if compiled:
+            self.pre = torch.compile(pre_attention, fullgraph=True)
+            self.post = torch.compile(post_attention, fullgraph=True)
+
+    def _rope_tables(self) -> dict:
+        """cos/sin of every position, per layer type and device, from the model's own rotary module: the step
+        gathers its rows by position on the device (the same values the dynamic path computes)."""
+        r = self.runner
+        tables = {}
+        for layer_type in set(r.layer_types):
+            probe = torch.empty(1, dtype=r.dtype, device=r.input_device)
+            cos, sin = r.text_model.rotary_emb(probe, torch.arange(r.max_len, device=r.input_device)[None], layer_type)
+            for device in self.devices:
+                tables[layer_type, device] = (cos[0].to(device), sin[0].to(device))
+        return tables
+
+    # ---- the step at one static shape ------------------------------------------------------------
+
+    def step(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
+        """inputs [3, rows] (token ids, positions, slots) on the input device -> logits [rows, vocab]."""
+        r = self.runner
+        ids, pos, slots = inputs
+        hidden = r.text_model.embed_tokens(ids)
+        per_device = {}
+        for li, w in enumerate(self.weights):
+            device = r.layer_devices[li]
+            if device not in per_device:  # a model spread over several GPUs: positions and slots follow the layers
+                p, s = pos.to(device), slots.to(device)
+                rope = {t: (cos[p][:, None, :], sin[p][:, None, :]) for (t, d), (cos, sin) in self.rope.items() if d == device}
+                per_device[device] = (p, s, rope)
+            p, s, rope = per_device[device]
+            hidden = hidden.to(device)
+            cos, sin = rope[r.layer_types[li]]
+            q, k, v = self.pre(hidden, w, cos, sin, self.eps, *self.shape)
+            hidden = self.post(hidden, self._attend(li, q, k, v, p, s, span), w, self.eps)
+        logits = r.lm_head_linear(r.text_model.norm(hidden.to(r.device)))
+        if r.final_softcap:
+            logits = torch.tanh(logits.float() / r.final_softcap) * r.final_softcap
+        return logits
+
+    def _attend(self, li: int, q, k, v, pos, slots, span: int) -> torch.Tensor:
+        """Write this step's K/V at each row's position, then attend each row over its own cache entries."""
+        cache = self.runner.cache
+        capacity = cache.capacity[li]
+        where = pos % capacity  # sliding layers: a ring buffer; full layers: pos < max_len == capacity
+        cache.k[li][slots, :, where] = k
+        cache.v[li][slots, :, where] = v
+        # entries [0, seqlen) hold this row's keys: its positions so far, or the whole ring once it wrapped
+        seqlens = torch.clamp(pos + 1, max=capacity)
+        if self.flash is not None:
+            out = self.flash(
+                q[:, None], cache.k_store[li], cache.v_store[li], cache_seqlens=seqlens.to(torch.int32),
+                cache_batch_idx=slots.to(torch.int32), softmax_scale=self.runner.scaling,
+            )
+            return out[:, 0]
+        n = min(span, capacity)
+        keys, values = cache.k[li][slots, :, :n], cache.v[li][slots, :, :n]
+        mask = self.positions[q.device][:n][None, :] < seqlens[:, None]
+        heads, kv_heads, head_dim = self.shape
+        qg = q.view(q.shape[0], kv_heads, heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.runner.scaling)
+        return out.reshape(q.shape[0], heads, head_dim)
+
+    # ---- buckets ----------------------------------------------------------------------------------
+
+    def host_inputs(self, decodes, rows: int) -> torch.Tensor:
+        """[3, rows] on the host: real rows first, then padding (token 0 at position 0 of the scratch slot)."""
+        pad = rows - len(decodes)
+        scratch = self.runner.cache.scratch
+        return torch.tensor(
+            [
+                [it.token_ids[0] for it in decodes] + [0] * pad,
+                [it.start for it in decodes] + [0] * pad,
+                [it.slot for it in decodes] + [scratch] * pad,
+            ],
+            dtype=torch.long,
+        )
+
+    def shape_for(self, decodes) -> tuple[int, int]:
+        """(rows, span) bucket of a decode step, chosen on the host from the items (no device read)."""
+        rows = bucket(len(decodes), self.row_buckets)
+        span = bucket(max(it.start for it in decodes) + 1, self.span_buckets)
+        return rows, span
+
+    def graph(self, rows: int, span: int) -> DecodeGraph:
+        key = (rows, span)
+        if key not in self.graphs:
+            inputs = self.host_inputs([], rows).to(self.runner.input_device)
+            self.graphs[key] = DecodeGraph(partial(self.step, span=span), inputs, self.use_graphs, self.pool)
+        return self.graphs[key]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Every bucket, largest first (smaller graphs then reuse the shared pool's memory)."""
+        for rows in sorted(self.row_buckets, reverse=True):
+            for span in sorted(self.span_buckets, reverse=True):
+                self.graph(rows, span)
+        log.info(
+            "static decode: %d buckets (%s), attention %s", len(self.graphs),
+            "CUDA graphs" if self.use_graphs else "eager", "flash-attn" if self.flash is not None else "SDPA",
+        )
+
+    def run(self, decodes) -> torch.Tensor:
+        """Logits [len(decodes), vocab] of one decode-only step."""
+        rows, span = self.shape_for(decodes)
+        return self.graph(rows, span)(self.host_inputs(decodes, rows))[: len(decodes)]

@@ -1,0 +1,114 @@
+"""The grammar compiler and the batched masks, on a tiny byte-level tokenizer (one token per byte):
+cheap to build, and every JSON text has exactly one tokenization, so tests can spell documents out."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from oai_gemma.engine.grammar import GrammarCompiler, GrammarMasks, InvalidSchema, UnsupportedSchema
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "role": {"enum": ["admin", "user"]}},
+    "required": ["name", "role"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, [tokenizer.eos_token_id])
+
+
+def allowed(logits_row: torch.Tensor, tokenizer) -> set[str]:
+    return {tokenizer.decode([i]) for i in torch.isfinite(logits_row).nonzero().flatten().tolist()}
+
+
+def test_the_same_schema_compiles_once_whatever_its_key_order(compiler):
+    first = compiler.json_schema(PERSON)
+    hits = compiler.hits
+    reordered = dict(reversed(list(PERSON.items())))
+    assert compiler.json_schema(reordered) is first
+    assert compiler.hits == hits + 1
+
+
+def test_a_different_schema_is_a_cache_miss(compiler):
+    misses = compiler.misses
+    compiler.json_schema({**PERSON, "required": ["name"]})
+    assert compiler.misses == misses + 1
+
+
+def test_unimplemented_keyword_is_unsupported_naming_it(compiler):
+    with pytest.raises(UnsupportedSchema) as info:
+        compiler.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    assert info.value.feature == "uniqueItems"
+
+
+def test_unknown_format_is_unsupported_naming_it(compiler):
+    with pytest.raises(UnsupportedSchema) as info:
+        compiler.json_schema({"type": "string", "format": "madeup"})
+    assert info.value.feature == "format: madeup"
+
+
+@pytest.mark.parametrize("schema", [{"type": "foo"}, {"properties": 3}, {"$ref": "#/nowhere"}, [1, 2]])
+def test_invalid_schema_is_invalid(compiler, schema):
+    with pytest.raises(InvalidSchema):
+        compiler.json_schema(schema)
+
+
+def test_document_complete_stops_the_matcher(compiler, tokenizer):
+    matcher = compiler.json_schema(PERSON).matcher()
+    for token in tokenizer.encode('{"name":"a","role":"user"}'):
+        assert not matcher.is_stopped()
+        assert matcher.consume_token(token)
+    assert matcher.is_stopped()
+
+
+def test_matchers_of_one_grammar_advance_independently(compiler, tokenizer):
+    grammar = compiler.json_object()
+    first, second = grammar.matcher(), grammar.matcher()
+    assert first.consume_token(tokenizer.encode("{")[0])
+    assert not second.consume_token(tokenizer.encode("}")[0])  # second is still before the opening brace
+
+
+def test_masks_touch_only_rows_with_a_grammar(compiler, tokenizer):
+    logits = torch.randn(3, len(tokenizer))
+    before = logits.clone()
+    out = GrammarMasks(compiler.vocab_size).apply(logits, [None, compiler.json_object().matcher(), None])
+    assert torch.equal(out[0], before[0]) and torch.equal(out[2], before[2])
+    assert allowed(out[1], tokenizer) == {"{"}
+
+
+def test_masks_follow_each_rows_place_in_its_grammar(compiler, tokenizer):
+    grammar = compiler.json_schema(PERSON)
+    started, fresh = grammar.matcher(), grammar.matcher()
+    for token in tokenizer.encode('{"name":"a","role":"'):
+        started.consume_token(token)
+    out = GrammarMasks(compiler.vocab_size).apply(torch.randn(2, len(tokenizer)), [started, fresh])
+    assert allowed(out[0], tokenizer) == {"a", "u"}
+    assert allowed(out[1], tokenizer) == {"{"}
+
+
+def test_complete_document_allows_only_end_of_sequence(compiler, tokenizer):
+    matcher = compiler.json_schema({"type": "integer"}).matcher()
+    matcher.consume_token(tokenizer.encode("7")[0])
+    out = GrammarMasks(compiler.vocab_size).apply(torch.randn(1, len(tokenizer)), [matcher])
+    assert "<eos>" in allowed(out[0], tokenizer)
+    assert not allowed(out[0], tokenizer) & {" ", "\n"}  # no free whitespace, ever
+
+
+def test_lark_grammar_constrains_to_its_alternatives(compiler, tokenizer):
+    matcher = compiler.lark('start: "yes" | "no"').matcher()
+    out = GrammarMasks(compiler.vocab_size).apply(torch.randn(1, len(tokenizer)), [matcher])
+    assert allowed(out[0], tokenizer) == {"y", "n"}
