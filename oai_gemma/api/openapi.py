@@ -61,8 +61,7 @@ def documented(
                 self.request_body = RequestBody(content={JSON: OpenAPIMediaType(schema=_ref(request))}, required=True)
             ok = {media_type: OpenAPIMediaType(schema=_ref(response))}
             if stream is not None:
-                description = f"with `stream: true`: Server-Sent Events, each `data:` a {stream.__name__}, then `data: [DONE]`"
-                ok[SSE] = OpenAPIMediaType(schema={"type": "string", "description": description})
+                ok[SSE] = OpenAPIMediaType(schema=sse_event(stream))
             self.responses = {"200": OpenAPIResponse(description="OK", content=ok)}
             for status in also:
                 self.responses[str(status)] = OpenAPIResponse(description="see the body", content={media_type: ok[media_type]})
@@ -73,6 +72,19 @@ def documented(
                 )
 
     return WireOperation
+
+
+def sse_event(stream: type) -> dict[str, Any]:
+    """One Server-Sent Event of a stream (`schema` describes each event before OpenAPI 3.2): its `data` is a chunk,
+    an error envelope (a failure after the first byte), or the final `[DONE]`."""
+    chunk = {"anyOf": [_ref(stream), _ref(ErrorResponse)]}
+    json_data = {"type": "string", "contentMediaType": JSON, "contentSchema": chunk}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+        "description": f"with `stream: true`: each `data:` a {stream.__name__}, then `data: [DONE]`",
+    }
 
 
 def add_wire_components(app: Litestar) -> None:
