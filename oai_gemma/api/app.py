@@ -20,10 +20,13 @@ from .access_log import access_log_middleware
 from .errors import APIError, model_not_found
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
-from .protocol import ModelCard, ModelList, encoder
+from .openapi import HEALTH, add_wire_components, documented
+from .protocol import (
+    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
+)
 from .serving_chat import ChatService
 from .serving_completions import CompletionService
-from .serving_tokenize import detokenize, tokenize
+from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
 
 log = logging.getLogger("oai_gemma.server")
 
@@ -128,7 +131,7 @@ def _json(payload, status: int = 200) -> Response:
 def create_app(settings: Settings) -> Litestar:
     state = ServerState(settings)
 
-    @post("/v1/chat/completions", status_code=200)
+    @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
         chat = state.require_ready()
@@ -137,7 +140,7 @@ def create_app(settings: Settings) -> Litestar:
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
         return Response(content=await unless_disconnected(request, chat.complete(prepared)), media_type=JSON)
 
-    @post("/v1/completions", status_code=200)
+    @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
         service = CompletionService(state.require_ready())
@@ -146,12 +149,12 @@ def create_app(settings: Settings) -> Litestar:
             return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
         return Response(content=await unless_disconnected(request, service.complete(prepared)), media_type=JSON)
 
-    @post("/tokenize", status_code=200)  # vLLM's extensions, at the root as vLLM serves them
+    @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
         chat = state.require_ready()
         return Response(content=await tokenize(chat, await request.body()), media_type=JSON)
 
-    @post("/detokenize", status_code=200)
+    @post("/detokenize", status_code=200, operation_class=documented(DetokenizeResponse, request=DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
         chat = state.require_ready()
         return Response(content=detokenize(chat, await request.body()), media_type=JSON)
@@ -159,17 +162,17 @@ def create_app(settings: Settings) -> Litestar:
     def card() -> ModelCard:
         return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
 
-    @get("/v1/models")
+    @get("/v1/models", operation_class=documented(ModelList, errors=(401,)))
     async def list_models() -> Response:
         return _json(ModelList(data=[card()]))
 
-    @get("/v1/models/{model_id:path}")
+    @get("/v1/models/{model_id:path}", operation_class=documented(ModelCard, errors=(401, 404)))
     async def retrieve_model(model_id: str) -> Response:
         if model_id.lstrip("/") != state.served_name:
             raise model_not_found(model_id.lstrip("/"), state.served_name)
         return _json(card())
 
-    @get("/health")
+    @get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))
     async def health() -> Response:
         if state.ready and not state.draining:
             load = state.engine.load()
@@ -177,7 +180,7 @@ def create_app(settings: Settings) -> Litestar:
         reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
         return _json({"status": "unavailable", "reason": reason}, status=503)
 
-    @get("/metrics")
+    @get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
     async def metrics() -> Response:
         return Response(content=state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -203,6 +206,7 @@ def create_app(settings: Settings) -> Litestar:
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=settings.server.max_body_bytes,
     )
+    add_wire_components(app)
     app.state.server = state
     # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
     app.asgi_handler = access_log_middleware(app.asgi_handler, state.metrics.count_outcomes, settings.server.log_request_text)
@@ -268,7 +272,7 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     else:
         message = exc.detail
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return _api_error(request, APIError(status, message, kind, None, None))
+    return _api_error(request, APIError(status, message, kind, None, None, dict(exc.headers or {})))  # 405 keeps `Allow`
 
 
 def _internal_error(request: Request, exc: Exception) -> Response:

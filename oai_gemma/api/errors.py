@@ -8,6 +8,9 @@ import msgspec
 
 from .protocol import ErrorBody, ErrorResponse, encoder
 
+ECHO_CHARS = 256
+"""At most this much of a client's value is quoted back in an error message."""
+
 
 class APIError(Exception):
     """Any failure a client should see as `{"error": {...}}` with an HTTP status."""
@@ -33,8 +36,22 @@ def not_supported(param: str) -> APIError:
     return invalid_request(f"`{param}` is not supported by this server yet; leave it unset", param, "unsupported_parameter")
 
 
+def shown(value: str) -> str:
+    """A client's value as quoted in an error message: a megabyte of it is not echoed back."""
+    return value if len(value) <= ECHO_CHARS else value[:ECHO_CHARS] + "..."
+
+
 def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.", "invalid_request_error", "model", "model_not_found")
+    return APIError(404, f"The model `{shown(model)}` does not exist. This server serves `{served}`.", "invalid_request_error", "model", "model_not_found")
+
+
+def context_length_exceeded(max_model_len: int, detail: str, where: str = "messages") -> APIError:
+    """`where`: the request field that holds the prompt (`messages`, `prompt`)."""
+    return invalid_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, {detail}. "
+        f"Please reduce the length of the {where} or completion.",
+        where, "context_length_exceeded",
+    )
 
 
 def decode_body(decoder: msgspec.json.Decoder, body: bytes):
@@ -45,6 +62,8 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes):
         raise invalid_request(str(exc), param_from_validation(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's guard against a stack overflow on `[[[[...` thousands deep
+        raise invalid_request("the request body is nested too deeply") from None
 
 
 _AT_PATH = re.compile(r" - at `\$\.?(.*)`$")

@@ -4,7 +4,7 @@ context window, and the sampling parameters (both wire requests name them alike)
 from __future__ import annotations
 
 from ..engine.types import SamplingParams
-from .errors import invalid_request
+from .errors import context_length_exceeded, invalid_request, shown
 
 
 def completion_budget(prompt_len: int, asked: int | None, default: int, max_model_len: int, where: str) -> int:
@@ -13,25 +13,22 @@ def completion_budget(prompt_len: int, asked: int | None, default: int, max_mode
     room = max_model_len - prompt_len
     if room < 1 or (asked is not None and asked > room):
         wanted = prompt_len + (asked or 1)
-        raise invalid_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{wanted} tokens ({prompt_len} in the {where}, {asked or 1} in the completion). "
-            f"Please reduce the length of the {where} or completion.",
-            where, "context_length_exceeded",
+        raise context_length_exceeded(
+            max_model_len, f"you requested {wanted} tokens ({prompt_len} in the {where}, {asked or 1} in the completion)", where
         )
     return asked or min(default, room)
 
 
-def sampling_params(request, max_tokens: int, asked: int | None, logprobs: int | None, vocab_limit: int) -> SamplingParams:
-    """SamplingParams from a ChatCompletionRequest or CompletionRequest (`asked`: the max_tokens the client set)."""
-    if request.min_tokens and asked and request.min_tokens > asked:
+def sampling_params(request, max_tokens: int, logprobs: int | None, vocab_limit: int) -> SamplingParams:
+    """SamplingParams from a ChatCompletionRequest or CompletionRequest (`max_tokens`: the budget, set or defaulted)."""
+    if request.min_tokens and request.min_tokens > max_tokens:
         raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=max(request.top_k or 0, 0),
+        top_k=min(max(request.top_k or 0, 0), vocab_limit),  # beyond the vocabulary means off (and fits the sampler's int64)
         seed=request.seed,
         stop=stop,
         presence_penalty=request.presence_penalty or 0.0,
@@ -49,8 +46,8 @@ def logit_bias(bias: dict[str, float] | None, vocab_limit: int) -> tuple[tuple[i
     """OpenAI's `{"token id": bias}`; the ids must be in the vocabulary."""
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_limit:
-            raise invalid_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) < 10) or int(key) >= vocab_limit:  # "²", 5000 digits
+            raise invalid_request(f"logit_bias key {shown(key)!r} is not a token id of this model", "logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 

@@ -20,7 +20,7 @@ from ..chat.vision import VisionPrompt, expand_images
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError
 from ..engine.types import GenerationRequest
 from ..settings import ImageSettings
-from .errors import APIError, decode_body, invalid_request, model_not_found, not_supported
+from .errors import APIError, context_length_exceeded, decode_body, invalid_request, model_not_found, not_supported
 from .protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -67,6 +67,7 @@ class ChatService:
         self.default_max_tokens = default_max_tokens
         self.images = images
         self.processor = engine.loaded.processor
+        self.max_prompt_chars = max_model_len * longest_token_chars(engine.tokenizer)
         self._image_client = None
 
     # ---- request -> engine ------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class ChatService:
         if vision is not None:
             prompt_ids = vision.token_ids
         else:
-            prompt_ids = await self.encode(rendered.prompt)
+            prompt_ids = await self.encode_prompt(rendered.prompt, "messages")
         generation = self._generation_request(request, prompt_ids, arrival)
         generation.grammar = await response_format_grammar(self.engine, request.response_format)
         if vision is not None:
@@ -105,6 +106,14 @@ class ChatService:
             return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         return await asyncio.to_thread(run) if len(text) > LONG_PROMPT_CHARS else run()
+
+    async def encode_prompt(self, text: str, where: str, add_special_tokens: bool = False) -> list[int]:
+        """A prompt's token ids; one too long to fit whatever it says is a 400 at once, not after tokenizing megabytes."""
+        if len(text) > self.max_prompt_chars:
+            raise context_length_exceeded(
+                self.max_model_len, f"the {where} is {len(text)} characters long, more than that many tokens can hold", where
+            )
+        return await self.encode(text, add_special_tokens)
 
     async def vision_prompt(self, rendered: RenderedChat) -> VisionPrompt:
         """Fetch and decode the images (concurrently, off the event loop), then run the model's processor."""
@@ -129,7 +138,7 @@ class ChatService:
         if request.top_logprobs and not request.logprobs:
             raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        sampling = sampling_params(request, max_tokens, asked, logprobs, self.engine.vocab_limit)
+        sampling = sampling_params(request, max_tokens, logprobs, self.engine.vocab_limit)
         n = choice_count(request.n, self.engine.num_slots)
         return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, arrival, n=n)
 
@@ -226,6 +235,12 @@ class ChatService:
         if include_usage and last:
             yield sse(ChatCompletionChunk(rid, created, model, [], usage=_usage(last)))
         yield DONE
+
+
+def longest_token_chars(tokenizer) -> int:
+    """No token stands for more characters than its longest vocabulary piece (Gemma's normalizer only maps " " to
+    "▁"), so a prompt longer than `max_model_len` times this cannot fit, whatever it says."""
+    return max(len(piece) for piece in tokenizer.get_vocab())
 
 
 def busy(exc: Exception) -> APIError:

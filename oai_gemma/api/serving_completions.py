@@ -109,7 +109,7 @@ class CompletionService:
     async def _prompts(self, prompt: str | list) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt; text is tokenized with `<bos>` first, token ids are taken as they are."""
         if isinstance(prompt, str):
-            return [(prompt, await self.chat.encode(prompt, add_special_tokens=True))]
+            return [(prompt, await self.chat.encode_prompt(prompt, "prompt", add_special_tokens=True))]
         kinds = {type(item) for item in prompt}
         if len(kinds) > 1:
             raise invalid_request(
@@ -117,10 +117,10 @@ class CompletionService:
                 "not a mix", "prompt",
             )
         if kinds == {str}:
-            return [(text, await self.chat.encode(text, add_special_tokens=True)) for text in prompt]
+            return [(text, await self.chat.encode_prompt(text, "prompt", add_special_tokens=True)) for text in prompt]
         lists = [prompt] if kinds == {int} else prompt
         for ids in lists:
-            bad = next((t for t in ids if t >= self.engine.vocab_limit), None)
+            bad = next((t for t in ids if not 0 <= t < self.engine.vocab_limit), None)  # -1 would fail the whole step
             if bad is not None:
                 raise invalid_request(
                     f"token id {bad} in `prompt` is outside the vocabulary (0 to {self.engine.vocab_limit - 1})",
@@ -135,7 +135,7 @@ class CompletionService:
         max_tokens = completion_budget(len(ids), asked, DEFAULT_MAX_TOKENS, self.chat.max_model_len, "prompt")
         if asked == 0:
             return None
-        sampling = sampling_params(request, max_tokens, asked, request.logprobs, self.engine.vocab_limit)
+        sampling = sampling_params(request, max_tokens, request.logprobs, self.engine.vocab_limit)
         return GenerationRequest(rid, ids, sampling, arrival, n=n)
 
     def _check_capacity(self, submissions: int) -> None:
