@@ -26,7 +26,7 @@ WEATHER = {
 TOOLS = [WEATHER]
 needs_grammar = pytest.mark.skipif(
     grammar_compiler() is None,
-    reason="forcing a call needs the grammar engine (oai_gemma.engine.grammar.compile_json_schema, branch `grammar`)",
+    reason="forcing a call needs the grammar engine (oai_gemma.api.response_format.json_schema_grammar, branch `grammar`)",
 )
 
 

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..chat.tools import Function, ParsedCall, ToolCallStream, calls_schema, tool_prompt
+from ..engine.engine import Engine
 from ..engine.types import GenerationRequest
 from .errors import invalid_request
 from .protocol import (
@@ -82,27 +83,28 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
     return ToolPlan(functions, functions if choice == "required" else None, parallel)
 
 
-async def force_calls(generation: GenerationRequest, plan: ToolPlan) -> None:
-    """With `required` or a named function, hold the answer to a valid call by a grammar.
+async def force_calls(engine: Engine, generation: GenerationRequest, plan: ToolPlan) -> None:
+    """With `required` or a named function, hold the answer to a valid call by a grammar (this overrides a
+    `response_format` grammar: the answer is the call).
 
-    MERGE(grammar): this is the one step that connects to the grammar engine of branch `grammar`
-    (`compile_json_schema(schema) -> Grammar`, `GenerationRequest.grammar`). Until it is there the prompt alone
+    MERGE(grammar): the one step that connects to the grammar engine of branch `grammar`
+    (`api/response_format.json_schema_grammar`, `GenerationRequest.grammar`). Until it is there the prompt alone
     asks for the call, and the answer is parsed as with `auto`.
     """
     schema = plan.forced_schema()
-    compile_json_schema = grammar_compiler()
-    if schema is None or compile_json_schema is None:
+    json_schema_grammar = grammar_compiler()
+    if schema is None or json_schema_grammar is None:
         return
-    generation.grammar = await asyncio.to_thread(compile_json_schema, schema)
+    generation.grammar = await json_schema_grammar(engine, schema, "tools")
 
 
 def grammar_compiler():
     """The grammar engine's JSON-schema compiler, or None while it is not merged (MERGE(grammar))."""
     try:
-        from ..engine.grammar import compile_json_schema  # type: ignore[import-not-found]
+        from .response_format import json_schema_grammar  # type: ignore[import-not-found]
     except ImportError:
         return None
-    return compile_json_schema
+    return json_schema_grammar
 
 
 def wire_calls(calls: list[ParsedCall]) -> list[ToolCall]:
