@@ -143,6 +143,24 @@ def test_streamed_calls_match_the_non_streamed_ones(client, called):
     assert streamed == [([c.function.name], c.function.arguments) for c in called.choices[0].message.tool_calls]
 
 
+def test_each_of_n_choices_gets_its_own_calls(client, called):
+    response = ask(client, ASK, n=2)
+    assert [c.finish_reason for c in response.choices] == ["tool_calls", "tool_calls"]
+    expected = [c.function for c in called.choices[0].message.tool_calls]
+    for choice in response.choices:
+        assert [c.function for c in choice.message.tool_calls] == expected  # greedy: each choice as alone
+
+
+def test_each_of_n_streamed_choices_gets_its_own_call_deltas_and_finish(http):
+    stream = post_stream(http, {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0,
+                                "max_tokens": 50, "stream": True, "n": 2})
+    for index in (0, 1):
+        choices = [c["choices"][0] for c in stream.chunks if c["choices"] and c["choices"][0]["index"] == index]
+        deltas = [d for c in choices for d in c["delta"].get("tool_calls", [])]
+        assert sorted({d["index"] for d in deltas}) == [0, 1]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["tool_calls"]
+
+
 def test_a_plain_answer_with_tools_present_streams_from_its_first_token(http):
     stream = post_stream(http, {"model": MODEL, "messages": ANSWERED, "tools": TOOLS, "temperature": 0,
                                 "max_tokens": 6, "stream": True, "logprobs": True})
