@@ -5,7 +5,8 @@ The embedded model is a small base model that does not call tools from the instr
 pattern. So the conversations here show it earlier turns in which the assistant called the tool (rendered back
 into the prompt as multi-turn tool calls and `tool` results), and greedy decoding continues the pattern. What is
 asserted is the protocol (calls parsed, ids, finish reasons, deltas, the spec), never a fixed output text.
-Forcing a call on a question alone (`required`, a named function) needs the grammar engine.
+Forcing a call on a question alone (`required`, a named function) is the grammar engine's job: there the model
+gets no examples.
 """
 
 import json
@@ -17,17 +18,11 @@ import openai_schema
 from conftest import MODEL, user
 from sse import post_stream
 
-from oai_gemma.api.serving_tools import grammar_compiler
-
 WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
 }
 TOOLS = [WEATHER]
-needs_grammar = pytest.mark.skipif(
-    grammar_compiler() is None,
-    reason="forcing a call needs the grammar engine (oai_gemma.api.response_format.json_schema_grammar, branch `grammar`)",
-)
 
 
 def calls(*cities: str) -> dict:
@@ -212,6 +207,16 @@ def test_forcing_a_call_without_tools_is_400_naming_tool_choice(client, choice):
     assert error_of(info)["param"] == "tool_choice"
 
 
+def test_forced_call_whose_parameters_the_grammar_cannot_enforce_is_400_naming_tools(http):
+    ids = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+        "ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}}
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hi"), "tools": [ids],
+                                                       "tool_choice": "required"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tools"
+    assert response.json()["error"]["code"] == "unsupported_schema_feature"
+
+
 def test_unknown_tool_choice_value_is_400_naming_tool_choice(http):
     response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hi"), "tools": TOOLS,
                                                        "tool_choice": "always"})
@@ -259,14 +264,12 @@ def test_langchain_bind_tools_invoke_returns_tool_calls(server):
     assert all(call["id"].startswith("call_") for call in reply.tool_calls)
 
 
-@needs_grammar
 def test_tool_choice_required_forces_a_call_on_a_plain_question(client):
     response = ask(client, user("Tell me a story."), tool_choice="required", max_tokens=60)
     assert response.choices[0].finish_reason == "tool_calls"
     assert response.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
-@needs_grammar
 def test_named_tool_choice_forces_that_function_with_valid_arguments(client):
     time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
@@ -279,14 +282,12 @@ def test_named_tool_choice_forces_that_function_with_valid_arguments(client):
     assert isinstance(json.loads(call.function.arguments)["zone"], str)
 
 
-@needs_grammar
 def test_langchain_bind_tools_with_forced_choice_returns_tool_calls(server):
     reply = chat_model(server, max_tokens=60).bind_tools([get_weather], tool_choice="get_weather").invoke("Hello!")
     assert reply.tool_calls[0]["name"] == "get_weather"
     assert isinstance(reply.tool_calls[0]["args"]["city"], str)
 
 
-@needs_grammar
 def test_langchain_structured_output_by_function_calling(server):
     from pydantic import BaseModel
 

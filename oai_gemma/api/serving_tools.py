@@ -6,7 +6,6 @@ The prompt and the parser are in `chat/tools.py`; this module translates between
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from .protocol import (
     ToolCall,
     ToolCallDelta,
 )
+from .response_format import json_schema_grammar
 
 
 @dataclass(frozen=True)
@@ -84,27 +84,11 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
 
 
 async def force_calls(engine: Engine, generation: GenerationRequest, plan: ToolPlan) -> None:
-    """With `required` or a named function, hold the answer to a valid call by a grammar (this overrides a
-    `response_format` grammar: the answer is the call).
-
-    MERGE(grammar): the one step that connects to the grammar engine of branch `grammar`
-    (`api/response_format.json_schema_grammar`, `GenerationRequest.grammar`). Until it is there the prompt alone
-    asks for the call, and the answer is parsed as with `auto`.
-    """
+    """With `required` or a named function, hold the answer to a valid call by a grammar (in place of a
+    `response_format` grammar: the answer is the call). A schema the grammar cannot take is a 400 naming `tools`."""
     schema = plan.forced_schema()
-    json_schema_grammar = grammar_compiler()
-    if schema is None or json_schema_grammar is None:
-        return
-    generation.grammar = await json_schema_grammar(engine, schema, "tools")
-
-
-def grammar_compiler():
-    """The grammar engine's JSON-schema compiler, or None while it is not merged (MERGE(grammar))."""
-    try:
-        from .response_format import json_schema_grammar  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return json_schema_grammar
+    if schema is not None:
+        generation.grammar = await json_schema_grammar(engine, schema, "tools")
 
 
 def wire_calls(calls: list[ParsedCall]) -> list[ToolCall]:
