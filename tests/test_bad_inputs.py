@@ -91,7 +91,7 @@ CATALOGUE = [
     Bad("completions-10MB-prompt", {"model": MODEL, "prompt": "word " * 2_000_000, "max_tokens": 1}, path="/v1/completions",
         param="prompt", code="context_length_exceeded"),
     Bad("completions-negative-token-id", {"model": MODEL, "prompt": [-1], "max_tokens": 1}, path="/v1/completions",
-        param="prompt", code="invalid_token_id"),
+        param="prompt[0]"),
     Bad("completions-nested-100k", b'{"model": "%s", "prompt": ' % MODEL.encode() + nested(100_000) + b"}", path="/v1/completions"),
     # ids outside every range
     Bad("detokenize-id-10e30", {"tokens": [10**30]}, path="/detokenize", param="tokens", code="invalid_token_id"),
