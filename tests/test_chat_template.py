@@ -293,18 +293,36 @@ def test_content_of_wrong_type_is_refused():
     assert refused([user(42)]).param == "messages[0]"
 
 
-def test_assistant_tool_calls_are_refused():
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+def test_function_role_is_refused():
+    error = refused([user("q"), {"role": "function", "content": "42", "name": "f"}])
+    assert error.param == "messages[1]"
+    assert "'tool'" in error.message
+
+
+def test_assistant_tool_call_without_a_name_is_refused_naming_it():
+    call = {"id": "c1", "type": "function", "function": {"arguments": "{}"}}
     error = refused([user("q"), {"role": "assistant", "content": None, "tool_calls": [call]}])
-    assert error.param == "messages[1]"
-    assert "tool calls are not supported yet" in error.message
+    assert error.param == "messages[1].tool_calls[0].function.name"
 
 
-@pytest.mark.parametrize("role", ["tool", "function"])
-def test_tool_and_function_roles_are_refused(role):
-    error = refused([user("q"), {"role": role, "content": "42", "tool_call_id": "c1", "name": "f"}])
-    assert error.param == "messages[1]"
-    assert "not supported yet" in error.message
+def test_tool_message_without_content_is_refused():
+    assert refused([user("q"), {"role": "tool", "tool_call_id": "c1"}]).param == "messages[1]"
+
+
+def test_tool_results_merge_into_one_user_turn_with_the_next_question():
+    rendered = prompt([
+        user("q"), {"role": "tool", "tool_call_id": "a", "content": "one"},
+        {"role": "tool", "tool_call_id": "b", "content": [text(" two ")]}, user("and now?"),
+    ])
+    assert rendered == (
+        BOS + "<start_of_turn>user\nq\n\n```tool_output\none\n```\n\n```tool_output\ntwo\n```\n\nand now?<end_of_turn>\n" + GEN
+    )
+
+
+def test_assistant_content_comes_before_its_tool_calls():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    rendered = prompt([user("q"), {"role": "assistant", "content": "Let me look.", "tool_calls": [call]}])
+    assert '<start_of_turn>model\nLet me look.\n{"name": "f", "parameters": {"x": 1}}<end_of_turn>' in rendered
 
 
 @pytest.mark.parametrize("role", ["robot", None, ""])

@@ -98,7 +98,7 @@ def test_prompt_longer_than_context_is_context_length_exceeded(http):
     "patch, param",
     [
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
     ],
 )

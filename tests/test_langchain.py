@@ -40,3 +40,17 @@ def test_batch_answers_each_prompt_like_invoke(chat):
     prompts = ["Name a fruit.", "Name a city.", "Name a tree."]
     answers = chat.batch(prompts)
     assert [a.content for a in answers] == [chat.invoke(p).content for p in prompts]
+
+
+def test_with_structured_output_json_schema_returns_a_valid_object(server):
+    schema = {
+        "title": "City", "description": "A city and its country.", "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+        "required": ["city", "country"], "additionalProperties": False,
+    }
+    chat = langchain_openai.ChatOpenAI(
+        model=MODEL, base_url=server.url + "/v1", api_key="unused", temperature=0, max_tokens=40, max_retries=0
+    )
+    answer = chat.with_structured_output(schema, method="json_schema", strict=True).invoke("Name a city, as JSON.")
+    assert set(answer) == {"city", "country"}
+    assert all(isinstance(v, str) for v in answer.values())

@@ -82,10 +82,12 @@ def test_a_non_stream_past_the_request_timeout_is_504_in_the_envelope(timed):
 def test_a_request_that_waits_past_the_idle_timeout_ends_with_timeout(timed):
     # the only batch slot is taken by a long stream, so the second request waits without a token
     with httpx.stream("POST", timed.url + "/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as first:
-        next(first.iter_lines())
+        lines = first.iter_lines()  # keep it: a dropped iterator closes the response
+        next(lines)
         started = time.monotonic()
         second = httpx.post(timed.url + "/v1/chat/completions", json={**LONG, "max_tokens": 5}, timeout=30)
         waited = time.monotonic() - started
+        del lines
     assert second.status_code == 504, second.text
     assert "idle timeout" in second.json()["error"]["message"]
     assert waited > 2.7

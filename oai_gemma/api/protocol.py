@@ -33,12 +33,46 @@ class ImageURLPart(Struct, tag="image_url", tag_field="type"):
 ContentPart = TextPart | ImageURLPart
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+    """The arguments as a JSON text (OpenAI's shape, in requests and responses)."""
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, omit_defaults=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+
+class FunctionDefinition(Struct, omit_defaults=True):
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object; unset means no arguments."""
+    strict: bool | None = None
+
+
+class ToolDefinition(Struct):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Struct):
@@ -92,8 +126,8 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -113,8 +147,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do yet, else None."""
         neutral = {
-            "tools": (None, []),
-            "tool_choice": (None, "none"),
             "functions": (None, []),
             "function_call": (None, "none"),
             "audio": (None,),
@@ -165,6 +197,7 @@ class AssistantMessage(Struct):
     content: str | None
     role: str = "assistant"
     refusal: None = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class Choice(Struct):
@@ -183,9 +216,24 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(Struct):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallDelta(Struct):
+    """A call's first delta carries `id`, `type` and `function.name`; later ones `function.arguments` fragments."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: FunctionCallDelta | UnsetType = UNSET
+
+
 class Delta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class StreamChoice(Struct):

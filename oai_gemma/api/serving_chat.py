@@ -39,6 +39,7 @@ from .protocol import (
 )
 from .response_format import response_format_grammar
 from .sampling import choice_count, completion_budget, sampling_params
+from .serving_tools import ToolPlan, force_calls, plan_tools, stream_deltas, wire_calls
 
 DONE = b"data: [DONE]\n\n"
 FINISHED = ("stop", "length")
@@ -55,6 +56,7 @@ class PreparedChat:
     request: ChatCompletionRequest
     generation: GenerationRequest
     created: int
+    tools: ToolPlan | None = None
 
 
 class ChatService:
@@ -81,8 +83,9 @@ class ChatService:
             raise not_supported(unsupported)
         if request.stream_options is not None and not request.stream:
             raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+        tools = plan_tools(request)
         try:
-            rendered = render_chat(msgspec.to_builtins(request.messages))
+            rendered = render_chat(msgspec.to_builtins(request.messages), tool_prompt=tools and tools.prompt())
         except ChatInputError as exc:
             raise invalid_request(exc.message, exc.param) from None
         vision = await self.vision_prompt(rendered) if rendered.images else None
@@ -94,11 +97,13 @@ class ChatService:
         generation.grammar = await response_format_grammar(self.engine, request.response_format)
         if vision is not None:
             generation.pixel_values, generation.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
+        if tools is not None:
+            await force_calls(self.engine, generation, tools)
         try:
             self.engine.check_capacity()
         except EngineBusyError as exc:
             raise busy(exc) from None
-        return PreparedChat(request, generation, int(time.time()))
+        return PreparedChat(request, generation, int(time.time()), tools)
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; a long one (a book) is tokenized off the event loop."""
@@ -165,24 +170,37 @@ class ChatService:
         logprobs: list[list] = [[] for _ in range(n)]
         want_logprobs = prepared.generation.sampling.logprobs is not None
         last: dict[int, object] = {}  # choice index -> its last event
+        calls = [prepared.tools.stream() for _ in range(n)] if prepared.tools else None
         try:
             async with self.engine.generate(prepared.generation) as events:
                 async for event in events:
+                    if calls is not None and calls[event.index].done:
+                        continue  # complete calls end the answer: what the model adds after them is dropped
                     pieces[event.index].append(event.text)
                     if want_logprobs:
                         logprobs[event.index].append(event)
+                    if calls is not None:
+                        calls[event.index].feed(event.text)
+                        if calls[event.index].done:
+                            last[event.index] = event
                     if event.finish_reason is not None:
                         last[event.index] = event
+                    if calls is not None and all(c.done for c in calls):
+                        break
         except EngineDeadError as exc:
             raise unavailable(exc) from None
         except EngineBusyError as exc:
             raise busy(exc) from None
-        failed = [e for e in last.values() if e.finish_reason not in FINISHED]
+        called = [calls is not None and calls[i].done for i in range(n)]
+        failed = [e for i, e in last.items() if e.finish_reason not in FINISHED and not called[i]]
         if failed or len(last) < n:
             raise generation_failure(failed[0] if failed else None)
         choices = [
             Choice(
-                i, AssistantMessage("".join(pieces[i])), last[i].finish_reason,
+                i,
+                AssistantMessage(None, tool_calls=wire_calls(calls[i].calls)) if called[i]
+                else AssistantMessage("".join(pieces[i])),
+                "tool_calls" if called[i] else last[i].finish_reason,
                 ChoiceLogprobs(self._logprob_entries(logprobs[i])) if want_logprobs else None,
             )
             for i in range(n)
@@ -201,6 +219,7 @@ class ChatService:
 
         want_logprobs = prepared.generation.sampling.logprobs is not None
         pending: list[list] = [[] for _ in range(n)]  # per choice: events whose text is still held back
+        calls = [prepared.tools.stream() for _ in range(n)] if prepared.tools else None
 
         def chunk(index: int, delta: Delta, finish: str | None = None) -> bytes:
             held = pending[index]
@@ -220,10 +239,26 @@ class ChatService:
             for index in range(n):
                 yield chunk(index, Delta(role="assistant", content=""))
             async for event in submission:
+                if calls is not None and calls[event.index].done:
+                    continue  # complete calls end the answer: what the model adds after them is dropped
                 if want_logprobs:
                     pending[event.index].append(event)
-                if event.text:
-                    yield chunk(event.index, Delta(content=event.text))
+                if calls is None:
+                    if event.text:
+                        yield chunk(event.index, Delta(content=event.text))
+                else:
+                    splitter = calls[event.index]
+                    for delta in stream_deltas(splitter.feed(event.text)):
+                        yield chunk(event.index, delta)
+                    if event.finish_reason in FINISHED and not splitter.done:
+                        for delta in stream_deltas(splitter.finish()):
+                            yield chunk(event.index, delta)
+                    if splitter.done:
+                        last.append(event)
+                        yield chunk(event.index, Delta(), "tool_calls")
+                        if all(c.done for c in calls):
+                            break
+                        continue
                 if event.finish_reason is None:
                     continue
                 if event.finish_reason not in FINISHED:  # one choice failed: the request fails (the rest is cancelled)

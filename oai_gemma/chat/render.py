@@ -12,7 +12,12 @@ something Gemma-3 was not trained on, we render what a client of an OpenAI-compa
   it, and refusing would break clients that replay a greeting. A system text then becomes a user turn of its own in
   front, as it does when it is the only message (the template silently drops it there).
 
-What we cannot render faithfully yet (tools, audio, files) is a `ChatInputError` naming the offending field.
+Tools (see `tools.py`): the tool prompt follows the system text in the first user turn; an assistant message's
+`tool_calls` are written after its content the way the model is asked to write them; a `tool` message is a user
+turn holding a ```` ```tool_output ```` block (merged like any user turn).
+
+What we cannot render faithfully yet (audio, files, the legacy `function` role) is a `ChatInputError` naming the
+offending field.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .tools import render_tool_calls, render_tool_result
 
 OFFICIAL_TEMPLATE_PATH = Path(__file__).with_name("gemma3_chat_template.jinja")
 IMAGE_TOKEN = "<start_of_image>"
@@ -56,7 +63,8 @@ class _Turn:
 
 
 def render_chat(
-    messages: list[dict], *, add_generation_prompt: bool = True, bos_token: str = "<bos>"
+    messages: list[dict], *, tool_prompt: str | None = None, add_generation_prompt: bool = True,
+    bos_token: str = "<bos>",
 ) -> RenderedChat:
     if not isinstance(messages, list) or not messages:
         raise ChatInputError("messages must be a non-empty list", "messages")
@@ -68,13 +76,18 @@ def render_chat(
         if role == "system":
             system.append(_system_text(message.get("content"), where))
             continue
-        text, images = _turn_content(role, message, where)
+        if role == "tool":
+            role, text, images = "user", _tool_result(message, where), []
+        else:
+            text, images = _turn_content(role, message, where)
         if turns and turns[-1].role == role:
             turns[-1].text = "\n\n".join(t for t in (turns[-1].text, text) if t)
             turns[-1].images += images
         else:
             turns.append(_Turn(role, text, images))
 
+    if tool_prompt:
+        system.append(tool_prompt)
     if system:
         prefix = "\n\n".join(system)
         if turns and turns[0].role == "user":
@@ -98,8 +111,10 @@ def _role(message: Any, where: str) -> str:
         return "user"
     if role == "assistant":
         return "model"
-    if role in ("tool", "function"):
-        raise ChatInputError(f"messages with role '{role}' are not supported yet", where)
+    if role == "tool":
+        return "tool"
+    if role == "function":
+        raise ChatInputError("messages with role 'function' are not supported: send 'tool' messages", where)
     raise ChatInputError(f"unknown role {role!r}: expected system, developer, user or assistant", where)
 
 
@@ -120,7 +135,8 @@ def _turn_content(role: str, message: dict, where: str) -> tuple[str, list[Image
     """Each text trimmed and the parts concatenated as the official template does; an image is its marker."""
     content = message.get("content")
     if role == "model" and message.get("tool_calls"):
-        raise ChatInputError("tool calls are not supported yet", where)
+        text, images = _turn_content(role, {"content": content}, where)
+        return "\n".join(t for t in (text, _tool_calls(message["tool_calls"], where)) if t), images
     if role == "model" and content is None:
         return "", []
     if isinstance(content, str):
@@ -134,6 +150,23 @@ def _turn_content(role: str, message: dict, where: str) -> tuple[str, list[Image
         else:
             pieces.append(value.strip())
     return "".join(pieces), images
+
+
+def _tool_calls(tool_calls: Any, where: str) -> str:
+    if not isinstance(tool_calls, list):
+        raise ChatInputError("tool_calls must be a list", f"{where}.tool_calls")
+    try:
+        return render_tool_calls(tool_calls)
+    except ValueError as exc:
+        raise ChatInputError("each tool call needs a function name and JSON object arguments", f"{where}.{exc}") from None
+
+
+def _tool_result(message: dict, where: str) -> str:
+    """A tool's answer (text only, as OpenAI allows) in the block the model is told results come in."""
+    text, images = _turn_content("user", message, where)
+    if images:
+        raise ChatInputError("tool messages can only hold text", images[0].param)
+    return render_tool_result(text)
 
 
 def _parts(content: Any, where: str) -> list:

@@ -351,7 +351,7 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
-        self.grammar_masks.apply(logits[:1].clone(), [self.grammars.json_object().matcher()])
+        self.grammar_masks.apply(logits[:1, : self.vocab_limit].clone(), [self.grammars.json_object().matcher()])
 
 
 class Submission:

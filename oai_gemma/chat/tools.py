@@ -1,0 +1,330 @@
+"""Function calling for Gemma-3, which has no tool tokens: the tools are described in the prompt and the calls
+are recognised in the generated text.
+
+The format is the JSON variant of Google's documented Gemma function-calling prompt
+(ai.google.dev/gemma/docs/capabilities/function-calling): the definitions, as JSON, open the first user turn with
+an instruction to answer a call with nothing but `{"name": function name, "parameters": {argument: value}}`;
+several calls are a JSON list of those. An assistant turn with `tool_calls` is rendered back in that same format,
+and a `tool` message is a ```` ```tool_output ```` block in a user turn (Google's convention for results), so a
+multi-turn conversation reads to the model as the prompt promised. When a grammar forces a call, it forces this
+same format (`calls_schema`), so forced and free calls parse, stream and re-render alike.
+
+The parser is tolerant of what models write: a single object or a list, `arguments` for `parameters` (also as
+a JSON string), the Python-style `[get_weather(city="Paris"), ...]` of the other documented variant, all inside
+an optional ```` ``` ```` / ```` ```json ```` / ```` ```tool_code ```` fence. A call must open the answer (after
+whitespace): an answer that starts as prose is prose, which lets `ToolCallStream` pass plain text through from
+its first token. Anything after a complete call is not part of the answer (the prompt asks for nothing else).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_FENCE_LANGUAGES = ("json", "tool_code", "python", "tool_call", "")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PARTIAL_TAIL = re.compile(r"|t|tr|tru|f|fa|fal|fals|n|nu|nul|-|[.eE][+-]?")
+"""Where JSON that is merely cut short stops parsing: at its end, or inside a literal or number."""
+
+
+@dataclass(frozen=True)
+class Function:
+    """One tool the request offers (OpenAI's `tools[i].function`, already validated)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: dict
+
+    @property
+    def arguments_json(self) -> str:
+        """OpenAI's `function.arguments`: the arguments as a JSON text."""
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+# ---- prompt ------------------------------------------------------------------------------------------
+
+
+def tool_prompt(functions: list[Function], *, parallel: bool = True, must_call: str | None = None) -> str:
+    """The instruction and the definitions that open the first user turn.
+
+    `must_call`: a function's name (a named `tool_choice`) or "" for any of them (`required`).
+    """
+    definitions = []
+    for f in functions:
+        definition: dict[str, Any] = {"name": f.name}
+        if f.description:
+            definition["description"] = f.description
+        definition["parameters"] = f.parameters or EMPTY_PARAMETERS
+        definitions.append(json.dumps(definition, ensure_ascii=False))
+    several = (
+        "To call several functions at once, answer with a JSON list of such objects.\n"
+        if parallel else "Call at most one function at a time.\n"
+    )
+    return (
+        "You have access to functions. If you decide to invoke a function, answer with only a JSON object in "
+        "the format\n"
+        '{"name": function name, "parameters": dictionary of argument name and its value}\n'
+        f"{several}"
+        "Do not write any other text in a response that calls a function.\n"
+        "The functions you can call, in JSON:\n"
+        "[\n" + ",\n".join(definitions) + "\n]"
+        + _obligation(must_call)
+    )
+
+
+def _obligation(must_call: str | None) -> str:
+    if must_call is None:
+        return ""
+    if must_call:
+        return f"\nAnswer with a call of the function {must_call}."
+    return "\nAnswer with a call of one of these functions."
+
+
+def render_tool_calls(tool_calls: list[dict]) -> str:
+    """An assistant message's OpenAI `tool_calls` as the model would have written them.
+
+    Raises ValueError naming the field (relative to the message) when a call is malformed.
+    """
+    rendered = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tool_calls[{j}].function.name")
+        arguments = function.get("arguments") or "{}"
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise ValueError(f"tool_calls[{j}].function.arguments") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"tool_calls[{j}].function.arguments")
+        rendered.append({"name": name, "parameters": parsed})
+    return json.dumps(rendered[0] if len(rendered) == 1 else rendered, ensure_ascii=False)
+
+
+def render_tool_result(text: str) -> str:
+    return f"```tool_output\n{text.strip()}\n```"
+
+
+# ---- forcing a call ----------------------------------------------------------------------------------
+
+
+def calls_schema(functions: list[Function], *, parallel: bool) -> dict:
+    """The JSON schema of the answers that are calls of `functions`, in the prompt's format.
+
+    One function (a named `tool_choice`): that call. Several (`required`): any one of them. With `parallel`, a
+    non-empty list of such calls.
+    """
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "parameters": f.parameters or EMPTY_PARAMETERS},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    call = options[0] if len(options) == 1 else {"anyOf": options}
+    return {"type": "array", "items": call, "minItems": 1} if parallel else call
+
+
+# ---- parsing -----------------------------------------------------------------------------------------
+
+
+class _NotACall(Exception):
+    pass
+
+
+class _Incomplete(Exception):
+    pass
+
+
+def parse_tool_calls(text: str, names: frozenset[str] | set[str], *, parallel: bool = True) -> list[ParsedCall] | None:
+    """The calls the answer `text` opens with, or None when it is not a (complete) call of one of `names`."""
+    try:
+        calls = _parse_block(text, names)
+    except (_NotACall, _Incomplete):
+        return None
+    return calls if parallel else calls[:1]
+
+
+def _parse_block(text: str, names) -> list[ParsedCall]:
+    """Calls, or _Incomplete (could still become one), or _NotACall."""
+    body = _unfenced(text.lstrip())
+    if not body:
+        raise _Incomplete
+    if body[0] == "{" or (body[0] == "[" and body[1:].lstrip()[:1] in ("{", "")):
+        return _json_calls(body, names)
+    return _python_calls(body, names)
+
+
+def _unfenced(text: str) -> str:
+    """The text after an opening code fence (```json\\n...), or the text itself without one."""
+    if not text.startswith("`"):
+        return text
+    if not "```".startswith(text[:3]):
+        raise _NotACall
+    opener, newline, rest = text.partition("\n")
+    if not newline:
+        if opener[:3] == "```" and not any(lang.startswith(opener[3:].strip()) for lang in _FENCE_LANGUAGES):
+            raise _NotACall
+        raise _Incomplete
+    if opener[3:].strip() not in _FENCE_LANGUAGES:
+        raise _NotACall
+    return rest.lstrip()
+
+
+def _json_calls(body: str, names) -> list[ParsedCall]:
+    try:
+        value, _ = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError as exc:
+        if exc.msg.startswith("Unterminated string") or _PARTIAL_TAIL.fullmatch(body[exc.pos:].rstrip()):
+            raise _Incomplete from None
+        raise _NotACall from None
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise _NotACall
+    return [_json_call(item, names) for item in items]
+
+
+def _json_call(item: Any, names) -> ParsedCall:
+    if not isinstance(item, dict) or item.get("name") not in names:
+        raise _NotACall
+    extra = set(item) - {"name", "parameters", "arguments"}
+    if extra:
+        raise _NotACall
+    arguments = item.get("parameters", item.get("arguments", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise _NotACall from None
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise _NotACall
+    return ParsedCall(item["name"], arguments)
+
+
+def _python_calls(body: str, names) -> list[ParsedCall]:
+    """`[f(a=1), g()]` or a bare `f(a=1)`: the shortest prefix that parses as Python is the block."""
+    bracketed = body[0] == "["
+    head = body[1:].lstrip() if bracketed else body
+    if not head:
+        raise _Incomplete
+    identifier = _IDENTIFIER.match(head)
+    if not identifier:
+        raise _NotACall
+    name, rest = identifier.group(), head[identifier.end():].lstrip()
+    if not rest:  # the name may still be growing, or its "(" be on its way
+        if any(n.startswith(name) for n in names):
+            raise _Incomplete
+        raise _NotACall
+    if name not in names or not rest.startswith("("):
+        raise _NotACall
+    closer = "]" if bracketed else ")"
+    for end in (i + 1 for i, ch in enumerate(body) if ch == closer):
+        try:
+            tree = ast.parse(body[:end], mode="eval").body
+        except SyntaxError:
+            continue
+        nodes = tree.elts if bracketed and isinstance(tree, ast.List) else [tree]
+        return [_python_call(node, names) for node in nodes]
+    raise _Incomplete
+
+
+def _python_call(node: ast.AST, names) -> ParsedCall:
+    if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name) or node.func.id not in names:
+        raise _NotACall
+    arguments = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:
+            raise _NotACall
+        arguments[keyword.arg] = _literal(keyword.value)
+    return ParsedCall(node.func.id, arguments)
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _literal(node: ast.AST) -> Any:
+    """A Python literal; JSON's true/false/null too, which models write in Python-style calls."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise _NotACall
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    try:
+        value = ast.literal_eval(node)
+    except ValueError:
+        raise _NotACall from None
+    return list(value) if isinstance(value, tuple) else value
+
+
+# ---- streaming ---------------------------------------------------------------------------------------
+
+
+class ToolCallStream:
+    """Splits a generated answer, delta by delta, into plain text (passed on at once) or calls (held back until
+    complete).
+
+    `feed` and `finish` return what can be emitted now: strings of content and/or one list of calls. The answer
+    is held back only while it could still be a call: leading whitespace, an opening fence, a `{` or `[`, or a
+    name some tool's name starts with. `done` turns true once the calls are complete: the rest of the generation
+    can be dropped.
+    """
+
+    def __init__(self, names: frozenset[str] | set[str], *, parallel: bool = True):
+        self.names = frozenset(names)
+        self.parallel = parallel
+        self.buffer = ""
+        self.state = "undecided"  # -> "text" | "done"
+        self.calls: list[ParsedCall] = []
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    def feed(self, text: str) -> list[str | list[ParsedCall]]:
+        if self.state == "text":
+            return [text] if text else []
+        if self.state == "done" or not text:
+            return []
+        self.buffer += text
+        try:
+            calls = _parse_block(self.buffer, self.names)
+        except _Incomplete:
+            return []
+        except _NotACall:
+            return self._as_text()
+        return self._called(calls)
+
+    def finish(self) -> list[str | list[ParsedCall]]:
+        """The end of the generation: what was held back is content unless it is a complete call."""
+        if self.state != "undecided":
+            return []
+        calls = parse_tool_calls(self.buffer, self.names, parallel=self.parallel)
+        return self._called(calls) if calls else self._as_text()
+
+    def _as_text(self) -> list[str | list[ParsedCall]]:
+        self.state = "text"
+        text, self.buffer = self.buffer, ""
+        return [text] if text else []
+
+    def _called(self, calls: list[ParsedCall]) -> list[str | list[ParsedCall]]:
+        self.state = "done"
+        self.calls = calls if self.parallel else calls[:1]
+        return [self.calls]

@@ -1,0 +1,234 @@
+"""The Gemma-3 tool prompt, the call parser and the streaming splitter (`oai_gemma/chat/tools.py`), pure."""
+
+import json
+
+import jsonschema
+import pytest
+
+from oai_gemma.chat import render_chat
+from oai_gemma.chat.tools import (
+    Function,
+    ParsedCall,
+    ToolCallStream,
+    calls_schema,
+    parse_tool_calls,
+    render_tool_calls,
+    tool_prompt,
+)
+
+NAMES = frozenset({"get_weather", "add"})
+WEATHER = ParsedCall("get_weather", {"city": "Paris"})
+ADD = ParsedCall("add", {"a": 1, "b": 2})
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+FUNCTIONS = [
+    Function("get_weather", "Current weather of a city", WEATHER_SCHEMA),
+    Function("add", None, {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}),
+]
+
+
+# ---- whole answers ---------------------------------------------------------------------------------------
+
+
+def test_json_object_is_one_call():
+    assert parse_tool_calls('{"name": "get_weather", "parameters": {"city": "Paris"}}', NAMES) == [WEATHER]
+
+
+def test_json_list_is_several_calls_in_order():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "add", "parameters": {"a": 1, "b": 2}}]'
+    assert parse_tool_calls(text, NAMES) == [WEATHER, ADD]
+
+
+def test_arguments_key_and_arguments_as_json_text_are_accepted():
+    text = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+    assert parse_tool_calls(text, NAMES) == [WEATHER]
+
+
+def test_python_style_list_is_parsed_with_json_literals():
+    text = '[get_weather(city="Paris"), add(a=1, b=2, exact=true, note=None)]'
+    assert parse_tool_calls(text, NAMES) == [WEATHER, ParsedCall("add", {"a": 1, "b": 2, "exact": True, "note": None})]
+
+
+def test_bare_python_style_call_is_parsed():
+    assert parse_tool_calls("get_weather(city='Paris')", NAMES) == [WEATHER]
+
+
+@pytest.mark.parametrize("language", ["", "json", "tool_code", "python"])
+def test_calls_inside_a_code_fence_are_parsed(language):
+    assert parse_tool_calls(f'```{language}\n[get_weather(city="Paris")]\n```', NAMES) == [WEATHER]
+
+
+def test_leading_whitespace_and_trailing_text_do_not_hide_the_call():
+    assert parse_tool_calls('\n  {"name": "add", "parameters": {"a": 1, "b": 2}}\nDone!', NAMES) == [ADD]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather in Paris is sunny.",
+        "Sure: [get_weather(city='Paris')]",  # a call must open the answer
+        '{"name": "delete_everything", "parameters": {}}',  # not one of the tools
+        "[1, 2, 3]",
+        '{"city": "Paris"}',
+        '{"name": "get_weather", "parameters": {"city": "Paris"}, "extra": 1}',
+        "get_weather('Paris')",  # positional arguments cannot be named
+        '```js\n{"name": "get_weather", "parameters": {}}\n```',
+        "",
+    ],
+)
+def test_text_that_is_not_a_call_of_a_tool_is_none(text):
+    assert parse_tool_calls(text, NAMES) is None
+
+
+def test_a_call_cut_short_is_none():
+    assert parse_tool_calls('{"name": "get_weather", "parameters": {"city": "Par', NAMES) is None
+
+
+def test_without_parallel_only_the_first_call_is_kept():
+    assert parse_tool_calls("[get_weather(city='Paris'), add(a=1, b=2)]", NAMES, parallel=False) == [WEATHER]
+
+
+def test_arguments_json_is_valid_json_of_the_arguments():
+    call = ParsedCall("get_weather", {"city": "Zürich", "days": [1, 2]})
+    assert json.loads(call.arguments_json) == call.arguments
+
+
+# ---- streaming -------------------------------------------------------------------------------------------
+
+
+def run_stream(text: str, step: int = 1, parallel: bool = True) -> list:
+    """Feed `text` in pieces of `step` characters; (position, output) for every output, then ("end", output)."""
+    stream, out = ToolCallStream(NAMES, parallel=parallel), []
+    for i in range(0, len(text), step):
+        emitted = stream.feed(text[i : i + step])
+        if emitted:
+            out.append((i, emitted))
+        if stream.done:
+            break
+    out.append(("end", stream.finish()))
+    return out
+
+
+def test_plain_text_passes_through_from_its_first_piece():
+    out = run_stream("The weather is nice.", step=4)
+    assert out[0] == (0, ["The "])
+    assert "".join(p for _, pieces in out for p in pieces) == "The weather is nice."
+
+
+def test_a_word_that_starts_like_a_tool_name_is_held_only_until_it_differs():
+    out = run_stream("get the weather", step=1)
+    assert out[0] == (4, ["get t"])
+    assert "".join(p for _, pieces in out for p in pieces) == "get the weather"
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '```json\n[{"name": "get_weather", "parameters": {"city": "Paris"}}]\n```',
+        '  [get_weather(city="Paris")]',
+    ],
+)
+def test_a_call_is_held_back_and_emitted_once_complete(text, step):
+    out = run_stream(text + "\nAnd some rambling after it.", step=step)
+    emitted = [piece for _, pieces in out for piece in pieces]
+    assert emitted == [[WEATHER]]
+    assert out[0][0] != "end"  # recognised while streaming, before the generation ended
+
+
+def test_partial_json_literals_and_numbers_keep_a_call_pending():
+    text = '{"name": "add", "parameters": {"a": -1.5e+3, "b": true, "c": null, "d": false}}'
+    out = run_stream(text, step=1)
+    assert out == [(len(text) - 1, [[ParsedCall("add", {"a": -1500.0, "b": True, "c": None, "d": False})]]), ("end", [])]
+
+
+def test_a_held_back_answer_that_is_no_call_comes_out_whole_as_text():
+    text = '{"answer": 42}'
+    out = run_stream(text, step=3)
+    assert [p for _, pieces in out for p in pieces] == [text]
+
+
+def test_an_unfinished_call_at_the_end_is_text():
+    text = '{"name": "get_weather", "parameters": {"ci'
+    assert run_stream(text, step=5)[-1] == ("end", [text])
+
+
+def test_a_code_fence_in_another_language_streams_as_text_early():
+    out = run_stream("```python\nprint(1)\n```", step=1)
+    assert out[0][0] <= len("```python\np")
+
+
+def test_streaming_without_parallel_emits_one_call():
+    out = run_stream("[get_weather(city='Paris'), add(a=1, b=2)]", step=3, parallel=False)
+    assert [p for _, pieces in out for p in pieces] == [[WEATHER]]
+
+
+# ---- prompt, rendering, forcing ----------------------------------------------------------------------------
+
+
+def test_tool_prompt_lists_every_definition_as_json():
+    prompt = tool_prompt(FUNCTIONS)
+    listed = json.loads(prompt[prompt.index("[\n") :])
+    assert [d["name"] for d in listed] == ["get_weather", "add"]
+    assert listed[0]["parameters"] == WEATHER_SCHEMA
+    assert "description" not in listed[1]
+
+
+def test_tool_prompt_without_parallel_asks_for_one_call():
+    assert "JSON list" in tool_prompt(FUNCTIONS)
+    assert "JSON list" not in tool_prompt(FUNCTIONS, parallel=False)
+
+
+def test_tool_prompt_opens_the_first_user_turn_after_the_system_text():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    rendered = render_chat(messages, tool_prompt=tool_prompt(FUNCTIONS)).prompt
+    assert rendered.startswith("<bos><start_of_turn>user\nBe brief.\n\n" + tool_prompt(FUNCTIONS) + "\n\nWeather in Paris?")
+
+
+def test_assistant_tool_calls_render_in_the_prompted_format_and_parse_back():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    text = render_tool_calls([call])
+    assert parse_tool_calls(text, NAMES) == [WEATHER]
+
+
+def test_several_assistant_tool_calls_render_as_a_list():
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "b", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+    ]
+    assert parse_tool_calls(render_tool_calls(calls), NAMES) == [WEATHER, ADD]
+
+
+def test_multi_turn_with_tool_results_renders_calls_and_output_blocks():
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+    ]
+    rendered = render_chat(messages).prompt
+    assert rendered == (
+        "<bos><start_of_turn>user\nWeather in Paris?<end_of_turn>\n"
+        '<start_of_turn>model\n{"name": "get_weather", "parameters": {"city": "Paris"}}<end_of_turn>\n'
+        "<start_of_turn>user\n```tool_output\nsunny, 21 C\n```<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+
+
+def test_forced_schema_of_one_function_accepts_exactly_its_call():
+    schema = calls_schema(FUNCTIONS[:1], parallel=False)
+    jsonschema.validate({"name": "get_weather", "parameters": {"city": "Paris"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "add", "parameters": {"city": "Paris"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "parameters": {}}, schema)
+
+
+def test_forced_schema_with_parallel_is_a_non_empty_list_of_any_tool_call():
+    schema = calls_schema(FUNCTIONS, parallel=True)
+    answer = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "add", "parameters": {"a": 1, "b": 2}}]
+    jsonschema.validate(answer, schema)
+    assert parse_tool_calls(json.dumps(answer), NAMES) == [WEATHER, ADD]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
