@@ -351,7 +351,12 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
-        self.grammar_masks.apply(logits[:1, : self.vocab_limit].clone(), [self.grammars.json_object().matcher()])
+        try:
+            grammars = self.grammars
+        except Exception as exc:  # a tokenizer llguidance cannot read (e.g. a stand-in): serve without it
+            log.warning("structured output is unavailable for this tokenizer: %s", exc)
+            return
+        self.grammar_masks.apply(logits[:1, : self.vocab_limit].clone(), [grammars.json_object().matcher()])
 
 
 class Submission:
