@@ -196,6 +196,130 @@ def test_logprobs_stream_in_chunks_and_agree_with_non_stream(client, http):
     assert [round(v, 4) for lp in streamed for v in lp["token_logprobs"]] == [round(v, 4) for v in plain.token_logprobs]
 
 
+# ---- echo with logprobs: the prompt's own logprobs (lm-eval-harness's loglikelihood) ------------------------
+
+
+def validate_echo(body: dict) -> None:
+    """The spec types each `token_logprobs` item as a number and each `top_logprobs` item as an object, but
+    OpenAI's API (and vLLM) send null for the first echoed token, which has nothing before it."""
+    for choice in body["choices"]:
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        validate("CreateCompletionResponse", {**body, "choices": [{**choice, "logprobs": {
+            **logprobs, "token_logprobs": logprobs["token_logprobs"][1:], "top_logprobs": logprobs["top_logprobs"][1:],
+        }}]})
+
+
+def echo_logprobs(http, prompt, **kw) -> dict:
+    payload = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 1, "echo": True, "logprobs": 5, **kw}
+    response = http.post(PATH, json=payload)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    validate_echo(body)
+    return body
+
+
+def next_token_logprobs(http, prompt_ids: list[int]) -> dict[str, float]:
+    """The 5 most likely next tokens after `prompt_ids`, as a generated token's top_logprobs report them."""
+    body = http.post(PATH, json={"model": MODEL, "prompt": prompt_ids, "temperature": 0, "max_tokens": 1, "logprobs": 5}).json()
+    top = body["choices"][0]["logprobs"]["top_logprobs"][0]
+    return dict(sorted(top.items(), key=lambda kv: -kv[1])[:5])
+
+
+def assert_same_distribution(a: dict[str, float], b: dict[str, float]) -> None:
+    assert list(a) == list(b), (a, b)
+    assert all(abs(a[k] - b[k]) < 2e-3 for k in a), (a, b)
+
+
+def test_echo_logprobs_score_every_prompt_token(http, tokenizer):
+    ids = tokenizer.encode("The capital of France is Paris")
+    body = echo_logprobs(http, "The capital of France is Paris", max_tokens=0)
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.decode([i]) for i in ids]
+    assert all(lp < 0 for lp in logprobs["token_logprobs"][1:])
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
+    for position in (1, 3, len(ids) - 1):  # the prompt's entry at p is the distribution after its first p tokens
+        top = logprobs["top_logprobs"][position]
+        assert top[logprobs["tokens"][position]] == logprobs["token_logprobs"][position]
+        expected = next_token_logprobs(http, ids[:position])
+        assert_same_distribution(dict(sorted(top.items(), key=lambda kv: -kv[1])[:5]), expected)
+
+
+def test_echo_logprobs_across_prefill_chunks_match_the_next_token_distribution(http, tokenizer):
+    """A prompt longer than one prefill chunk (512 tokens): the positions at and after the chunk boundary,
+    computed from different chunks, still give the model's distribution there."""
+    ids = tokenizer.encode(" ".join(f"river {i} flows," for i in range(150)))[:560]
+    logprobs = echo_logprobs(http, ids, max_tokens=0)["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 560
+    for position in (511, 512, 513, 559):
+        top = dict(sorted(logprobs["top_logprobs"][position].items(), key=lambda kv: -kv[1])[:5])
+        assert_same_distribution(top, next_token_logprobs(http, ids[:position]))
+
+
+def test_echo_logprobs_offsets_point_into_the_echoed_text(http, tokenizer):
+    for prompt in ("Once upon a time there was", tokenizer.encode("Once upon a time there was")):
+        choice = echo_logprobs(http, prompt, max_tokens=3)["choices"][0]
+        logprobs, text = choice["logprobs"], choice["text"]
+        assert len(logprobs["tokens"]) == len(tokenizer.encode("Once upon a time there was")) + 3
+        shown = [(t, o) for t, o in zip(logprobs["tokens"], logprobs["text_offset"]) if isinstance(prompt, list) or t != "<bos>"]
+        assert all(text[o : o + len(t)] == t for t, o in shown), (text, shown)
+
+
+def test_lm_eval_harness_loglikelihood_request(http, tokenizer):
+    """The request lm-eval-harness's `local-completions` model sends for a loglikelihood task, read as it
+    reads it: the continuation's log-likelihood is the sum of its tokens' logprobs, and it is greedy when each
+    is the most likely token. The model's own greedy continuation must come out greedy, with the logprobs
+    its generation reported."""
+    context = tokenizer.encode("The history of Rome")
+    generated = http.post(PATH, json={
+        "model": MODEL, "prompt": context, "temperature": 0, "max_tokens": 4, "logprobs": 1, "ignore_eos": True,
+    }).json()["choices"][0]["logprobs"]
+    continuation = tokenizer.encode("".join(generated["tokens"]), add_special_tokens=False)
+    assert [tokenizer.decode([t]) for t in continuation] == generated["tokens"]  # the same tokens, re-tokenized
+    body = http.post(PATH, json={
+        "model": MODEL, "prompt": [context + continuation], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+        "seed": 1234, "echo": True,
+    }).json()
+    choice = body["choices"][0]["logprobs"]
+    ctxlen = len(context)
+    scores = choice["token_logprobs"][ctxlen:-1]
+    tops = choice["top_logprobs"][ctxlen:-1]
+    assert len(scores) == len(continuation)
+    is_greedy = all(max(top, key=top.get) == token for top, token in zip(tops, choice["tokens"][ctxlen:-1]))
+    assert is_greedy
+    assert abs(sum(scores) - sum(generated["token_logprobs"])) < 1e-2
+
+
+def test_echo_logprobs_compute_the_whole_prompt_even_when_it_is_cached(http):
+    prompt = "A prompt sent twice, so that its second run could come from the prefix cache"
+    first, second = (echo_logprobs(http, prompt, max_tokens=2) for _ in range(2))
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
+
+
+def test_echo_logprobs_with_n_give_every_choice_the_prompt_scores(http):
+    body = echo_logprobs(http, "The river", n=2, temperature=1.0, seed=3, max_tokens=3)
+    first, second = (c["logprobs"] for c in body["choices"])
+    prompt_len = body["usage"]["prompt_tokens"]
+    assert first["token_logprobs"][:prompt_len] == second["token_logprobs"][:prompt_len]
+    assert first["tokens"][:prompt_len] == second["tokens"][:prompt_len]
+
+
+def test_echo_logprobs_stream_puts_the_prompt_in_each_choices_first_chunk(http):
+    prompts = ["Once upon a time", "The sea is"]
+    payload = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 4}
+    chunks = stream_of(http, payload)
+    plain = http.post(PATH, json={"model": MODEL, "temperature": 0, **payload}).json()
+    for index, prompt in enumerate(prompts):
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == index]
+        assert mine[0]["text"].startswith(prompt)
+        assert mine[0]["logprobs"]["tokens"][0] == "<bos>" and mine[0]["logprobs"]["token_logprobs"][0] is None
+        expected = plain["choices"][index]["logprobs"]
+        assert [t for c in mine for t in c["logprobs"]["tokens"]] == expected["tokens"]
+        assert [o for c in mine for o in c["logprobs"]["text_offset"]] == expected["text_offset"]
+        assert "".join(c["text"] for c in mine) == plain["choices"][index]["text"]
+
+
 def test_no_logprobs_unless_asked(client):
     assert complete(client, "Hello", max_tokens=2).choices[0].logprobs is None
 
@@ -272,7 +396,7 @@ def test_client_disconnect_cancels_every_prompt_of_the_stream(http, server):
         ({"top_p": 1.5}, "top_p"),
         ({"logprobs": 6}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"echo": True, "logprobs": 1}, "logprobs"),
+        ({"echo": True, "logprobs": 1, "max_tokens": 0, "min_tokens": 1}, "min_tokens"),
         ({"n": 64}, "n"),
         ({"n": 2, "best_of": 3}, "best_of"),
         ({"suffix": "end."}, "suffix"),

@@ -9,6 +9,7 @@ whose chunks carry each choice's `index`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,8 @@ class PlannedPrompt:
     prompt_text: str
     """What `echo` puts before the completion: the prompt string, or the token ids decoded."""
     prompt_ids: list[int]
+    bos_added: bool
+    """The server put `<bos>` before a text prompt: the echoed text does not hold it."""
     generation: GenerationRequest | None
     """None for `echo` with `max_tokens: 0`: the prompt comes back, nothing is generated."""
 
@@ -68,6 +71,8 @@ class ChoiceOutput:
     offset: int = 0
     """`text_offset` of the next token: where its text starts in the choice's text."""
     last: TokenEvent | None = None
+    echo_pending: bool = False
+    """A stream's echo waits for the prompt's logprobs, which come with the choice's first event."""
 
 
 class CompletionService:
@@ -91,18 +96,15 @@ class CompletionService:
             raise not_supported(unsupported)
         if request.stream_options is not None and not request.stream:
             raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
-        if request.echo and request.logprobs is not None:
-            raise invalid_request(
-                "`echo` with `logprobs` needs the prompt tokens' logprobs, which this server does not compute "
-                "yet; leave one of them unset", "logprobs", "unsupported_parameter",
-            )
         if request.max_tokens == 0 and not request.echo:
             raise invalid_request("`max_tokens` must be at least 1 (0 only with `echo: true`)", "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = choice_count(request.n, self.engine.num_slots)
         prompts = []
+        texts = isinstance(request.prompt, str) or isinstance(request.prompt[0], str)
         for index, (text, ids) in enumerate(await self._prompts(request.prompt)):
-            prompts.append(PlannedPrompt(index, text, ids, self._generation(request, ids, f"{rid}-{index}", arrival, n)))
+            generation = self._generation(request, ids, f"{rid}-{index}", arrival, n)
+            prompts.append(PlannedPrompt(index, text, ids, texts, generation))
         self._check_capacity(n * sum(p.generation is not None for p in prompts))
         return PreparedCompletion(request, rid, int(time.time()), prompts, n)
 
@@ -133,9 +135,13 @@ class CompletionService:
     ) -> GenerationRequest | None:
         asked = request.max_tokens
         max_tokens = completion_budget(len(ids), asked, DEFAULT_MAX_TOKENS, self.chat.max_model_len, "prompt")
+        prompt_logprobs = request.logprobs if request.echo else None
         if asked == 0:
-            return None
+            if prompt_logprobs is None:
+                return None
+            max_tokens = 0  # the engine still runs the prompt, for its logprobs
         sampling = sampling_params(request, max_tokens, request.logprobs, self.engine.vocab_limit)
+        sampling = dataclasses.replace(sampling, prompt_logprobs=prompt_logprobs)
         return GenerationRequest(rid, ids, sampling, arrival, n=n)
 
     def _check_capacity(self, submissions: int) -> None:
@@ -207,7 +213,10 @@ class CompletionService:
             return
         if request.echo:
             for output in outputs:
-                yield chunk([CompletionChoice(output.index, output.plan.prompt_text, None, _finish_reason(output))])
+                if request.logprobs is None or output.plan.generation is None:
+                    yield chunk([CompletionChoice(output.index, output.plan.prompt_text, None, _finish_reason(output))])
+                else:
+                    output.echo_pending = True
         failed = False
         async with aclosing(merged(submissions)) as events:
             async for prompt_index, event in events:
@@ -219,9 +228,12 @@ class CompletionService:
                     break
                 if event.finish_reason is not None:
                     output.last = event
-                if event.text or event.finish_reason:
+                text = event.text
+                if output.echo_pending:
+                    text, output.echo_pending = output.plan.prompt_text + text, False
+                if text or event.finish_reason:
                     logprobs = self._logprobs(output, prepared)
-                    yield chunk([CompletionChoice(output.index, event.text, logprobs, event.finish_reason)])
+                    yield chunk([CompletionChoice(output.index, text, logprobs, event.finish_reason)])
         if include_usage and not failed:
             yield chunk([], usage=_usage(prepared, outputs))
         yield DONE
@@ -239,7 +251,8 @@ class CompletionService:
         return outputs
 
     def _logprobs(self, output: ChoiceOutput, prepared: PreparedCompletion) -> CompletionLogprobs | None:
-        """The legacy logprobs of the output's pending tokens (stop tokens carry none), which are then reported.
+        """The legacy logprobs of the output's pending tokens (stop tokens carry none), which are then reported;
+        with `echo`, the prompt's tokens come first (the very first with null logprobs: nothing precedes it).
 
         Each token's `top_logprobs` holds the `logprobs` most likely tokens and the chosen one, as OpenAI's."""
         events, output.pending = output.pending, []
@@ -247,17 +260,33 @@ class CompletionService:
             return None
         result = CompletionLogprobs([], [], [], [])
         for event in events:
-            if event.logprob is None:
-                continue
-            text = self.engine.token_text(event.token_id)[0]
-            chosen = max(event.logprob, LOWEST_LOGPROB)
-            top = {self.engine.token_text(i)[0]: max(lp, LOWEST_LOGPROB) for i, lp in event.top_logprobs}
-            result.tokens.append(text)
-            result.token_logprobs.append(chosen)
-            result.top_logprobs.append({text: chosen, **top})
-            result.text_offset.append(output.offset)
-            output.offset += len(text)
+            if event.prompt_logprobs is not None:
+                self._add_prompt(result, output.plan, event.prompt_logprobs)
+            if event.logprob is not None:
+                output.offset = self._add(result, event.token_id, (event.logprob, event.top_logprobs), output.offset)
         return result
+
+    def _add_prompt(self, result: CompletionLogprobs, plan: PlannedPrompt, entries: list) -> None:
+        offset = 0
+        for position, (token_id, entry) in enumerate(zip(plan.prompt_ids, entries)):
+            end = self._add(result, token_id, entry, offset)
+            if not (position == 0 and plan.bos_added):  # text the echo does not hold takes no room in it
+                offset = end
+
+    def _add(self, result: CompletionLogprobs, token_id: int, entry, offset: int) -> int:
+        """Append one token (`entry`: (logprob, [(id, logprob)]) or None) at `offset`; returns where the next starts."""
+        text = self.engine.token_text(token_id)[0]
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            logprob, top = entry
+            chosen = max(logprob, LOWEST_LOGPROB)
+            result.token_logprobs.append(chosen)
+            result.top_logprobs.append({text: chosen, **{self.engine.token_text(i)[0]: max(lp, LOWEST_LOGPROB) for i, lp in top}})
+        return offset + len(text)
 
 
 async def merged(submissions: dict[int, Submission]) -> AsyncIterator[tuple[int, TokenEvent]]:

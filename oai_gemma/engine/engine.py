@@ -22,7 +22,7 @@ from .grammar import GrammarCompiler, GrammarMasks
 from .loader import LoadedModel
 from .observer import RequestObserver
 from .runner import KVCache, ModelRunner, StepItem
-from .sampler import PlainRow, RowRandom, sample_with_logprobs
+from .sampler import PlainRow, RowRandom, sample_with_logprobs, token_logprobs
 from .scheduler import Scheduler, Sequence
 from .types import GenerationRequest, SamplingParams, TokenEvent
 
@@ -240,6 +240,7 @@ class Engine:
         events: list[tuple[object, TokenEvent]] = []
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
+            self._prompt_logprobs(step)
             sampled = step.sampled
             logits, sampled = self._fork(logits, sampled)
             logits = self.grammar_masks.apply(logits, [seq.matcher for seq in sampled])
@@ -256,9 +257,27 @@ class Engine:
         step.advance()
         self.steps += 1
         now = time.perf_counter()
-        for seq, token, token_logprobs in zip(sampled, tokens, logprobs):
-            self._on_token(seq, token, token_logprobs, now, events)
+        for seq, token, entry in zip(sampled, tokens, logprobs):
+            self._on_token(seq, token, entry, now, events)
         self._deliver(events)
+
+    def _prompt_logprobs(self, step) -> None:
+        """Add each flagged prefill chunk's prompt logprobs to its sequence: the hidden state at position p
+        predicts prompt token p + 1 (the chunk's last position predicts the next chunk's first token, or,
+        on the last chunk, the first output token: that one is sampled, not reported here)."""
+        size = self.runner.row_buckets[-1]
+        for seq, item in zip(step.prefill_owners, step.prefills):
+            if item.hidden is None:
+                continue
+            if item.start == 0:
+                seq.prompt_logprobs = [None]  # the first token has nothing before it
+            targets = seq.prompt_ids[item.start + 1 : item.start + len(item.token_ids) + 1]
+            top = seq.sampling.prompt_logprobs
+            for lo in range(0, len(targets), size):  # a slice at a time: a chunk's full logits would be large
+                logits = self.runner.logits_of(item.hidden[lo : lo + size])[:, : self.vocab_limit]
+                part = targets[lo : lo + size]
+                seq.prompt_logprobs += token_logprobs(logits, part, [top] * len(part))
+            item.hidden = None
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Choices 1..n-1 of a request whose prompt just finished prefilling: copy its KV into their slots
@@ -268,6 +287,7 @@ class Engine:
             if seq.forks:
                 for child in self.scheduler.fork(seq, time.perf_counter()):
                     self.runner.cache.copy_slot(seq.slot, child.slot)
+                    child.prompt_logprobs = seq.prompt_logprobs
                     rows.append(row)
                     children.append(child)
         if not children:
@@ -275,30 +295,41 @@ class Engine:
         return torch.cat((logits, logits[rows])), sampled + children
 
     def _on_token(self, seq: Sequence, token: int, logprobs, now: float, events: list) -> None:
-        seq.output_ids.append(token)
-        params: SamplingParams = seq.request.sampling
-        finish = error = None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            text, finish = seq.stopper.flush(), "stop"
-            logprobs = None  # the stop token is not part of the output, nor of its logprobs
+        first = not seq.output_ids
+        error = None
+        if seq.sampling.max_tokens == 0:  # only the prompt's logprobs were wanted (`echo`): drop the sampled token
+            token = logprobs = None
+            text, finish = "", "length"
         else:
-            text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
-            if stopped:
-                finish = "stop"
-            elif seq.matcher is not None and not seq.matcher.consume_token(token):
-                text, finish, error = "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
-            elif seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
-                text, finish = text + seq.stopper.flush(), "stop"
-            elif len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
-                text, finish = text + seq.stopper.flush(), "length"
+            seq.output_ids.append(token)
+            if token in self.eos_token_ids and not seq.sampling.ignore_eos:
+                logprobs = None  # the stop token is not part of the output, nor of its logprobs
+            text, finish, error = self._outcome(seq, token)
         event = self._event(seq, token, text, now, finish, error)
         if logprobs is not None:
             event.logprob, event.top_logprobs = logprobs
-        if len(seq.output_ids) == 1:
+        if first:
             event.scheduled_time = seq.scheduled_time
+            event.prompt_logprobs = seq.prompt_logprobs
         events.append((seq.sink, event))
         if finish:
             self.scheduler.finish(seq)
+
+    def _outcome(self, seq: Sequence, token: int) -> tuple[str, str | None, str | None]:
+        """(the text `token` completes, the finish reason if it ends the sequence, an error) once appended."""
+        params: SamplingParams = seq.sampling
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return seq.stopper.flush(), "stop", None
+        text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
+        if stopped:
+            return text, "stop", None
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            return "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
+            return text + seq.stopper.flush(), "stop", None
+        if len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
+            return text + seq.stopper.flush(), "length", None
+        return text, None, None
 
     def _event(self, seq: Sequence, token, text: str, now: float, finish, error: str | None = None) -> TokenEvent:
         return TokenEvent(

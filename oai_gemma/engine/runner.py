@@ -31,6 +31,9 @@ class StepItem:
     """[start, end) positions of image soft-token blocks: each attends to itself both ways (Gemma-3)."""
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     """(rows within this chunk, their embeddings): the vision tower's output replaces those tokens' embeddings."""
+    keep_hidden: bool = False
+    """Keep every position's last hidden state in `hidden` (prompt logprobs: see `ModelRunner.logits_of`)."""
+    hidden: torch.Tensor | None = None
 
 
 class KVCache:
@@ -243,15 +246,23 @@ class ModelRunner:
 
         rows, offset = [], 0
         for it in items:
+            if it.keep_hidden:
+                it.hidden = hidden[offset : offset + len(it.token_ids)]
             offset += len(it.token_ids)
             if it.want_logits:
                 rows.append(offset - 1)
         if not rows:
             return torch.empty(0, self.config.vocab_size)
-        wanted = len(rows)
-        rows += rows[-1:] * (bucket(wanted, self.row_buckets) - wanted)
-        last = self.text_model.norm(hidden.to(self.device)[rows])
-        logits = self.lm_head_linear(last)[:wanted]
+        return self.logits_of(hidden[rows])
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of last-layer hidden states [rows, hidden] (at most the largest row bucket).
+        The rows are padded to a row bucket: the lm_head runs only at the shapes warm-up compiled."""
+        wanted = hidden.shape[0]
+        padded = bucket(wanted, self.row_buckets)
+        if padded > wanted:
+            hidden = torch.cat((hidden, hidden[-1:].expand(padded - wanted, -1)))
+        logits = self.lm_head_linear(self.text_model.norm(hidden.to(self.device)))[:wanted]
         if self.final_softcap:
             logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
         return logits

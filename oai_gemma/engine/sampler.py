@@ -72,15 +72,24 @@ def _logprobs(logits: torch.Tensor, rows: list[Row], tokens: list[int]) -> list[
     if not wanted:
         return out
     temperature = torch.tensor([rows[i].sampling.temperature or 1.0 for i in wanted])
-    # a banned token (grammar, min_tokens) has -inf, which JSON cannot carry: report it as vLLM does
-    logp = torch.log_softmax(logits[wanted].float() / temperature[:, None], dim=-1).clamp(min=-9999.0)
-    most = max(rows[i].sampling.logprobs for i in wanted)
-    top_values, top_ids = logp.topk(most, dim=-1) if most else (None, None)
-    for r, i in enumerate(wanted):
-        n = rows[i].sampling.logprobs
-        top = list(zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist())) if n else []
-        out[i] = (float(logp[r, tokens[i]]), top)
+    found = token_logprobs(
+        logits[wanted].float() / temperature[:, None], [tokens[i] for i in wanted], [rows[i].sampling.logprobs for i in wanted]
+    )
+    for i, entry in zip(wanted, found):
+        out[i] = entry
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int]) -> list[Logprobs]:
+    """Per row of `logits` [rows, vocab]: (logprob of `tokens[row]`, [(id, logprob)] of its `counts[row]` most
+    likely tokens)."""
+    # a banned token (grammar, min_tokens) has -inf, which JSON cannot carry: report it as vLLM does
+    logp = torch.log_softmax(logits.float(), dim=-1).clamp(min=-9999.0)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    most = max(counts)
+    top_values, top_ids = logp.topk(most, dim=-1) if most else (logp[:, :0], logp[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [(chosen[r], list(zip(top_ids[r][:n], top_values[r][:n]))) for r, n in enumerate(counts)]
 
 
 def _pick(logits: torch.Tensor, rows: list[Row]) -> list[int]:

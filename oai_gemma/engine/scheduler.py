@@ -38,6 +38,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     matcher: object | None = None
     """This sequence's place in its request's grammar (structured output), else None."""
+    prompt_logprobs: list | None = None
+    """The prompt's logprobs so far, chunk by chunk (when the request asks for them)."""
     scheduled_time: float | None = None
     finished: bool = False
     index: int = 0
@@ -194,6 +196,8 @@ class Scheduler:
         while self.waiting and self.slots:
             seq = self.waiting.popleft()
             seq.slot, seq.num_cached = self.slots.acquire(seq.cache_keys)
+            if seq.sampling.prompt_logprobs is not None:  # every position's logits are wanted: compute them all
+                seq.num_cached = 0
             seq.num_computed = seq.num_cached
             seq.scheduled_time = now
             self.running.append(seq)
@@ -209,7 +213,10 @@ class Scheduler:
                 end = _chunk_end(start, min(start + budget, len(seq.prompt_ids)), seq.image_spans)
                 chunk = seq.prompt_ids[start:end]
                 done = end == len(seq.prompt_ids)
-                prefills.append(StepItem(seq.slot, chunk, start, done, seq.image_spans, _chunk_embeds(seq, start, end)))
+                prefills.append(StepItem(
+                    seq.slot, chunk, start, done, seq.image_spans, _chunk_embeds(seq, start, end),
+                    keep_hidden=seq.sampling.prompt_logprobs is not None,
+                ))
                 prefill_seqs.append(seq)
                 budget -= len(chunk)
         return Step(prefills, decodes, prefill_seqs, decode_seqs)

@@ -211,10 +211,7 @@ class StaticDecode:
             cos, sin = rope[r.layer_types[li]]
             q, k, v = self.pre(hidden, w, cos, sin, self.eps, *self.shape)
             hidden = self.post(hidden, self._attend(li, q, k, v, p, s, span), w, self.eps)
-        logits = r.lm_head_linear(r.text_model.norm(hidden.to(r.device)))
-        if r.final_softcap:
-            logits = torch.tanh(logits.float() / r.final_softcap) * r.final_softcap
-        return logits
+        return r.logits_of(hidden)  # the rows are a bucket already: no padding
 
     def _attend(self, li: int, q, k, v, pos, slots, span: int) -> torch.Tensor:
         """Write this step's K/V at each row's position, then attend each row over its own cache entries."""

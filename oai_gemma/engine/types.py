@@ -34,6 +34,10 @@ class SamplingParams:
     """Stop tokens do not end the request (max_tokens or a stop string does)."""
     logprobs: int | None = None
     """None: no logprobs; n >= 0: the chosen token's logprob and the n most likely alternatives."""
+    prompt_logprobs: int | None = None
+    """None: none; n >= 0: each prompt token's logprob given the tokens before it (the model's own
+    distribution: no temperature, penalties or bias) and the n most likely alternatives (`echo` with logprobs).
+    The prompt is then computed in full (no prefix-cache reuse): its logits are needed at every position."""
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +85,9 @@ class TokenEvent:
     logprob: float | None = None
     """The token's log-probability under the distribution it was sampled from (if asked for)."""
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    """On a choice's first event, when asked for: one entry per prompt token, None for the first (nothing
+    precedes it), else (its logprob, [(id, logprob)] of the most likely tokens at that position)."""
     error: str | None = None
     scheduled_time: float | None = field(default=None)
     """On the first event: when the request got a batch slot (queue time = scheduled - arrival)."""
