@@ -280,6 +280,17 @@ def test_named_tool_choice_forces_that_function_with_valid_arguments(client):
     [call] = response.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     assert isinstance(json.loads(call.function.arguments)["zone"], str)
+    assert response.choices[0].finish_reason == "stop"  # OpenAI's when the request named the function
+
+
+def test_named_tool_choice_stream_ends_with_stop(http):
+    stream = post_stream(http, {"model": MODEL, "messages": user("Hello!"), "tools": TOOLS, "temperature": 0,
+                                "max_tokens": 60, "stream": True,
+                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    deltas = [d for c in stream.chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["function"]["name"] == "get_weather"
+    finishes = [c["choices"][0]["finish_reason"] for c in stream.chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["stop"]
 
 
 def test_langchain_bind_tools_with_forced_choice_returns_tool_calls(server):

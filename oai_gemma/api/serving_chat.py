@@ -200,7 +200,7 @@ class ChatService:
                 i,
                 AssistantMessage(None, tool_calls=wire_calls(calls[i].calls)) if called[i]
                 else AssistantMessage("".join(pieces[i])),
-                "tool_calls" if called[i] else last[i].finish_reason,
+                prepared.tools.finish_reason if called[i] else last[i].finish_reason,
                 ChoiceLogprobs(self._logprob_entries(logprobs[i])) if want_logprobs else None,
             )
             for i in range(n)
@@ -255,7 +255,7 @@ class ChatService:
                             yield chunk(event.index, delta)
                     if splitter.done:
                         last.append(event)
-                        yield chunk(event.index, Delta(), "tool_calls")
+                        yield chunk(event.index, Delta(), prepared.tools.finish_reason)
                         if all(c.done for c in calls):
                             break
                         continue

@@ -33,6 +33,13 @@ class ToolPlan:
     """The functions one of which must be called (`required`: all; named: that one), None with `auto`."""
     parallel: bool
     """Several calls in one answer allowed (never with a named function)."""
+    named: bool = False
+    """`tool_choice` named the function."""
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's for an answer that is calls: `stop` when the request named the function, else `tool_calls`."""
+        return "stop" if self.named else "tool_calls"
 
     @property
     def names(self) -> frozenset[str]:
@@ -79,7 +86,7 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
             raise invalid_request(
                 f"tool_choice names the function `{choice.function.name}`, which is not in `tools`", "tool_choice"
             )
-        return ToolPlan(functions, named, parallel=False)
+        return ToolPlan(functions, named, parallel=False, named=True)
     return ToolPlan(functions, functions if choice == "required" else None, parallel)
 
 
