@@ -1,11 +1,17 @@
 """The grammar compiler and the batched masks, on a tiny byte-level tokenizer (one token per byte):
 cheap to build, and every JSON text has exactly one tokenization, so tests can spell documents out."""
 
+import asyncio
+from concurrent.futures import Future
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from oai_gemma.api.errors import APIError
+from oai_gemma.api.response_format import json_schema_grammar
+from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.grammar import GrammarCompiler, GrammarMasks, InvalidSchema, UnsupportedSchema
 
 PERSON = {
@@ -112,3 +118,22 @@ def test_lark_grammar_constrains_to_its_alternatives(compiler, tokenizer):
     matcher = compiler.lark('start: "yes" | "no"').matcher()
     out = GrammarMasks(compiler.vocab_size).apply(torch.randn(1, len(tokenizer)), [matcher])
     assert allowed(out[0], tokenizer) == {"y", "n"}
+
+
+class EngineWithoutGrammars:
+    """The engine's own `grammars` property over a grammar compiler whose build failed (a tokenizer
+    llguidance cannot read)."""
+
+    grammars = Engine.grammars
+
+    def __init__(self):
+        self._grammars = Future()
+        self._grammars.set_exception(ValueError("cannot read this tokenizer"))
+
+
+def test_structured_output_without_a_grammar_engine_is_a_400_naming_the_parameter():
+    with pytest.raises(APIError) as info:
+        asyncio.run(json_schema_grammar(EngineWithoutGrammars(), {"type": "object"}, "response_format"))
+    error = info.value.body.error
+    assert (info.value.status, error.param, error.code) == (400, "response_format", "structured_output_unavailable")
+    assert "cannot read this tokenizer" in error.message

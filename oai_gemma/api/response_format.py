@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from ..engine.engine import Engine
-from ..engine.grammar import Grammar, InvalidSchema, UnsupportedSchema
+from ..engine.grammar import Grammar, InvalidSchema, StructuredOutputUnavailable, UnsupportedSchema
 from .errors import invalid_request
 from .protocol import JSONObjectFormat, JSONSchemaResponseFormat, ResponseFormat
 
@@ -32,3 +32,5 @@ async def json_schema_grammar(engine: Engine, schema: dict, param: str) -> Gramm
         raise invalid_request(f"{exc} (`{exc.feature}`)", param, "unsupported_schema_feature") from None
     except InvalidSchema as exc:
         raise invalid_request(f"invalid JSON schema: {exc}", param, "invalid_json_schema") from None
+    except StructuredOutputUnavailable as exc:
+        raise invalid_request(f"{exc}; send the request without `{param}`", param, "structured_output_unavailable") from None

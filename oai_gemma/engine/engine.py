@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
-from .grammar import GrammarCompiler, GrammarMasks
+from .grammar import GrammarCompiler, GrammarMasks, StructuredOutputUnavailable
 from .loader import LoadedModel
 from .observer import RequestObserver
 from .runner import KVCache, ModelRunner, StepItem
@@ -140,8 +140,12 @@ class Engine:
     @property
     def grammars(self) -> GrammarCompiler:
         """Compiles structured-output grammars; built in the background at start (seconds: the vocabulary's
-        token trie), so the first call may block: call it off the event loop."""
-        return self._grammars.result()
+        token trie), so the first call may block: call it off the event loop. Raises StructuredOutputUnavailable
+        when it could not be built (a tokenizer the grammar engine cannot read)."""
+        try:
+            return self._grammars.result()
+        except Exception as exc:
+            raise StructuredOutputUnavailable(f"structured output is unavailable for this model's tokenizer ({exc})") from exc
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None))

@@ -43,6 +43,10 @@ class InvalidSchema(ValueError):
     """The schema is not a valid JSON schema (or the grammar does not compile)."""
 
 
+class StructuredOutputUnavailable(RuntimeError):
+    """The grammar engine could not be built for this model's tokenizer: no request can be constrained."""
+
+
 class UnsupportedSchema(ValueError):
     """The schema is valid but uses a feature the grammar engine cannot enforce; `feature` names it."""
 
