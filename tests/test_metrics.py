@@ -220,3 +220,32 @@ def test_a_finish_reason_the_api_refines_is_counted_instead_of_the_engines():
     counts = Scrape(metrics.render().decode())
     assert counts.value(M + "request_success_total", finished_reason="tool_calls") == 1
     assert counts.value(M + "request_success_total", finished_reason="stop") == 0
+
+
+def test_inter_token_latency_is_measured_within_each_of_n_choices():
+    """Two choices whose tokens interleave: each gap is the time since that choice's own last token."""
+    metrics = ServerMetrics(MODEL, lambda: None)
+    request = GenerationRequest("gen-n", [1, 2], SamplingParams(max_tokens=4), arrival_time=0.0, n=2)
+    for timestamp, index in ((1.0, 0), (1.001, 1), (1.1, 0), (1.101, 1)):
+        metrics.on_event(request, TokenEvent("gen-n", 7, "x", timestamp, index=index, num_prompt_tokens=2))
+    counts = Scrape(metrics.render().decode())
+    assert counts.value(M + "inter_token_latency_seconds_count") == 2
+    assert abs(counts.value(M + "inter_token_latency_seconds_sum") - 0.2) < 1e-9
+    assert counts.value(M + "time_to_first_token_seconds_count") == 1
+
+
+def test_tool_call_answers_are_counted_as_tool_calls(server, client):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    before = scrape(server.url)
+    response = client.chat.completions.create(
+        model=MODEL, messages=user("Weather in Paris?"), tools=[tool], tool_choice="required", temperature=0, max_tokens=60,
+    )
+    assert response.choices[0].finish_reason == "tool_calls"
+
+    def counted():
+        after = scrape(server.url)
+        assert delta(before, after, M + "request_success_total", finished_reason="tool_calls") == 1
+        assert delta(before, after, M + "request_success_total", finished_reason="stop") == 0
+
+    eventually(counted)

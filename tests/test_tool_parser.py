@@ -7,6 +7,7 @@ import pytest
 
 from oai_gemma.chat import render_chat
 from oai_gemma.chat.tools import (
+    CallDelta,
     Function,
     ParsedCall,
     ToolCallStream,
@@ -108,6 +109,19 @@ def run_stream(text: str, step: int = 1, parallel: bool = True) -> list:
     return out
 
 
+def streamed_calls(out: list) -> list[tuple[str, str]]:
+    """(name, arguments text) per call, put together from the stream's CallDeltas as a client would."""
+    calls: dict[int, list[str]] = {}
+    for _, pieces in out:
+        for piece in pieces:
+            if isinstance(piece, CallDelta):
+                if piece.name is not None:
+                    assert piece.index == len(calls)  # a call's first delta names it; calls start in order
+                    calls[piece.index] = [piece.name, ""]
+                calls[piece.index][1] += piece.arguments
+    return [tuple(call) for _, call in sorted(calls.items())]
+
+
 def test_plain_text_passes_through_from_its_first_piece():
     out = run_stream("The weather is nice.", step=4)
     assert out[0] == (0, ["The "])
@@ -123,23 +137,49 @@ def test_a_word_that_starts_like_a_tool_name_is_held_only_until_it_differs():
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
 @pytest.mark.parametrize(
     "text",
-    [
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
-        '```json\n[{"name": "get_weather", "parameters": {"city": "Paris"}}]\n```',
-        '  [get_weather(city="Paris")]',
-    ],
+    ['{"name": "get_weather", "parameters": {"city": "Paris"}}', '```json\n[{"name": "get_weather", "parameters": {"city": "Paris"}}]\n```'],
 )
-def test_a_call_is_held_back_and_emitted_once_complete(text, step):
+def test_a_json_call_streams_its_arguments_as_they_are_written(text, step):
     out = run_stream(text + "\nAnd some rambling after it.", step=step)
-    emitted = [piece for _, pieces in out for piece in pieces]
-    assert emitted == [[WEATHER]]
+    assert streamed_calls(out) == [("get_weather", '{"city": "Paris"}')]
+    assert all(isinstance(p, CallDelta) for _, pieces in out for p in pieces)
+    if step == 1:  # the name first (with the arguments' opening brace), then the arguments bit by bit
+        first = out[0]
+        assert first[0] == text.index('{"city"') and first[1] == [CallDelta(0, "get_weather", "{")]
+        assert len(out) > len('{"city": "Paris"}') / 2
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_python_style_call_is_held_back_and_sent_whole_once_complete(step):
+    text = '  [get_weather(city="Paris")]'
+    out = run_stream(text + " and more", step=step)
+    assert [p for _, pieces in out for p in pieces] == [CallDelta(0, "get_weather", '{"city": "Paris"}')]
     assert out[0][0] != "end"  # recognised while streaming, before the generation ended
+
+
+def test_several_json_calls_stream_one_after_the_other():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "add", "parameters": {"a": 1, "b": 2}}]'
+    out = run_stream(text, step=3)
+    assert streamed_calls(out) == [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
+
+
+def test_the_name_after_the_arguments_starts_the_call_with_the_arguments_so_far():
+    out = run_stream('{"parameters": {"a": 1, "b": 2}, "name": "add"}', step=1)
+    assert streamed_calls(out) == [("add", '{"a": 1, "b": 2}')]
 
 
 def test_partial_json_literals_and_numbers_keep_a_call_pending():
     text = '{"name": "add", "parameters": {"a": -1.5e+3, "b": true, "c": null, "d": false}}'
-    out = run_stream(text, step=1)
-    assert out == [(len(text) - 1, [[ParsedCall("add", {"a": -1500.0, "b": True, "c": None, "d": False})]]), ("end", [])]
+    stream = ToolCallStream(NAMES)
+    pieces = [p for ch in text for p in stream.feed(ch)]
+    assert stream.done and stream.complete
+    assert stream.calls == [ParsedCall("add", {"a": -1500.0, "b": True, "c": None, "d": False})]
+    assert "".join(p.arguments for p in pieces) == text[text.index('{"a"') : -1]
+
+
+def test_arguments_as_a_json_string_are_sent_whole_once_complete():
+    out = run_stream('{"name": "add", "arguments": "{\\"a\\": 1}"}', step=2)
+    assert streamed_calls(out) == [("add", '{"a": 1}')]
 
 
 def test_a_held_back_answer_that_is_no_call_comes_out_whole_as_text():
@@ -148,8 +188,26 @@ def test_a_held_back_answer_that_is_no_call_comes_out_whole_as_text():
     assert [p for _, pieces in out for p in pieces] == [text]
 
 
-def test_an_unfinished_call_at_the_end_is_text():
+def test_a_call_cut_short_after_it_started_stays_a_call_with_the_arguments_sent():
     text = '{"name": "get_weather", "parameters": {"ci'
+    stream = ToolCallStream(NAMES)
+    pieces = [p for i in range(0, len(text), 5) for p in stream.feed(text[i : i + 5])]
+    assert stream.finish() == []
+    assert stream.done and not stream.complete
+    assert stream.calls == [ParsedCall("get_weather", {})]
+    assert stream.calls[0].arguments_json == '{"ci' == "".join(p.arguments for p in pieces)
+
+
+def test_a_call_that_breaks_off_mid_stream_ends_there():
+    stream = ToolCallStream(NAMES)
+    for ch in '{"name": "add", "parameters": {"a": 1}, "oops": 2}':
+        stream.feed(ch)
+    assert stream.done and not stream.complete
+    assert stream.calls[0].name == "add"
+
+
+def test_an_unfinished_call_whose_arguments_never_opened_is_text():
+    text = '{"name": "get_weather", "param'
     assert run_stream(text, step=5)[-1] == ("end", [text])
 
 
@@ -160,7 +218,9 @@ def test_a_code_fence_in_another_language_streams_as_text_early():
 
 def test_streaming_without_parallel_emits_one_call():
     out = run_stream("[get_weather(city='Paris'), add(a=1, b=2)]", step=3, parallel=False)
-    assert [p for _, pieces in out for p in pieces] == [[WEATHER]]
+    assert streamed_calls(out) == [("get_weather", '{"city": "Paris"}')]
+    json_out = run_stream('[{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "parameters": {}}]', parallel=False)
+    assert streamed_calls(json_out) == [("add", '{"a": 1}')]
 
 
 # ---- prompt, rendering, forcing ----------------------------------------------------------------------------

@@ -124,6 +124,7 @@ def test_streamed_call_deltas_follow_the_spec_and_arguments_concatenate_to_json(
         assert all("id" not in d and "name" not in d.get("function", {}) for d in rest)
         arguments = "".join(d["function"].get("arguments", "") for d in [first, *rest])
         assert set(json.loads(arguments)) == {"city"}
+        assert len(rest) > 1  # the arguments stream as they are generated, not in one piece at the end
     assert stream.chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert stream.events[-1] == b"data: [DONE]"
 
@@ -310,3 +311,23 @@ def test_langchain_structured_output_by_function_calling(server):
         "Invent a person."
     )
     assert isinstance(person, Person)
+
+
+def test_a_call_cut_short_by_max_tokens_stays_a_call_with_finish_length(client, http):
+    """As OpenAI's: the arguments written so far, `finish_reason: "length"`, in a stream and not."""
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    # the forced call is `{"name":"get_weather","parameters":{...`: a budget that ends inside the arguments
+    whole = ask(client, user("Hello!"), tool_choice=forced, max_tokens=60)
+    budget = whole.usage.completion_tokens - 2
+    response = ask(client, user("Hello!"), tool_choice=forced, max_tokens=budget)
+    choice = response.choices[0]
+    assert choice.finish_reason == "length"
+    [call] = choice.message.tool_calls
+    full = whole.choices[0].message.tool_calls[0].function.arguments
+    assert call.function.name == "get_weather" and full.startswith(call.function.arguments) and call.function.arguments != full
+    stream = post_stream(http, {"model": MODEL, "messages": user("Hello!"), "tools": TOOLS, "temperature": 0,
+                                "max_tokens": budget, "stream": True, "tool_choice": forced})
+    deltas = [d for c in stream.chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert "".join(d["function"].get("arguments", "") for d in deltas) == call.function.arguments
+    finishes = [c["choices"][0]["finish_reason"] for c in stream.chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["length"]

@@ -32,7 +32,8 @@ class GenerationStats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     first_token_time: float | None = None
-    last_token_time: float | None = None
+    last_token_times: dict[int, float] = field(default_factory=dict)
+    """Per choice (n > 1): when its latest token came, so inter-token latency is measured within each choice."""
     outcome: str | None = None
     """`stop`, `length`, `tool_calls`, `cancelled` or `error` once the request is over."""
     finish_time: float | None = None

@@ -101,9 +101,10 @@ class ServerMetrics(RequestObserver):
             self.prompt_tokens.inc(event.num_prompt_tokens)
             if event.scheduled_time is not None:
                 self.queue.observe(event.scheduled_time - stats.arrival)
-        else:
-            self.itl.observe(event.timestamp - stats.last_token_time)
-        stats.last_token_time = event.timestamp
+        previous = stats.last_token_times.get(event.index)
+        if previous is not None:
+            self.itl.observe(event.timestamp - previous)
+        stats.last_token_times[event.index] = event.timestamp
         stats.output_tokens += 1
         self.generation_tokens.inc()
 

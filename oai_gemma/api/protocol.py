@@ -103,11 +103,10 @@ class JSONSchemaResponseFormat(Struct, tag="json_schema", tag_field="type"):
 ResponseFormat = TextFormat | JSONObjectFormat | JSONSchemaResponseFormat
 
 
-class ChatCompletionRequest(Struct, omit_defaults=True):
-    model: str
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+class SamplingRequest(Struct, kw_only=True, omit_defaults=True):
+    """The sampling and streaming fields chat and text completions share (their names and ranges are OpenAI's,
+    then vLLM's extensions); `api/sampling.py` maps them onto the engine for both."""
+
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Meta(ge=1, le=128)] | None = None
@@ -117,18 +116,32 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     seed: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     user: str | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
+    model: str
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # known, accepted by the schema, but not honoured yet: rejected with a 400 naming them unless at their
-    # neutral value (see `unsupported_parameter`)
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # known, accepted by the schema, but not honoured yet: rejected with a 400 naming them unless at their
+    # neutral value (see `unsupported_parameter`)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -136,13 +149,6 @@ class ChatCompletionRequest(Struct, omit_defaults=True):
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    # vLLM extensions
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
-    ignore_eos: bool | None = None
 
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do yet, else None."""
@@ -282,40 +288,23 @@ encoder = msgspec.json.Encoder()
 
 
 # ==== /v1/completions: the legacy text-completions endpoint ==========================================
-# (kept apart from the chat types above; `Usage`, `StreamOptions` and `Penalty` are shared)
+# (kept apart from the chat types above; `SamplingRequest`, `Usage` and `StreamOptions` are shared)
 
 TokenId = Annotated[int, Meta(ge=0)]
 TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 
 
-class CompletionRequest(Struct, omit_defaults=True):
+class CompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
     model: str
     prompt: str | Annotated[list[str | TokenId | TokenIds], Meta(min_length=1)]
     """A string, a list of strings, a list of token ids or a list of token-id lists (msgspec allows one
     array type per union, so the list's items are checked to be of one kind in `serving_completions`)."""
     max_tokens: Annotated[int, Meta(ge=0)] | None = None
     """None: OpenAI's legacy default, 16. 0 only with `echo` (the prompt back, nothing generated)."""
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] | None = None
     best_of: Annotated[int, Meta(ge=0, le=20)] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
-    seed: int | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     suffix: str | None = None
-    user: str | None = None
-    # vLLM extensions
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
-    ignore_eos: bool | None = None
 
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do (yet), else None."""

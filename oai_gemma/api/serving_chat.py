@@ -20,6 +20,7 @@ from ..chat.vision import VisionPrompt, expand_images
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError
 from ..engine.types import GenerationRequest
 from ..settings import ImageSettings
+from .access_log import set_finish_reason
 from .errors import APIError, context_length_exceeded, decode_body, invalid_request, model_not_found, not_supported
 from .protocol import (
     AssistantMessage,
@@ -181,6 +182,8 @@ class ChatService:
                         logprobs[event.index].append(event)
                     if calls is not None:
                         calls[event.index].feed(event.text)
+                        if event.finish_reason in FINISHED and not calls[event.index].done:
+                            calls[event.index].finish()  # the end: a call cut short stays a call, as in a stream
                         if calls[event.index].done:
                             last[event.index] = event
                     if event.finish_reason is not None:
@@ -195,12 +198,18 @@ class ChatService:
         failed = [e for i, e in last.items() if e.finish_reason not in FINISHED and not called[i]]
         if failed or len(last) < n:
             raise generation_failure(failed[0] if failed else None)
+        finishes = [
+            prepared.tools.finish_reason(calls[i], last[i].finish_reason) if called[i] else last[i].finish_reason
+            for i in range(n)
+        ]
+        if any(called):
+            set_finish_reason(prepared.generation.request_id, finishes[called.index(True)])
         choices = [
             Choice(
                 i,
                 AssistantMessage(None, tool_calls=wire_calls(calls[i].calls)) if called[i]
                 else AssistantMessage("".join(pieces[i])),
-                prepared.tools.finish_reason if called[i] else last[i].finish_reason,
+                finishes[i],
                 ChoiceLogprobs(self._logprob_entries(logprobs[i])) if want_logprobs else None,
             )
             for i in range(n)
@@ -255,7 +264,9 @@ class ChatService:
                             yield chunk(event.index, delta)
                     if splitter.done:
                         last.append(event)
-                        yield chunk(event.index, Delta(), prepared.tools.finish_reason)
+                        finish = prepared.tools.finish_reason(splitter, event.finish_reason)
+                        set_finish_reason(rid, finish)
+                        yield chunk(event.index, Delta(), finish)
                         if all(c.done for c in calls):
                             break
                         continue

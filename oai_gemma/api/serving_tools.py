@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from ..chat.tools import Function, ParsedCall, ToolCallStream, calls_schema, tool_prompt
+from ..chat.tools import CallDelta, Function, ParsedCall, ToolCallStream, calls_schema, tool_prompt
 from ..engine.engine import Engine
 from ..engine.types import GenerationRequest
 from .errors import invalid_request
@@ -36,9 +36,11 @@ class ToolPlan:
     named: bool = False
     """`tool_choice` named the function."""
 
-    @property
-    def finish_reason(self) -> str:
-        """OpenAI's for an answer that is calls: `stop` when the request named the function, else `tool_calls`."""
+    def finish_reason(self, calls: ToolCallStream, event_finish: str | None) -> str:
+        """OpenAI's for an answer that is calls: `stop` when the request named the function, else `tool_calls`;
+        calls cut short by the generation's end keep its reason (`length`, as OpenAI's)."""
+        if not calls.complete and event_finish is not None:
+            return event_finish
         return "stop" if self.named else "tool_calls"
 
     @property
@@ -102,21 +104,20 @@ def wire_calls(calls: list[ParsedCall]) -> list[ToolCall]:
     return [ToolCall(_call_id(), FunctionCall(c.name, c.arguments_json)) for c in calls]
 
 
-def call_deltas(calls: list[ParsedCall]) -> list[Delta]:
-    """Per call: `index`, `id`, `type` and `name` first (arguments ""), then the arguments."""
-    deltas = []
-    for index, call in enumerate(calls):
-        head = ToolCallDelta(index, _call_id(), "function", FunctionCallDelta(call.name, ""))
-        deltas.append(Delta(tool_calls=[head]))
-        deltas.append(Delta(tool_calls=[ToolCallDelta(index, function=FunctionCallDelta(arguments=call.arguments_json))]))
-    return deltas
-
-
-def stream_deltas(pieces: list[str | list[ParsedCall]]) -> list[Delta]:
-    """`ToolCallStream` output as deltas: text as content, calls as tool-call deltas."""
+def stream_deltas(pieces: list[str | CallDelta]) -> list[Delta]:
+    """`ToolCallStream` output as deltas: text as content; a call's first piece as `index`, `id`, `type` and
+    `function.name` (arguments ""), then its arguments fragments."""
     deltas = []
     for piece in pieces:
-        deltas.extend([Delta(content=piece)] if isinstance(piece, str) else call_deltas(piece))
+        if isinstance(piece, str):
+            deltas.append(Delta(content=piece))
+            continue
+        if piece.name is not None:
+            head = ToolCallDelta(piece.index, _call_id(), "function", FunctionCallDelta(piece.name, ""))
+            deltas.append(Delta(tool_calls=[head]))
+        if piece.arguments:
+            fragment = ToolCallDelta(piece.index, function=FunctionCallDelta(arguments=piece.arguments))
+            deltas.append(Delta(tool_calls=[fragment]))
     return deltas
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -44,11 +44,22 @@ class Function:
 class ParsedCall:
     name: str
     arguments: dict
+    raw: str | None = field(default=None, compare=False)
+    """The arguments object as the model wrote it (a JSON call), which is what a stream sends as it comes."""
 
     @property
     def arguments_json(self) -> str:
-        """OpenAI's `function.arguments`: the arguments as a JSON text."""
-        return json.dumps(self.arguments, ensure_ascii=False)
+        """OpenAI's `function.arguments`: the arguments as a JSON text (the model's own, when it wrote JSON)."""
+        return self.raw if self.raw is not None else json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: `name` on the call's first piece, then fragments of its arguments JSON."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
 
 
 # ---- prompt ------------------------------------------------------------------------------------------
@@ -163,9 +174,14 @@ def _parse_block(text: str, names) -> list[ParsedCall]:
     body = _unfenced(text.lstrip())
     if not body:
         raise _Incomplete
-    if body[0] == "{" or (body[0] == "[" and body[1:].lstrip()[:1] in ("{", "")):
+    if _is_json(body):
         return _json_calls(body, names)
     return _python_calls(body, names)
+
+
+def _is_json(body: str) -> bool:
+    """The answer is in the JSON format (an object, or a list of objects), not Python-style."""
+    return body[0] == "{" or (body[0] == "[" and body[1:].lstrip()[:1] in ("{", ""))
 
 
 def _unfenced(text: str) -> str:
@@ -194,7 +210,82 @@ def _json_calls(body: str, names) -> list[ParsedCall]:
     items = value if isinstance(value, list) else [value]
     if not items:
         raise _NotACall
-    return [_json_call(item, names) for item in items]
+    calls = [_json_call(item, names) for item in items]
+    spans = _json_spans(body)
+    return [
+        ParsedCall(call.name, call.arguments, body[span.start : span.end] if span.end is not None else None)
+        for call, span in zip(calls, spans)
+    ]
+
+
+@dataclass
+class _CallSpan:
+    """Where one call object of a JSON answer has its name, and its arguments object (`start` to `end`)."""
+
+    name: str | None = None
+    start: int | None = None
+    end: int | None = None
+    """One past the arguments' closing brace, once written."""
+
+
+def _json_spans(body: str) -> list[_CallSpan]:
+    """The call objects of a JSON answer, complete or cut short: each one's name once its string is complete,
+    and the span of its arguments when they are an object (`parameters` or `arguments`). A scan over the text,
+    not a parse: it never fails, it only finds less in text that is not a call."""
+    spans: list[_CallSpan] = []
+    call_depth = 1 if body[:1] == "{" else 2
+    depth, key, at_key = 0, None, False
+    i = 0
+    while i < len(body):
+        ch = body[i]
+        if ch == '"':
+            end = _string_end(body, i)
+            if end is None:
+                break
+            if depth == call_depth:
+                if at_key:
+                    key, at_key = _json_string(body[i:end]), False
+                elif key == "name" and spans:
+                    spans[-1].name = _json_string(body[i:end])
+            i = end
+            continue
+        if ch in "{[":
+            depth += 1
+            if ch == "{" and depth == call_depth:
+                spans.append(_CallSpan())
+                key, at_key = None, True
+            elif ch == "{" and depth == call_depth + 1 and key in ("parameters", "arguments") and spans[-1].start is None:
+                spans[-1].start = i
+        elif ch in "}]":
+            if depth == call_depth + 1 and spans and spans[-1].start is not None and spans[-1].end is None:
+                spans[-1].end = i + 1
+            depth -= 1
+            if depth == 0:  # the answer's value is complete: what follows is not part of it
+                break
+        elif ch == "," and depth == call_depth:
+            key, at_key = None, True
+        i += 1
+    return spans
+
+
+def _string_end(text: str, start: int) -> int | None:
+    """One past the closing quote of the JSON string that opens at `start`, or None when it is unterminated."""
+    i = start + 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    return None
+
+
+def _json_string(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except json.JSONDecodeError:
+        return None
 
 
 def _json_call(item: Any, names) -> ParsedCall:
@@ -278,13 +369,16 @@ def _literal(node: ast.AST) -> Any:
 
 
 class ToolCallStream:
-    """Splits a generated answer, delta by delta, into plain text (passed on at once) or calls (held back until
-    complete).
+    """Splits a generated answer, delta by delta, into plain text (passed on at once) or calls.
 
-    `feed` and `finish` return what can be emitted now: strings of content and/or one list of calls. The answer
-    is held back only while it could still be a call: leading whitespace, an opening fence, a `{` or `[`, or a
-    name some tool's name starts with. `done` turns true once the calls are complete: the rest of the generation
-    can be dropped.
+    `feed` and `finish` return what can be emitted now: strings of content and/or `CallDelta`s. The answer is held
+    back only while it could still be a call: leading whitespace, an opening fence, a `{` or `[`, or a name some
+    tool's name starts with. A JSON call streams as it is written: its first delta once its name (a tool's) is
+    complete and its arguments object has opened, then the arguments text as it comes. A Python-style call is
+    sent whole once complete. `done` turns true once the calls are complete, or when a call that had started
+    streaming breaks off (the generation ended, or the text stopped being a call): the calls are then what was
+    sent (`complete` false: arguments cut short, as OpenAI's are when `max_tokens` cuts a call). The rest of the
+    generation can be dropped.
     """
 
     def __init__(self, names: frozenset[str] | set[str], *, parallel: bool = True):
@@ -293,12 +387,16 @@ class ToolCallStream:
         self.buffer = ""
         self.state = "undecided"  # -> "text" | "done"
         self.calls: list[ParsedCall] = []
+        self.complete = False
+        """The calls parsed whole (not cut short)."""
+        self.sent: list[tuple[str, str]] = []
+        """Per call streamed so far: (name, the arguments text sent)."""
 
     @property
     def done(self) -> bool:
         return self.state == "done"
 
-    def feed(self, text: str) -> list[str | list[ParsedCall]]:
+    def feed(self, text: str) -> list[str | CallDelta]:
         if self.state == "text":
             return [text] if text else []
         if self.state == "done" or not text:
@@ -307,24 +405,74 @@ class ToolCallStream:
         try:
             calls = _parse_block(self.buffer, self.names)
         except _Incomplete:
-            return []
+            return self._progress()
         except _NotACall:
-            return self._as_text()
+            return self._cut_short() if self.sent else self._as_text()
         return self._called(calls)
 
-    def finish(self) -> list[str | list[ParsedCall]]:
+    def finish(self) -> list[str | CallDelta]:
         """The end of the generation: what was held back is content unless it is a complete call."""
         if self.state != "undecided":
             return []
         calls = parse_tool_calls(self.buffer, self.names, parallel=self.parallel)
-        return self._called(calls) if calls else self._as_text()
+        if calls:
+            return self._called(calls)
+        return self._cut_short() if self.sent else self._as_text()
 
-    def _as_text(self) -> list[str | list[ParsedCall]]:
+    def _progress(self) -> list[str | CallDelta]:
+        """The deltas of the JSON calls written so far, in order: a call starts once the one before it is sent."""
+        try:
+            body = _unfenced(self.buffer.lstrip())
+        except (_Incomplete, _NotACall):
+            return []
+        if not body or not _is_json(body):
+            return []
+        out: list[str | CallDelta] = []
+        for index, span in enumerate(_json_spans(body)[: None if self.parallel else 1]):
+            arguments = body[span.start : span.end or len(body)] if span.start is not None else None
+            if index < len(self.sent):
+                name, sent = self.sent[index]
+                if len(arguments) > len(sent):
+                    out.append(CallDelta(index, arguments=arguments[len(sent) :]))
+                    self.sent[index] = (name, arguments)
+            elif span.name in self.names and arguments is not None:
+                out.append(CallDelta(index, span.name, arguments))
+                self.sent.append((span.name, arguments))
+            else:
+                break
+        return out
+
+    def _as_text(self) -> list[str | CallDelta]:
         self.state = "text"
         text, self.buffer = self.buffer, ""
         return [text] if text else []
 
-    def _called(self, calls: list[ParsedCall]) -> list[str | list[ParsedCall]]:
-        self.state = "done"
+    def _called(self, calls: list[ParsedCall]) -> list[str | CallDelta]:
+        """The calls are complete: send what is left of each (all of those that had not started)."""
+        self.state, self.complete = "done", True
         self.calls = calls if self.parallel else calls[:1]
-        return [self.calls]
+        out: list[str | CallDelta] = []
+        for index, call in enumerate(self.calls):
+            arguments = call.arguments_json
+            if index < len(self.sent):
+                sent = self.sent[index][1]
+                if len(arguments) > len(sent):
+                    out.append(CallDelta(index, arguments=arguments[len(sent) :]))
+            else:
+                out.append(CallDelta(index, call.name, arguments))
+        return out
+
+    def _cut_short(self) -> list[str | CallDelta]:
+        """A call that had started streaming broke off: the calls are what was sent; nothing more is."""
+        self.state = "done"
+        self.calls = [ParsedCall(name, _json_object(arguments), arguments) for name, arguments in self.sent]
+        return []
+
+
+def _json_object(text: str) -> dict:
+    """The arguments a cut-short call's text holds, if it still parses; else none."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
