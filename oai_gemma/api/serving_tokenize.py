@@ -64,10 +64,11 @@ async def tokenize(chat: ChatService, body: bytes) -> bytes:
             raise invalid_request(exc.message, exc.param) from None
         if rendered.images:  # chat's own path: its 400 on a text-only model, its expanded ids on a multimodal one
             return _response(chat, (await chat.vision_prompt(rendered)).token_ids, request.return_token_strs)
-        text, special = rendered.prompt, bool(request.add_special_tokens)
+        text, special, where = rendered.prompt, bool(request.add_special_tokens), "messages"
     else:
-        text, special = request.prompt, request.add_special_tokens is not False
-    return _response(chat, await chat.encode(text, special), request.return_token_strs)
+        text, special, where = request.prompt, request.add_special_tokens is not False, "prompt"
+    # a text too long to fit the context whatever it says is a 400 at once, as for chat and completions
+    return _response(chat, await chat.encode_prompt(text, where, special), request.return_token_strs)
 
 
 def _response(chat: ChatService, ids: list[int], with_strs: bool) -> bytes:
