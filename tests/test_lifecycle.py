@@ -157,3 +157,29 @@ def test_a_stream_still_running_after_the_grace_ends_with_an_error_event_then_do
 
 def test_the_process_exits_0_after_a_drained_shutdown(shutdown):
     assert shutdown.exit_code == 0
+
+
+class DeadEngine:
+    """What a served engine looks like once its step loop has died (`Engine.alive` false, the reason kept);
+    the engine side of that is `test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones`."""
+
+    alive = False
+    dead_reason = "engine loop died: RuntimeError('boom')"
+
+
+def test_health_is_503_and_requests_are_refused_once_the_engine_loop_died():
+    from litestar.testing import TestClient
+
+    from oai_gemma.api.app import create_app
+    from oai_gemma.settings import load_settings
+
+    app = create_app(load_settings(environ={}))
+    client = TestClient(app)  # not entered: no lifespan, so no model is loaded; the state is set by hand
+    app.state.server.chat, app.state.server.engine = object(), DeadEngine()
+    health = client.get("/health")
+    assert health.status_code == 503
+    assert health.json() == {"status": "unavailable", "reason": DeadEngine.dead_reason}
+    refused = client.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hi")})
+    assert refused.status_code == 503
+    validate("ErrorResponse", refused.json())
+    assert refused.json()["error"]["code"] == "not_ready" and "engine loop died" in refused.json()["error"]["message"]
