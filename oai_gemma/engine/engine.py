@@ -53,8 +53,8 @@ class Engine:
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
-        self._grammars = _in_background(GrammarCompiler, loaded.tokenizer, sorted(self.eos_token_ids))
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer))
+        self._grammars = _in_background(self._build_grammars, loaded.tokenizer, sorted(self.eos_token_ids))
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
         self.num_slots = num_slots
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
@@ -139,9 +139,9 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Compiles structured-output grammars; built in the background at start (seconds: the vocabulary's
-        token trie), so the first call may block: call it off the event loop. Raises StructuredOutputUnavailable
-        when it could not be built (a tokenizer the grammar engine cannot read)."""
+        """Compiles structured-output grammars; built in the background from start (seconds: the vocabulary's
+        token trie), so a call in the first seconds blocks until it is: call it off the event loop. Raises
+        StructuredOutputUnavailable when it could not be built (a tokenizer the grammar engine cannot read)."""
         try:
             return self._grammars.result()
         except Exception as exc:
@@ -386,12 +386,18 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
+
+    def _build_grammars(self, tokenizer, eos_token_ids: list[int]) -> GrammarCompiler:
+        """The grammar compiler (seconds of one core: the vocabulary's token trie), then one mask applied, so the
+        first structured request pays for neither. It runs beside warm-up and serving: the server is ready
+        without it, and a structured request in the first seconds waits for it (off the event loop)."""
         try:
-            grammars = self.grammars
+            compiler = GrammarCompiler(tokenizer, eos_token_ids)
+            self.grammar_masks.apply(torch.zeros(1, self.vocab_limit), [compiler.json_object().matcher()])
         except Exception as exc:  # a tokenizer llguidance cannot read (e.g. a stand-in): serve without it
             log.warning("structured output is unavailable for this tokenizer: %s", exc)
-            return
-        self.grammar_masks.apply(logits[:1, : self.vocab_limit].clone(), [grammars.json_object().matcher()])
+            raise
+        return compiler
 
 
 class Submission:
