@@ -101,17 +101,17 @@ class CompletionService:
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = choice_count(request.n, self.engine.num_slots)
         prompts = []
-        texts = isinstance(request.prompt, str) or isinstance(request.prompt[0], str)
-        for index, (text, ids) in enumerate(await self._prompts(request.prompt)):
+        for index, (text, ids, bos_added) in enumerate(await self._prompts(request.prompt)):
             generation = self._generation(request, ids, f"{rid}-{index}", arrival, n)
-            prompts.append(PlannedPrompt(index, text, ids, texts, generation))
+            prompts.append(PlannedPrompt(index, text, ids, bos_added, generation))
         self._check_capacity(n * sum(p.generation is not None for p in prompts))
         return PreparedCompletion(request, rid, int(time.time()), prompts, n)
 
-    async def _prompts(self, prompt: str | list) -> list[tuple[str, list[int]]]:
-        """(text, token ids) per prompt; text is tokenized with `<bos>` first, token ids are taken as they are."""
+    async def _prompts(self, prompt: str | list) -> list[tuple[str, list[int], bool]]:
+        """(text, token ids, whether `<bos>` was added) per prompt; text is tokenized with `<bos>` first, token ids
+        are taken as they are."""
         if isinstance(prompt, str):
-            return [(prompt, await self.chat.encode_prompt(prompt, "prompt", add_special_tokens=True))]
+            return [(prompt, await self.chat.encode_prompt(prompt, "prompt", add_special_tokens=True), True)]
         kinds = {type(item) for item in prompt}
         if len(kinds) > 1:
             raise invalid_request(
@@ -119,7 +119,7 @@ class CompletionService:
                 "not a mix", "prompt",
             )
         if kinds == {str}:
-            return [(text, await self.chat.encode_prompt(text, "prompt", add_special_tokens=True)) for text in prompt]
+            return [(text, await self.chat.encode_prompt(text, "prompt", add_special_tokens=True), True) for text in prompt]
         lists = [prompt] if kinds == {int} else prompt
         for ids in lists:
             bad = next((t for t in ids if not 0 <= t < self.engine.vocab_limit), None)  # -1 would fail the whole step
@@ -128,7 +128,7 @@ class CompletionService:
                     f"token id {bad} in `prompt` is outside the vocabulary (0 to {self.engine.vocab_limit - 1})",
                     "prompt", "invalid_token_id",
                 )
-        return [(self.engine.tokenizer.decode(ids), list(ids)) for ids in lists]
+        return [(self.engine.tokenizer.decode(ids), list(ids), False) for ids in lists]
 
     def _generation(
         self, request: CompletionRequest, ids: list[int], rid: str, arrival: float, n: int

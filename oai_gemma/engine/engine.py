@@ -54,7 +54,7 @@ class Engine:
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer))
-        self._grammars = _in_background(self._build_grammars, loaded.tokenizer, sorted(self.eos_token_ids))
+        self._grammars = _in_background(self._build_grammars, loaded.tokenizer, sorted(self.eos_token_ids), loaded.device)
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
         self.num_slots = num_slots
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
@@ -306,7 +306,7 @@ class Engine:
             text, finish = "", "length"
         else:
             seq.output_ids.append(token)
-            if token in self.eos_token_ids and not seq.sampling.ignore_eos:
+            if self._ends_turn(seq, token):
                 logprobs = None  # the stop token is not part of the output, nor of its logprobs
             text, finish, error = self._outcome(seq, token)
         event = self._event(seq, token, text, now, finish, error)
@@ -319,10 +319,13 @@ class Engine:
         if finish:
             self.scheduler.finish(seq)
 
+    def _ends_turn(self, seq: Sequence, token: int) -> bool:
+        return token in self.eos_token_ids and not seq.sampling.ignore_eos
+
     def _outcome(self, seq: Sequence, token: int) -> tuple[str, str | None, str | None]:
         """(the text `token` completes, the finish reason if it ends the sequence, an error) once appended."""
         params: SamplingParams = seq.sampling
-        if token in self.eos_token_ids and not params.ignore_eos:
+        if self._ends_turn(seq, token):
             return seq.stopper.flush(), "stop", None
         text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
         if stopped:
@@ -386,14 +389,21 @@ class Engine:
             ),
         ]
         sample_with_logprobs(logits[:1].repeat(2, 1), rows, self.eos_token_ids)
+        if runner.device.type != "cpu":  # a GPU's mask kernel compiles on its first call: pay that before ready
+            try:
+                self.grammar_masks.apply(logits[:1, : self.vocab_limit].clone(), [self.grammars.json_object().matcher()])
+            except StructuredOutputUnavailable:
+                pass  # logged by _build_grammars; the server serves without structured output
 
-    def _build_grammars(self, tokenizer, eos_token_ids: list[int]) -> GrammarCompiler:
-        """The grammar compiler (seconds of one core: the vocabulary's token trie), then one mask applied, so the
-        first structured request pays for neither. It runs beside warm-up and serving: the server is ready
-        without it, and a structured request in the first seconds waits for it (off the event loop)."""
+    def _build_grammars(self, tokenizer, eos_token_ids: list[int], device: torch.device) -> GrammarCompiler:
+        """The grammar compiler (seconds of one core: the vocabulary's token trie). It runs beside warm-up and
+        serving: on a CPU the server is ready without it, and a structured request in the first seconds waits for
+        it (off the event loop). The CPU mask kernel is warmed here too; a GPU's is warmed on the engine thread,
+        which owns the device (`warm_up`)."""
         try:
             compiler = GrammarCompiler(tokenizer, eos_token_ids)
-            self.grammar_masks.apply(torch.zeros(1, self.vocab_limit), [compiler.json_object().matcher()])
+            if device.type == "cpu":
+                self.grammar_masks.apply(torch.zeros(1, self.vocab_limit), [compiler.json_object().matcher()])
         except Exception as exc:  # a tokenizer llguidance cannot read (e.g. a stand-in): serve without it
             log.warning("structured output is unavailable for this tokenizer: %s", exc)
             raise

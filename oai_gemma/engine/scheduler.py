@@ -61,6 +61,11 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def scores_prompt(self) -> bool:
+        """The request wants the prompt's logprobs: every position's logits, so no prefix-cache reuse."""
+        return self.sampling.prompt_logprobs is not None
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt_ids)
 
@@ -196,7 +201,7 @@ class Scheduler:
         while self.waiting and self.slots:
             seq = self.waiting.popleft()
             seq.slot, seq.num_cached = self.slots.acquire(seq.cache_keys)
-            if seq.sampling.prompt_logprobs is not None:  # every position's logits are wanted: compute them all
+            if seq.scores_prompt:
                 seq.num_cached = 0
             seq.num_computed = seq.num_cached
             seq.scheduled_time = now
@@ -215,7 +220,7 @@ class Scheduler:
                 done = end == len(seq.prompt_ids)
                 prefills.append(StepItem(
                     seq.slot, chunk, start, done, seq.image_spans, _chunk_embeds(seq, start, end),
-                    keep_hidden=seq.sampling.prompt_logprobs is not None,
+                    keep_hidden=seq.scores_prompt,
                 ))
                 prefill_seqs.append(seq)
                 budget -= len(chunk)
