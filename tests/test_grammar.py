@@ -2,6 +2,7 @@
 cheap to build, and every JSON text has exactly one tokenization, so tests can spell documents out."""
 
 import asyncio
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -137,3 +138,25 @@ def test_structured_output_without_a_grammar_engine_is_a_400_naming_the_paramete
     error = info.value.body.error
     assert (info.value.status, error.param, error.code) == (400, "response_format", "structured_output_unavailable")
     assert "cannot read this tokenizer" in error.message
+
+
+def test_schemas_compile_off_the_event_loop(compiler):
+    """`json_schema_grammar` hands the compile to a worker thread: the event loop never runs it."""
+    seen = []
+
+    class RecordingCompiler:
+        def json_schema(self, schema):
+            seen.append(threading.current_thread())
+            return compiler.json_schema(schema)
+
+    class EngineWithCompiler:
+        grammars = RecordingCompiler()
+
+    async def compile_on_the_loop():
+        loop_thread = threading.current_thread()
+        grammar = await json_schema_grammar(EngineWithCompiler(), {"type": "object"}, "response_format")
+        return loop_thread, grammar
+
+    loop_thread, grammar = asyncio.run(compile_on_the_loop())
+    assert grammar.matcher() is not None
+    assert seen and seen[0] is not loop_thread
