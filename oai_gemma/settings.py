@@ -102,11 +102,27 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     ended (503, or an error event then `[DONE]`) and the process exits 0."""
 
 
+class ResponsesSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """The store behind `/v1/responses` (`store: true`, `previous_response_id`): one SQLite file."""
+
+    store_path: str = ""
+    """The SQLite file; empty means `~/.cache/oai-gemma/responses.sqlite3`."""
+    max_stored: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    """Responses kept (all API keys together); beyond it the oldest are deleted. 0 keeps none."""
+    max_age: Annotated[float, msgspec.Meta(ge=0)] = 30 * 24 * 3600.0
+    """Seconds a stored response is kept (OpenAI keeps 30 days); 0 means no age limit."""
+
+    @property
+    def path(self) -> Path:
+        return Path(self.store_path).expanduser() if self.store_path else Path.home() / ".cache" / "oai-gemma" / "responses.sqlite3"
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelSettings = msgspec.field(default_factory=ModelSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     images: ImageSettings = msgspec.field(default_factory=ImageSettings)
+    responses: ResponsesSettings = msgspec.field(default_factory=ResponsesSettings)
 
     @property
     def served_model_name(self) -> str:

@@ -1,0 +1,208 @@
+"""The Responses API's `input` (and `instructions`, and a previous response's conversation) as chat messages.
+
+Responses and chat completions say the same things in two shapes: a `message` item is a chat message, a run of
+`function_call` items is one assistant message with `tool_calls`, a `function_call_output` is a `tool` message.
+So this module only translates, and the one chat path (template, tools, images, grammar) renders the result.
+
+Items are checked here, one by one, so that an error names the item as the client wrote it
+(`input[3].content[0]`); an error the chat path raises about `messages[i]...` is renamed back to the item it
+came from by `Conversation.param`. Validated items are kept in the stored shape (ids given, content as parts),
+which is what `GET /v1/responses/{id}/input_items` lists and what `previous_response_id` continues.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .errors import invalid_request, param_from_validation
+from .protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionCallOutputResource,
+    FunctionToolCall,
+    InputImage,
+    InputItem,
+    InputText,
+    MessageItem,
+    MessageResource,
+    OutputTextContent,
+    Refusal,
+    StoredItem,
+)
+
+ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+USER_PARTS = ("input_text", "input_image")
+ASSISTANT_PARTS = ("output_text", "refusal")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- wire -> checked, stored items ------------------------------------------------------------------------
+
+
+def decode_input(raw: str | list[Any] | None) -> list[StoredItem]:
+    """`input` as stored items; a 400 naming `input[i]...` for the first item that is wrong."""
+    if raw is None:
+        raise invalid_request("`input` is required", "input")
+    if isinstance(raw, str):
+        return [MessageResource(id=new_id("msg"), role="user", content=[InputText(raw)])]
+    if not raw:
+        raise invalid_request("`input` must not be an empty list", "input")
+    return [_stored(_decode_item(item, f"input[{i}]"), f"input[{i}]") for i, item in enumerate(raw)]
+
+
+def _decode_item(item: Any, where: str) -> InputItem:
+    if not isinstance(item, dict):
+        raise invalid_request("each input item must be an object", where)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind not in ITEM_TYPES:
+        raise invalid_request(
+            f"input item type {_shown(kind)} is not supported: expected message, function_call or function_call_output",
+            f"{where}.type" if kind is not None else where,
+        )
+    if kind == "message":
+        _check_part_types(item, where)
+    elif kind == "function_call_output" and isinstance(item.get("output"), list):
+        _check_parts(item["output"], ("input_text",), f"{where}.output", "a function_call_output")
+    try:
+        return msgspec.convert(item, ITEM_TYPES[kind])
+    except msgspec.ValidationError as exc:
+        inner = param_from_validation(str(exc))
+        message = str(exc).split(" - at `")[0]
+        raise invalid_request(message, f"{where}.{inner}" if inner else where) from None
+
+
+def _check_part_types(item: dict, where: str) -> None:
+    content = item.get("content")
+    if not isinstance(content, list):
+        return  # a string, or something msgspec names
+    assistant = item.get("role") == "assistant"
+    allowed = ASSISTANT_PARTS if assistant else USER_PARTS
+    _check_parts(content, allowed, f"{where}.content", "an assistant message" if assistant else "this message")
+
+
+def _check_parts(parts: list, allowed: tuple[str, ...], where: str, what: str) -> None:
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in allowed:
+            extra = " (files are not supported: send images as input_image with an image_url)" if kind == "input_file" else ""
+            raise invalid_request(
+                f"content part type {_shown(kind)} is not allowed in {what}: expected {' or '.join(allowed)}{extra}",
+                f"{where}[{j}]",
+            )
+
+
+def _stored(item: InputItem, where: str) -> StoredItem:
+    """The item as stored and listed: an id, content as a list of parts, arguments checked."""
+    if isinstance(item, MessageItem):
+        return MessageResource(id=item.id or new_id("msg"), role=item.role, content=_message_parts(item, where))
+    if isinstance(item, FunctionCallItem):
+        try:
+            arguments = json.loads(item.arguments or "{}")
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise invalid_request("function_call arguments must be a JSON object", f"{where}.arguments")
+        return FunctionToolCall(id=item.id or new_id("fc"), call_id=item.call_id, name=item.name, arguments=item.arguments)
+    return FunctionCallOutputResource(id=item.id or new_id("fco"), call_id=item.call_id, output=item.output)
+
+
+def _message_parts(item: MessageItem, where: str) -> list:
+    if isinstance(item.content, str):
+        return [OutputTextContent(item.content) if item.role == "assistant" else InputText(item.content)]
+    parts = []
+    for j, part in enumerate(item.content):
+        if isinstance(part, Refusal):
+            part = OutputTextContent(part.refusal)
+        elif isinstance(part, InputImage) and not part.image_url:
+            raise invalid_request(
+                "an input_image needs an image_url (a data: or http(s) URL); file_id needs a Files API, which this "
+                "server does not have", f"{where}.content[{j}]",
+            )
+        elif isinstance(part, InputImage) and item.role in ("system", "developer"):
+            raise invalid_request("images are not allowed in system or developer messages", f"{where}.content[{j}]")
+        parts.append(part)
+    return parts
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 64 else text[:64] + "..."
+
+
+# ---- stored items -> chat messages ------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    """Where a chat message came from: its item's param, and the items of its merged tool calls."""
+
+    param: str
+    content: str = "content"
+    calls: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Conversation:
+    """The chat messages, and for each one the request field it came from (to rename chat's error params)."""
+
+    messages: list[dict]
+    sources: list[_Source]
+
+    _PARAM = re.compile(r"^messages\[(\d+)\](?:\.(content|tool_calls)\[(\d+)\])?(.*)$")
+
+    def param(self, chat_param: str | None) -> str | None:
+        """`messages[2].content[0]` -> `input[3].content[0]`; a param about anything else is kept."""
+        if chat_param == "messages":
+            return "input"
+        match = self._PARAM.match(chat_param or "")
+        if not match or int(match.group(1)) >= len(self.sources):
+            return chat_param
+        source = self.sources[int(match.group(1))]
+        index, rest = match.group(3), match.group(4)
+        if match.group(2) == "tool_calls" and int(index) < len(source.calls):
+            return source.calls[int(index)] + rest.replace(".function", "", 1)
+        if match.group(2) == "content" and source.content:
+            return f"{source.param}.{source.content}[{index}]{rest}"
+        return source.param
+
+
+def to_messages(instructions: str | None, items: list[StoredItem], params: list[str]) -> Conversation:
+    """Chat messages for `instructions` (a system message, as OpenAI's developer message) and the items;
+    `params[k]` names item k in errors (`input[3]`, or `previous_response_id` for a stored one)."""
+    messages: list[dict] = []
+    sources: list[_Source] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+        sources.append(_Source("instructions", ""))
+    for item, param in zip(items, params, strict=True):
+        if isinstance(item, FunctionToolCall):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant":  # its text, then its calls: one model turn
+                messages[-1].setdefault("tool_calls", []).append(call)
+                sources[-1].calls.append(param)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(_Source(param, "", [param]))
+        elif isinstance(item, FunctionCallOutputResource):
+            output = item.output if isinstance(item.output, str) else [_chat_part(p) for p in item.output]
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            sources.append(_Source(param, "output"))
+        else:
+            messages.append({"role": item.role, "content": [_chat_part(p) for p in item.content]})
+            sources.append(_Source(param))
+    return Conversation(messages, sources)
+
+
+def _chat_part(part) -> dict:
+    if isinstance(part, InputImage):
+        return {"type": "image_url", "image_url": {"url": part.image_url, "detail": part.detail}}
+    return {"type": "text", "text": part.text}
