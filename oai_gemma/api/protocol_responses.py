@@ -291,6 +291,15 @@ StoredItem = MessageResource | FunctionToolCall | FunctionCallOutputResource
 stored_items_decoder = msgspec.json.Decoder(list[StoredItem])
 
 
+class StoredOutput(Struct):
+    """A stored response read for its `output` alone (the next turn of a `previous_response_id` chain)."""
+
+    output: list[StoredItem]
+
+
+stored_output_decoder = msgspec.json.Decoder(StoredOutput)
+
+
 class ItemList(Struct, kw_only=True):
     data: list[StoredItem]
     first_id: str | None

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import invalid_request, param_from_validation
+from .errors import APIError, invalid_request, param_from_validation
 from .protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -75,9 +75,13 @@ def _decode_item(item: Any, where: str) -> InputItem:
     try:
         return msgspec.convert(item, ITEM_TYPES[kind])
     except msgspec.ValidationError as exc:
-        inner = param_from_validation(str(exc))
-        message = str(exc).split(" - at `")[0]
-        raise invalid_request(message, f"{where}.{inner}" if inner else where) from None
+        raise validation_error(exc, where) from None
+
+
+def validation_error(exc: msgspec.ValidationError, where: str) -> APIError:
+    """msgspec's complaint about a value decoded on its own, as a 400 naming it from the request's root."""
+    inner = param_from_validation(str(exc))
+    return invalid_request(str(exc).split(" - at `")[0], f"{where}.{inner}" if inner else where)
 
 
 def _check_part_types(item: dict, where: str) -> None:

@@ -1,0 +1,133 @@
+"""The choice assembler's deltas -> the Responses API's output items and stream events.
+
+The third encoder of the same deltas (chat chunks and completions chunks are the others): text opens a
+`message` item with one `output_text` part, a tool call start opens a `function_call` item; the events are
+the ones OpenAI sends, in its order, numbered from 0:
+
+    response.created, response.in_progress,
+      per item: response.output_item.added
+        message:       response.content_part.added, response.output_text.delta ..., response.output_text.done,
+                       response.content_part.done
+        function_call: response.function_call_arguments.delta ..., response.function_call_arguments.done
+      response.output_item.done
+    response.completed | response.incomplete | response.failed
+
+A non-streamed response folds the same deltas and drops the events, so both have the same output.
+"""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from .choices import ChoiceDelta, TextDelta, ToolCallArguments, ToolCallStart
+from .protocol_responses import (
+    ContentPartAdded,
+    ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    FunctionToolCall,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputMessage,
+    OutputTextContent,
+    OutputTextDelta,
+    OutputTextDone,
+    Response,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseFailed,
+    ResponseIncomplete,
+    ResponseInProgress,
+)
+from .responses_input import new_id
+
+FINAL_EVENTS = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete, "failed": ResponseFailed}
+
+
+class ResponseEvents:
+    """One response's output, built from its deltas; every method returns the events to send, in order."""
+
+    def __init__(self, response: Response):
+        self.response = response
+        """The response being built: `output` grows as items close; status and usage are set by `finish`."""
+        self.sequence = 0
+        self._item: OutputMessage | FunctionToolCall | None = None
+        self._text: list[str] = []
+
+    def start(self) -> list:
+        return [self._event(ResponseCreated, self._snapshot()), self._event(ResponseInProgress, self._snapshot())]
+
+    def feed(self, delta: ChoiceDelta) -> list:
+        if isinstance(delta, TextDelta):
+            return self._text_delta(delta.text) if delta.text else []
+        if isinstance(delta, ToolCallStart):
+            events = self._close("completed")
+            self._item = FunctionToolCall(id=new_id("fc"), call_id=delta.id, name=delta.name, arguments="", status="in_progress")
+            return events + [self._event(OutputItemAdded, len(self.response.output), self._copy(self._item))]
+        if isinstance(delta, ToolCallArguments) and isinstance(self._item, FunctionToolCall):
+            self._item.arguments += delta.arguments
+            return [self._event(FunctionCallArgumentsDelta, self._item.id, len(self.response.output), delta.arguments)]
+        return []  # Finish: the service ends the response with `finish`
+
+    def finish(self, status: str) -> list:
+        """Close the open item (an empty message if the answer was empty) and send the final event; `status`
+        (completed, incomplete, failed), usage and error are set on `self.response` by the caller first."""
+        if self._item is None and not self.response.output and status != "failed":
+            events = self._text_delta("")
+        else:
+            events = []
+        events += self._close("incomplete" if status == "incomplete" else "completed")
+        self.response.status = status
+        self.response.output_text = "".join(
+            part.text for item in self.response.output if isinstance(item, OutputMessage) for part in item.content
+        )
+        return events + [self._event(FINAL_EVENTS[status], self.response)]
+
+    # ---- items ---------------------------------------------------------------------------------------
+
+    def _text_delta(self, text: str) -> list:
+        events = []
+        if not isinstance(self._item, OutputMessage):
+            events += self._close("completed")
+            self._item = OutputMessage(id=new_id("msg"), content=[], status="in_progress")
+            self._text = []
+            index = len(self.response.output)
+            events.append(self._event(OutputItemAdded, index, self._copy(self._item)))
+            events.append(self._event(ContentPartAdded, self._item.id, index, 0, OutputTextContent("")))
+        if text:
+            self._text.append(text)
+            events.append(self._event(OutputTextDelta, self._item.id, len(self.response.output), 0, text))
+        return events
+
+    def _close(self, status: str) -> list:
+        item, self._item = self._item, None
+        if item is None:
+            return []
+        index = len(self.response.output)
+        events = []
+        if isinstance(item, OutputMessage):
+            part = OutputTextContent("".join(self._text))
+            events.append(self._event(OutputTextDone, item.id, index, 0, part.text))
+            events.append(self._event(ContentPartDone, item.id, index, 0, part))
+            item.content = [part]
+        else:
+            events.append(self._event(FunctionCallArgumentsDone, item.id, index, item.name, item.arguments))
+        item.status = status
+        self.response.output.append(item)
+        return events + [self._event(OutputItemDone, index, item)]
+
+    # ---- events --------------------------------------------------------------------------------------
+
+    def _event(self, kind, *fields):
+        event = kind(self.sequence, *fields)
+        self.sequence += 1
+        return event
+
+    def _snapshot(self) -> Response:
+        """The response as it stands now (its `output` list grows later)."""
+        return replace(self.response, output=list(self.response.output))
+
+    @staticmethod
+    def _copy(item):
+        """An item as it stands now: `_close` later sets its status and content, which must not rewrite this event."""
+        return replace(item)

@@ -1,0 +1,317 @@
+"""`/v1/responses`: the Responses API, a sibling of chat completions on the same request path.
+
+    wire request --responses_input--> chat messages (instructions, the previous response's conversation, input)
+                 --chat's plan_tools / build_prompt / request_grammar--> one engine request, as chat builds it
+    engine events --choices.ChoiceAssembler--> deltas --responses_events.ResponseEvents--> output items and events
+                 --> a `response` object, or SSE `event: ...` / `data: {...}` ending with `response.completed`
+
+Only the translation is this module's: tools, grammars, images, templates and the assembler are chat's, so a
+fix there lands here too. Errors that chat names after `messages[i]`, `tools[i].function` or `response_format`
+are renamed to the field the client sent (`input[3].content[0]`, `tools[0].name`, `text.format`).
+
+State: with `store` (default true, as OpenAI's) a finished response and its conversation go to the
+`ResponseStore` under the caller's owner (API key); `previous_response_id` reads it back.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import msgspec
+
+from ..chat import ChatInputError, parse_messages
+from ..chat.tools import ToolPlan
+from ..engine.types import GenerationRequest
+from .choices import ChoiceAssembler, assemble, indexed
+from .errors import APIError, chat_input_error, generation_failure, invalid_request
+from .protocol import (
+    FunctionDefinition,
+    JSONObjectFormat,
+    JSONSchemaFormat,
+    JSONSchemaResponseFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ToolDefinition,
+    encoder,
+)
+from .protocol_responses import (
+    DeletedResponse,
+    FunctionTool,
+    IncompleteDetails,
+    InputTokensDetails,
+    ItemList,
+    NamedFunctionChoice,
+    Response,
+    ResponseError,
+    ResponsesRequest,
+    ResponseUsage,
+    StoredItem,
+    TextFormatJSONObject,
+    TextFormatJSONSchema,
+    TextParam,
+    request_decoder,
+    stored_items_decoder,
+    stored_output_decoder,
+)
+from .response_format import request_grammar
+from .response_store import ResponseStore
+from .responses_events import ResponseEvents
+from .responses_input import decode_input, to_messages, validation_error
+from .sampling import completion_budget, sampling_params
+from .serving import OpenAIServing, ServingContext
+from .serving_tools import plan_tools
+
+@dataclass
+class PreparedResponse:
+    request: ResponsesRequest
+    generation: GenerationRequest
+    tools: ToolPlan | None
+    response: Response
+    """The response as it starts (`in_progress`, no output)."""
+    items: list[StoredItem]
+    """The conversation's input items, the previous response's included: stored with the response."""
+    owner: str
+
+
+class ResponsesService(OpenAIServing):
+    unsupported_why = {
+        "background": "background responses are not supported: leave `background` unset and wait for the response",
+        "conversation": "the Conversations API is not supported: use `previous_response_id` or send the items",
+        "prompt": "stored prompt templates are not supported: send `instructions` and `input`",
+        "truncation": "`truncation: auto` is not supported: an input over the context is a 400 (`disabled`)",
+        "reasoning.effort": "Gemma-3 does not reason: leave `reasoning.effort` unset",
+        "reasoning.summary": "Gemma-3 does not reason: leave `reasoning.summary` unset",
+    }
+
+    def __init__(self, context: ServingContext, default_max_tokens: int, store: ResponseStore):
+        super().__init__(context)
+        self.default_max_tokens = default_max_tokens
+        self.store = store
+
+    # ---- request -> engine ------------------------------------------------------------------------
+
+    async def prepare(self, body: bytes, arrival: float, owner: str) -> PreparedResponse:
+        request: ResponsesRequest = self.decode(request_decoder, body)
+        history = await self._history(request.previous_response_id, owner)
+        items = decode_input(request.input)
+        tools = _renamed(lambda: plan_tools(_chat_tools(request)), _tool_param)
+        conversation = to_messages(
+            request.instructions, history + items, ["previous_response_id"] * len(history) + [f"input[{i}]" for i in range(len(items))]
+        )
+        try:
+            messages = parse_messages(conversation.messages)
+        except ChatInputError as exc:
+            raise _renamed_error(chat_input_error(exc, self.max_model_len), conversation.param) from None
+        prompt = await _renamed_async(self.build_prompt(messages, tool_prompt=tools and tools.prompt()), conversation.param)
+        max_tokens = completion_budget(len(prompt.token_ids), request.max_output_tokens, self.default_max_tokens, self.max_model_len, "input")
+        grammar = await _renamed_async(
+            request_grammar(self.engine, tools, _chat_format(request.text)), lambda p: "text.format" if p == "response_format" else p
+        )
+        sampling = sampling_params(request, max_tokens, None, self.engine.vocab_limit)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        generation = GenerationRequest(
+            response_id, prompt.token_ids, sampling, arrival, pixel_values=prompt.pixel_values, crop_keys=prompt.cache_keys,
+            grammar=grammar,
+        )
+        self.check_capacity()
+        return PreparedResponse(request, generation, tools, self._skeleton(request, response_id, sampling), history + items, owner)
+
+    async def _history(self, previous_id: str | None, owner: str) -> list[StoredItem]:
+        """The previous response's conversation: its input items, then its output."""
+        if previous_id is None:
+            return []
+        stored = await self.store.get(owner, previous_id)
+        if stored is None:
+            raise invalid_request(
+                f"Previous response with id '{previous_id}' not found.", "previous_response_id", "previous_response_not_found"
+            )
+        return stored_items_decoder.decode(stored.input_items) + stored_output_decoder.decode(stored.response).output
+
+    def _skeleton(self, request: ResponsesRequest, response_id: str, sampling) -> Response:
+        choice = request.tool_choice
+        return Response(
+            id=response_id, created_at=int(time.time()), model=self.served_name, status="in_progress", output=[],
+            instructions=request.instructions, tools=[msgspec.convert(t, FunctionTool) for t in request.tools or []],
+            tool_choice=NamedFunctionChoice(name=choice["name"]) if isinstance(choice, dict) else choice or "auto",
+            temperature=sampling.temperature, top_p=sampling.top_p, parallel_tool_calls=request.parallel_tool_calls is not False,
+            metadata=request.metadata or {}, max_output_tokens=request.max_output_tokens,
+            previous_response_id=request.previous_response_id, text=request.text or TextParam(),
+            store=request.store is not False, user=request.user if request.user is not None else msgspec.UNSET,
+            reasoning=request.reasoning, top_logprobs=request.top_logprobs or 0,
+        )
+
+    # ---- engine -> response -----------------------------------------------------------------------
+
+    async def complete(self, prepared: PreparedResponse) -> bytes:
+        """The whole response: the same deltas and items as a stream, its events dropped."""
+        builder, assembler = ResponseEvents(prepared.response), ChoiceAssembler(0, prepared.tools)
+        async with self.submit(prepared.generation) as submission:
+            async for _, deltas in assemble(indexed(submission), {0: assembler}):
+                for delta in deltas:
+                    builder.feed(delta)
+        if not assembler.done:
+            raise generation_failure(None)
+        builder.finish(self._end(prepared, assembler))
+        body = encoder.encode(builder.response)
+        await self._keep(prepared, body)
+        return body
+
+    async def stream(self, prepared: PreparedResponse) -> AsyncIterator[bytes]:
+        builder, assembler = ResponseEvents(prepared.response), ChoiceAssembler(0, prepared.tools)
+        for event in builder.start():
+            yield sse_event(event)
+        try:
+            async with self.submit(prepared.generation) as submission:
+                async for _, deltas in assemble(indexed(submission), {0: assembler}):
+                    for delta in deltas:
+                        for event in builder.feed(delta):
+                            yield sse_event(event)
+        except APIError as exc:  # a failure after the response started: `response.failed` says why
+            prepared.response.error = ResponseError(_error_code(exc), exc.body.error.message)
+            for event in builder.finish("failed"):
+                yield sse_event(event)
+            return
+        last = builder.finish(self._end(prepared, assembler))
+        await self._keep(prepared, encoder.encode(builder.response))
+        for event in last:
+            yield sse_event(event)
+
+    def _end(self, prepared: PreparedResponse, assembler: ChoiceAssembler) -> str:
+        """Sets the usage and why it is incomplete; returns the final status."""
+        last = assembler.last
+        response = prepared.response
+        response.usage = ResponseUsage(
+            last.num_prompt_tokens, last.num_output_tokens, last.num_prompt_tokens + last.num_output_tokens,
+            InputTokensDetails(last.num_cached_tokens),
+        )
+        response.completed_at = int(time.time())
+        if assembler.finish_reason == "length":
+            response.incomplete_details = IncompleteDetails("max_output_tokens")
+            return "incomplete"
+        return "completed"
+
+    async def _keep(self, prepared: PreparedResponse, body: bytes) -> None:
+        if prepared.response.store:
+            await self.store.put(prepared.owner, prepared.response.id, body, encoder.encode(prepared.items))
+
+    # ---- stored responses -------------------------------------------------------------------------
+
+    async def retrieve(self, owner: str, response_id: str) -> bytes:
+        return (await self._stored(owner, response_id)).response
+
+    async def delete(self, owner: str, response_id: str) -> bytes:
+        if not await self.store.delete(owner, response_id):
+            raise not_found(response_id)
+        return encoder.encode(DeletedResponse(response_id))
+
+    async def input_items(self, owner: str, response_id: str, order: str, after: str | None, limit: int) -> bytes:
+        """One page of the conversation's input items, OpenAI's default order (`desc`, newest first)."""
+        if order not in ("asc", "desc"):
+            raise invalid_request("`order` must be `asc` or `desc`", "order")
+        if not 1 <= limit <= 100:
+            raise invalid_request("`limit` must be between 1 and 100", "limit")
+        items = stored_items_decoder.decode((await self._stored(owner, response_id)).input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item.id for item in items]
+            if after not in ids:
+                raise invalid_request(f"no input item `{after}` in response `{response_id}`", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return encoder.encode(ItemList(
+            data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+            has_more=len(items) > limit,
+        ))
+
+    async def _stored(self, owner: str, response_id: str):
+        stored = await self.store.get(owner, response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return stored
+
+
+def sse_event(event) -> bytes:
+    """A Responses stream event: OpenAI names each with an `event:` line, and sends no `[DONE]`."""
+    return b"event: " + type(event).__struct_config__.tag.encode() + b"\ndata: " + encoder.encode(event) + b"\n\n"
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "response_id", "response_not_found")
+
+
+def _error_code(exc: APIError) -> str:
+    """`Response.error.code` takes OpenAI's few codes: a busy engine is `rate_limit_exceeded`, the rest `server_error`."""
+    return "rate_limit_exceeded" if exc.status == 429 else "server_error"
+
+
+# ---- Responses' tools and text format in chat's shapes --------------------------------------------------
+
+
+def _chat_tools(request: ResponsesRequest) -> SimpleNamespace:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as chat's `plan_tools` reads them; a built-in tool
+    (`web_search`, `file_search`, ...) or a malformed one is a 400 naming it."""
+    tools = []
+    for i, tool in enumerate(request.tools or []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise invalid_request(
+                f"tool type {kind!r} is not supported: this server runs function tools only", f"tools[{i}].type"
+            )
+        try:
+            f = msgspec.convert(tool, FunctionTool)
+        except msgspec.ValidationError as exc:
+            raise validation_error(exc, f"tools[{i}]") from None
+        tools.append(ToolDefinition("function", FunctionDefinition(f.name, f.description, f.parameters, f.strict)))
+    return SimpleNamespace(tools=tools, tool_choice=_chat_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls)
+
+
+def _chat_tool_choice(choice):
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return NamedToolChoice("function", NamedFunction(choice["name"]))
+    raise invalid_request(
+        "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}", "tool_choice"
+    )
+
+
+def _tool_param(param: str | None) -> str | None:
+    """chat's `tools[0].function.name` is Responses' `tools[0].name`."""
+    return param.replace(".function", "", 1) if param else param
+
+
+def _chat_format(text: TextParam | None):
+    """`text.format` as chat's `response_format` (None for plain text)."""
+    fmt = text.format if text is not None else None
+    if isinstance(fmt, TextFormatJSONObject):
+        return JSONObjectFormat()
+    if isinstance(fmt, TextFormatJSONSchema):
+        return JSONSchemaResponseFormat(JSONSchemaFormat(fmt.name, fmt.schema, fmt.description, fmt.strict))
+    return None
+
+
+# ---- renaming chat's params to the fields the client sent ---------------------------------------------------
+
+
+def _renamed_error(exc: APIError, rename) -> APIError:
+    exc.body.error.param = rename(exc.body.error.param)
+    return exc
+
+
+def _renamed(fn, rename):
+    try:
+        return fn()
+    except APIError as exc:
+        raise _renamed_error(exc, rename) from None
+
+
+async def _renamed_async(awaitable, rename):
+    try:
+        return await awaitable
+    except APIError as exc:
+        raise _renamed_error(exc, rename) from None
