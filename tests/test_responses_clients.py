@@ -4,7 +4,8 @@ completions model) running an agent with a function tool to a final answer, and 
 
 The embedded model is a small base model that would rarely call a tool by itself, so the agents force the first
 call with `ModelSettings(tool_choice="required")`; the SDK resets the choice after a tool ran (`reset_tool_choice`),
-so the next turn may answer in prose.
+so the next turn may answer in prose. One call at a time (`parallel_tool_calls=False`): with several allowed, the
+forced grammar lets this model repeat its call until `max_tokens`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ def weather_agent(model) -> "agents.Agent":
         instructions="Answer questions about the weather. Use the tool, then answer in one sentence.",
         tools=[get_weather],
         model=model,
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
+        # the base model rarely ends a text by itself, and a streamed run cut by `max_tokens` fails (as on OpenAI):
+        # vLLM's `stop` extension ends the final answer at its first sentence
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48,
+            extra_body={"stop": [".", "\n"]},
+        ),
     )
 
 

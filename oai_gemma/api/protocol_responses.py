@@ -87,7 +87,7 @@ class TextFormatJSONObject(Struct, tag="json_object", tag_field="type"):
     pass
 
 
-class TextFormatJSONSchema(Struct, tag="json_schema", tag_field="type", kw_only=True):
+class TextFormatJSONSchema(Struct, tag="json_schema", tag_field="type", kw_only=True, omit_defaults=True):
     name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
     schema: dict[str, Any]
     description: str | None = None
@@ -255,7 +255,8 @@ class Response(Struct, kw_only=True):
     user: str | None | UnsetType = UNSET
     reasoning: ReasoningParam | None = None
     top_logprobs: int = 0
-    usage: ResponseUsage | None = None
+    usage: ResponseUsage | UnsetType = UNSET
+    """Set once the response ended (the spec's `usage` is not nullable)."""
     output_text: str | UnsetType = UNSET
     """The SDKs compute it; written too, for curl users (the spec lists it as optional)."""
 
@@ -404,8 +405,9 @@ class ErrorEvent(Struct, tag="error", tag_field="type"):
     param: str | None = None
 
 
-StreamEvent = (
-    ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete | ResponseFailed | OutputItemAdded
-    | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta | OutputTextDone
-    | FunctionCallArgumentsDelta | FunctionCallArgumentsDone | ErrorEvent
+STREAM_EVENTS = (
+    ResponseCreated, ResponseInProgress, ResponseCompleted, ResponseIncomplete, ResponseFailed, OutputItemAdded,
+    OutputItemDone, ContentPartAdded, ContentPartDone, OutputTextDelta, OutputTextDone, FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone, ErrorEvent,
 )
+"""Every event a Responses stream may send (the OpenAPI document lists them)."""
