@@ -106,6 +106,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     shutdown_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """On SIGTERM/SIGINT: seconds running requests get to finish while new ones get 503; the rest are then
     ended (503, or an error event then `[DONE]`) and the process exits 0."""
+    playground: bool = True
+    """Serve the web playground at `/` and `/playground` (the page is open; its API calls need a key when keys are set)."""
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
