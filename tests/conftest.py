@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +41,11 @@ class ServerProcess:
         ]
         self.log_path = log
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        # each server its own store of Responses (`store: true`), unless the test names one
+        store = {"OAI_GEMMA_RESPONSES__STORE_PATH": os.path.join(tempfile.mkdtemp(prefix="oai-gemma-store-"), "responses.sqlite3")}
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**store, **os.environ, **(env or {})}
+        )
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout

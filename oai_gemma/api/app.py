@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
@@ -25,6 +25,9 @@ from .playground import playground_paths, playground_routes
 from .protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
 )
+from .protocol_responses import STREAM_EVENTS, DeletedResponse, ItemList, ResponsesRequest
+from .protocol_responses import Response as ResponseObject
+from .response_store import ResponseStore, owner_of
 from .services import Services
 from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
@@ -43,6 +46,7 @@ class ServerState:
         self.created = int(time.time())
         self.engine: Engine | None = None
         self.services: Services | None = None
+        self.store = ResponseStore(settings.responses.path, settings.responses.max_stored, settings.responses.max_age)
         self.load_error: str | None = None
         self.draining = False
         self.metrics = ServerMetrics(
@@ -87,7 +91,7 @@ class ServerState:
         engine.observer = self.metrics
         engine.start(loop)
         self.engine = engine
-        self.services = Services.build(engine, self.settings)
+        self.services = Services.build(engine, self.settings, self.store)
         log.warning(
             "ready: %s (%s, %s on %s) in %.1f s", self.served_name, loaded.source_dir, str(loaded.dtype).removeprefix("torch."),
             loaded.device, time.monotonic() - started,
@@ -109,6 +113,7 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        self.store.close()
 
 
 async def _until(condition, timeout: float) -> bool:
@@ -156,6 +161,36 @@ def create_app(settings: Settings) -> Litestar:
         service = state.require_ready().tokenize
         return Response(content=service.detokenize(await request.body()), media_type=JSON)
 
+    keyed = bool(settings.server.api_keys)
+
+    def owner(request: Request) -> str:
+        """Whose stored responses a request reads and writes: its API key's (all one owner on an open server)."""
+        return owner_of(request.headers.get("authorization", "").partition(" ")[2].strip()) if keyed else ""
+
+    @post("/v1/responses", status_code=200, operation_class=documented(ResponseObject, request=ResponsesRequest, stream=STREAM_EVENTS))
+    async def create_response(request: Request) -> Response:
+        arrival = time.perf_counter()
+        service = state.require_ready().responses
+        prepared = await service.prepare(await request.body(), arrival, owner(request))
+        if prepared.request.stream:
+            return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await unless_disconnected(request, service.complete(prepared)), media_type=JSON)
+
+    @get("/v1/responses/{response_id:str}", operation_class=documented(ResponseObject, errors=(401, 404)))
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return Response(content=await state.require_ready().responses.retrieve(owner(request), response_id), media_type=JSON)
+
+    @delete("/v1/responses/{response_id:str}", status_code=200, operation_class=documented(DeletedResponse, errors=(401, 404)))
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return Response(content=await state.require_ready().responses.delete(owner(request), response_id), media_type=JSON)
+
+    @get("/v1/responses/{response_id:str}/input_items", operation_class=documented(ItemList, errors=(400, 401, 404)))
+    async def response_input_items(
+        request: Request, response_id: str, order: str = "desc", after: str | None = None, limit: int = 20
+    ) -> Response:
+        items = await state.require_ready().responses.input_items(owner(request), response_id, order, after, limit)
+        return Response(content=items, media_type=JSON)
+
     def card() -> ModelCard:
         return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
 
@@ -197,7 +232,7 @@ def create_app(settings: Settings) -> Litestar:
         before_request=_require_key(keys, open_paths) if keys else None,
         route_handlers=[
             chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics,
-            *playground_routes(settings),
+            *playground_routes(settings), create_response, retrieve_response, delete_response, response_input_items,
         ],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],

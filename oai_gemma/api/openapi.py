@@ -51,7 +51,8 @@ def documented(
     `response` is a Struct or a plain JSON schema dict; `stream`, when set, is the Struct each SSE `data:` event holds;
     `also` are statuses answered with `response`'s schema too (`/health`'s 503); `media_type`, the 200's (`/metrics`'s text).
     """
-    wire_types = tuple(t for t in (request, response, stream, ErrorResponse) if isinstance(t, type))
+    events = stream if isinstance(stream, tuple) else (stream,)
+    wire_types = tuple(t for t in (request, response, *events, ErrorResponse) if isinstance(t, type))
 
     @dataclass
     class WireOperation(Operation):
@@ -74,9 +75,18 @@ def documented(
     return WireOperation
 
 
-def sse_event(stream: type) -> dict[str, Any]:
+def sse_event(stream: type | tuple[type, ...]) -> dict[str, Any]:
     """One Server-Sent Event of a stream (`schema` describes each event before OpenAPI 3.2): its `data` is a chunk,
-    an error envelope (a failure after the first byte), or the final `[DONE]`."""
+    an error envelope (a failure after the first byte), or the final `[DONE]`. A tuple of Structs: named events
+    (the Responses API's `event: <type>` line, then `data:` one of them; no `[DONE]`)."""
+    if isinstance(stream, tuple):
+        data = {"type": "string", "contentMediaType": JSON, "contentSchema": {"anyOf": [_ref(t) for t in stream]}}
+        return {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": data},
+            "description": "with `stream: true`: each event named by its `type` (`event:`), its JSON in `data:`",
+        }
     chunk = {"anyOf": [_ref(stream), _ref(ErrorResponse)]}
     json_data = {"type": "string", "contentMediaType": JSON, "contentSchema": chunk}
     return {
