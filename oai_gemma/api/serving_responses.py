@@ -26,6 +26,7 @@ import msgspec
 from ..chat import ChatInputError, parse_messages
 from ..chat.tools import ToolPlan
 from ..engine.types import GenerationRequest
+from .access_log import set_finish_reason
 from .choices import ChoiceAssembler, assemble, indexed
 from .errors import APIError, chat_input_error, generation_failure, invalid_request
 from .protocol import (
@@ -182,6 +183,8 @@ class ResponsesService(OpenAIServing):
 
     def _end(self, prepared: PreparedResponse, assembler: ChoiceAssembler) -> str:
         """Sets the usage and why it is incomplete; returns the final status."""
+        if assembler.tool_calls is not None:  # the refined outcome (`tool_calls`) is the one the metrics count
+            set_finish_reason(prepared.generation.request_id, assembler.finish_reason)
         last = assembler.last
         response = prepared.response
         response.usage = ResponseUsage(
