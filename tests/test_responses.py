@@ -155,6 +155,21 @@ def test_tool_result_round_trip_renders_as_chat_tool_messages(client):
     assert chained.output_text == second.output_text
 
 
+def test_include_logprobs_reports_each_output_token(client, http):
+    kw = {"input": "Name a color.", "max_output_tokens": 4, "temperature": 0, "top_logprobs": 2,
+          "include": ["message.output_text.logprobs"]}
+    response, body = create(client, **kw)
+    entries = body["output"][0]["content"][0]["logprobs"]
+    assert len(entries) == response.usage.output_tokens == 4
+    assert "".join(e["token"] for e in entries) == response.output_text
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in entries)
+    events = sse_events(http, kw)
+    streamed = [entry for name, e in events if name == "response.output_text.delta" for entry in e["logprobs"]]
+    assert streamed == entries
+    plain, _ = create(client, **{**kw, "include": []})
+    assert plain.output[0].content[0].logprobs == []
+
+
 # ---- state -----------------------------------------------------------------------------------------------
 
 

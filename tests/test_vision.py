@@ -276,3 +276,33 @@ def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vis
     ours = runner.forward([StepItem(0, ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]
     assert (reference - causal_only).abs().max() > 0.1  # the bidirectional image mask matters for this prompt
     assert (ours - reference).abs().max() < 1e-3
+
+
+# ---- the Responses API: `input_image` parts take chat's image path ----------------------------------------
+
+
+def ask_responses(*parts) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"}, *parts]}]
+
+
+def test_responses_input_image_is_answered_as_chat_answers_it(vclient, image_host):
+    red = {"type": "input_image", "image_url": data_url(png()), "detail": "auto"}
+    blue = {"type": "input_image", "image_url": image_host + "/blue.jpg", "detail": "auto"}
+    raw = vclient.responses.with_raw_response.create(
+        model=MODEL, input=ask_responses(red, blue), max_output_tokens=6, temperature=0
+    )
+    validate("Response", raw.http_response.json())
+    response = raw.parse()
+    chat = complete(vclient, ask(image_part(data_url(png())), image_part(image_host + "/blue.jpg")))
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens >= 2 * 256
+
+
+def test_responses_bad_image_is_400_naming_the_input_part(vclient):
+    with pytest.raises(openai.BadRequestError) as info:
+        vclient.responses.create(
+            model=MODEL, max_output_tokens=4,
+            input=ask_responses({"type": "input_image", "image_url": "http://10.0.0.1/cat.png", "detail": "auto"}),
+        )
+    assert info.value.body["param"] == "input[0].content[1]"
+    assert "private" in info.value.body["message"].lower()

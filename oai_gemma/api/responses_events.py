@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from msgspec.structs import replace
 
-from .choices import ChoiceDelta, TextDelta, ToolCallArguments, ToolCallStart
+from .choices import ChoiceDelta, Finish, TextDelta, ToolCallArguments, ToolCallStart
 from .protocol_responses import (
     ContentPartAdded,
     ContentPartDone,
@@ -47,19 +47,25 @@ FINAL_EVENTS = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete
 class ResponseEvents:
     """One response's output, built from its deltas; every method returns the events to send, in order."""
 
-    def __init__(self, response: Response):
+    def __init__(self, response: Response, logprobs=None):
+        """`logprobs`: the deltas' tokens -> their logprob entries, when the request asked for them."""
         self.response = response
         """The response being built: `output` grows as items close; status and usage are set by `finish`."""
         self.sequence = 0
+        self.logprobs = logprobs
         self._item: OutputMessage | FunctionToolCall | None = None
         self._text: list[str] = []
+        self._entries: list = []
 
     def start(self) -> list:
         return [self._event(ResponseCreated, self._snapshot()), self._event(ResponseInProgress, self._snapshot())]
 
     def feed(self, delta: ChoiceDelta) -> list:
+        entries = self.logprobs(delta.tokens) if self.logprobs is not None and delta.tokens else []
         if isinstance(delta, TextDelta):
-            return self._text_delta(delta.text) if delta.text else []
+            return self._text_delta(delta.text, entries) if delta.text or entries else []
+        if isinstance(delta, Finish) and isinstance(self._item, OutputMessage):
+            self._entries += entries  # the tokens of text held back to the end (a stop string's start)
         if isinstance(delta, ToolCallStart):
             events = self._close("completed")
             self._item = FunctionToolCall(id=new_id("fc"), call_id=delta.id, name=delta.name, arguments="", status="in_progress")
@@ -73,7 +79,7 @@ class ResponseEvents:
         """Close the open item (an empty message if the answer was empty) and send the final event; `status`
         (completed, incomplete, failed), usage and error are set on `self.response` by the caller first."""
         if self._item is None and not self.response.output and status != "failed":
-            events = self._text_delta("")
+            events = self._text_delta("", [])
         else:
             events = []
         events += self._close("incomplete" if status == "incomplete" else "completed")
@@ -85,18 +91,19 @@ class ResponseEvents:
 
     # ---- items ---------------------------------------------------------------------------------------
 
-    def _text_delta(self, text: str) -> list:
+    def _text_delta(self, text: str, entries: list) -> list:
         events = []
         if not isinstance(self._item, OutputMessage):
             events += self._close("completed")
             self._item = OutputMessage(id=new_id("msg"), content=[], status="in_progress")
-            self._text = []
+            self._text, self._entries = [], []
             index = len(self.response.output)
             events.append(self._event(OutputItemAdded, index, self._copy(self._item)))
             events.append(self._event(ContentPartAdded, self._item.id, index, 0, OutputTextContent("")))
+        self._entries += entries
         if text:
             self._text.append(text)
-            events.append(self._event(OutputTextDelta, self._item.id, len(self.response.output), 0, text))
+            events.append(self._event(OutputTextDelta, self._item.id, len(self.response.output), 0, text, entries))
         return events
 
     def _close(self, status: str) -> list:
@@ -106,8 +113,8 @@ class ResponseEvents:
         index = len(self.response.output)
         events = []
         if isinstance(item, OutputMessage):
-            part = OutputTextContent("".join(self._text))
-            events.append(self._event(OutputTextDone, item.id, index, 0, part.text))
+            part = OutputTextContent("".join(self._text), logprobs=self._entries)
+            events.append(self._event(OutputTextDone, item.id, index, 0, part.text, part.logprobs))
             events.append(self._event(ContentPartDone, item.id, index, 0, part))
             item.content = [part]
         else:

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import msgspec
@@ -64,7 +65,11 @@ from .responses_events import ResponseEvents
 from .responses_input import decode_input, to_messages, validation_error
 from .sampling import completion_budget, sampling_params
 from .serving import OpenAIServing, ServingContext
+from .serving_chat import logprob_entries
 from .serving_tools import plan_tools
+
+LOGPROBS = "message.output_text.logprobs"
+"""The `include` value that asks for the output tokens' logprobs (`top_logprobs` sets how many alternatives)."""
 
 @dataclass
 class PreparedResponse:
@@ -112,7 +117,8 @@ class ResponsesService(OpenAIServing):
         grammar = await _renamed_async(
             request_grammar(self.engine, tools, _chat_format(request.text)), lambda p: "text.format" if p == "response_format" else p
         )
-        sampling = sampling_params(request, max_tokens, None, self.engine.vocab_limit)
+        logprobs = (request.top_logprobs or 0) if LOGPROBS in (request.include or ()) else None
+        sampling = sampling_params(request, max_tokens, logprobs, self.engine.vocab_limit)
         response_id = f"resp_{uuid.uuid4().hex}"
         generation = GenerationRequest(
             response_id, prompt.token_ids, sampling, arrival, pixel_values=prompt.pixel_values, crop_keys=prompt.cache_keys,
@@ -147,9 +153,15 @@ class ResponsesService(OpenAIServing):
 
     # ---- engine -> response -----------------------------------------------------------------------
 
+    def _builders(self, prepared: PreparedResponse) -> tuple[ResponseEvents, ChoiceAssembler]:
+        if prepared.generation.sampling.logprobs is None:
+            return ResponseEvents(prepared.response), ChoiceAssembler(0, prepared.tools)
+        entries = partial(logprob_entries, self.engine.token_text)
+        return ResponseEvents(prepared.response, entries), ChoiceAssembler(0, prepared.tools, logprobs=True)
+
     async def complete(self, prepared: PreparedResponse) -> bytes:
         """The whole response: the same deltas and items as a stream, its events dropped."""
-        builder, assembler = ResponseEvents(prepared.response), ChoiceAssembler(0, prepared.tools)
+        builder, assembler = self._builders(prepared)
         async with self.submit(prepared.generation) as submission:
             async for _, deltas in assemble(indexed(submission), {0: assembler}):
                 for delta in deltas:
@@ -162,7 +174,7 @@ class ResponsesService(OpenAIServing):
         return body
 
     async def stream(self, prepared: PreparedResponse) -> AsyncIterator[bytes]:
-        builder, assembler = ResponseEvents(prepared.response), ChoiceAssembler(0, prepared.tools)
+        builder, assembler = self._builders(prepared)
         for event in builder.start():
             yield sse_event(event)
         try:
