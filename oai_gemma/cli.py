@@ -22,6 +22,7 @@ SERVE_FLAGS = {
     "threads": ("model", "threads"),
     "max_num_seqs": ("engine", "max_num_seqs"),
     "max_prefill_tokens": ("engine", "max_prefill_tokens"),
+    "kv_cache_gib": ("engine", "kv_cache_gib"),
     "host": ("server", "host"),
     "port": ("server", "port"),
     "log_level": ("server", "log_level"),
@@ -48,6 +49,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="CPU threads for torch (0: one per core)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences decoded together in one batch")
     parser.add_argument("--max-prefill-tokens", type=int, help="prompt tokens prefilled per engine step")
+    parser.add_argument("--kv-cache-gib", type=float, help="KV-cache budget in GiB (0: enough for max-num-seqs)")
 
 
 def _settings(args: argparse.Namespace):
@@ -66,6 +68,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log_access_as_json_lines()
+    if args.replicas or args.max_replicas:
+        return _serve_replicas(settings, args)
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
@@ -73,6 +77,20 @@ def serve(args: argparse.Namespace) -> int:
     )
     GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace).run()
     return 0
+
+
+def _serve_replicas(settings, args: argparse.Namespace) -> int:
+    """`--replicas N` / `--max-replicas M`: N engine replicas behind Ray Serve (pip install 'oai-gemma[ray]')."""
+    try:
+        from .deploy.ray_serve import ReplicaOptions, run
+    except ImportError as exc:
+        sys.exit(f"oai-gemma: --replicas needs Ray Serve: pip install 'oai-gemma[ray]' ({exc})")
+    options = ReplicaOptions(
+        replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=max(args.max_replicas or 1, args.min_replicas),
+        target_ongoing_requests=args.target_ongoing_requests, cpus=args.replica_cpus, gpus=args.replica_gpus,
+        routing=args.routing,
+    )
+    return run(settings, options, args.ray_address)
 
 
 def _log_access_as_json_lines() -> None:
@@ -103,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--host")
     p_serve.add_argument("--port", type=int)
     p_serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    ray = p_serve.add_argument_group("replicas (Ray Serve; pip install 'oai-gemma[ray]', see docs/scale-out.md)")
+    ray.add_argument("--replicas", type=int, help="run this many engine replicas behind Ray Serve's proxy")
+    ray.add_argument("--min-replicas", type=int, default=1, help="autoscaling: at least this many replicas")
+    ray.add_argument("--max-replicas", type=int, help="autoscaling: at most this many replicas (instead of --replicas)")
+    ray.add_argument("--target-ongoing-requests", type=float, default=0, help="autoscaling target per replica (0: max-num-seqs/2)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (fractions allowed)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
+    ray.add_argument("--routing", choices=["prefix", "least-ongoing"], default="prefix", help="replica choice (default: prefix affinity, then load)")
+    ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     p_serve.set_defaults(func=serve)
 
     p_prepare = commands.add_parser("prepare", help="convert the embedded model into the local cache, then exit")
