@@ -78,6 +78,8 @@ async def serve_call(app, call: HTTPCall, replica: str) -> AsyncIterator[list[di
     async def send(message: dict) -> None:
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, replica.encode())]}
+        elif not message.get("more_body", False):
+            gone.set()  # the response is complete: from now on `receive` says so, as an ASGI server does
         out.put_nowait(message)
 
     task = asyncio.ensure_future(app(call.scope(), receive, send))
