@@ -21,6 +21,7 @@ from .errors import APIError, model_not_found
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
 from .openapi import HEALTH, add_wire_components, documented
+from .playground import playground_paths, playground_routes
 from .protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
 )
@@ -192,7 +193,7 @@ def create_app(settings: Settings) -> Litestar:
         state.shutdown()
 
     keys = settings.server.api_keys
-    open_paths = open_without_key(settings)
+    open_paths = open_without_key(settings) | playground_paths(settings)
     if keys:
         log.warning("API keys required (%d configured); open without one: %s", len(keys), ", ".join(sorted(open_paths)) or "nothing")
     else:
@@ -201,6 +202,7 @@ def create_app(settings: Settings) -> Litestar:
         before_request=_require_key(keys, open_paths) if keys else None,
         route_handlers=[
             chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics,
+            *playground_routes(settings),
         ],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
