@@ -24,6 +24,7 @@ import msgspec
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
 
 from ..api.app import create_app
 from ..api.errors import APIError
@@ -103,8 +104,8 @@ class EngineReplica:
 class Ingress:
     """Ray Serve's HTTP entry deployment; its ASGI app is an IngressApp."""
 
-    def __init__(self, engine):
-        self.forwarder = IngressApp(engine.options(stream=True), serve.get_replica_context().app_name)
+    def __init__(self, engine, first_message_timeout: float | None):
+        self.forwarder = IngressApp(engine.options(stream=True), serve.get_replica_context().app_name, first_message_timeout)
 
     def __serve_build_asgi_app__(self):
         return self.forwarder
@@ -113,9 +114,11 @@ class Ingress:
 class IngressApp:
     """Forwards each request to an engine replica; serves `/metrics` of all of them."""
 
-    def __init__(self, engine, app_name: str):
+    def __init__(self, engine, app_name: str, first_message_timeout: float | None):
         self.engine = engine
         self.app_name = app_name
+        self.first_message_timeout = first_message_timeout
+        """Longest wait for a replica's first message (None: no limit): past it a 504, never an endless wait."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -143,13 +146,27 @@ class IngressApp:
     async def _forward(self, call: HTTPCall, send) -> None:
         for attempt in range(RETRIES):
             stream = None
+            responses = self.engine.handle.remote(call)
             try:
-                async for batch in self.engine.handle.remote(call):
+                # the first message waits for a replica (Ray queues requests while all are full or none is up yet)
+                batch = await asyncio.wait_for(anext(responses, None), self.first_message_timeout)
+                while batch is not None:
                     for message in batch:
                         if message["type"] == "http.response.start":
                             stream = _is_event_stream(message)
                             message = _without_request_id(message)
                         await send(message)
+                    batch = await anext(responses, None)
+                return
+            except TimeoutError:
+                responses.cancel()
+                await _send_error(send, APIError(504, "no engine replica took the request in time", "server_error", None, "timeout"))
+                return
+            except BackPressureError:
+                await _send_error(send, APIError(
+                    429, "every replica and the queue before them are full; retry shortly", "requests", None,
+                    "rate_limit_exceeded", {"Retry-After": "1"},
+                ))
                 return
             except (RayActorError, ActorUnavailableError) as exc:
                 if stream is not None:  # the client has the start of a response: end it cleanly, no retry
@@ -164,8 +181,12 @@ class IngressApp:
         # the key check (server.metrics_requires_key) stays with the replicas: ask one before answering
         probe = HTTPCall("GET", "/metrics", b"", list(scope.get("headers", [])), body)
         status = 503
-        async for batch in self.engine.handle.remote(probe):
-            status = next((m["status"] for m in batch if m["type"] == "http.response.start"), status)
+        try:
+            async with asyncio.timeout(10):  # no replica up: a 503, not a scrape that hangs
+                async for batch in self.engine.handle.remote(probe):
+                    status = next((m["status"] for m in batch if m["type"] == "http.response.start"), status)
+        except TimeoutError:
+            pass
         if status != 200:
             await _send_error(send, APIError(status, "metrics unavailable", "server_error" if status >= 500 else "invalid_request_error"))
             return
@@ -194,7 +215,8 @@ async def _end_broken(send, stream: bool) -> None:
 
 
 async def _send_error(send, error: APIError) -> None:
-    await send({"type": "http.response.start", "status": error.status, "headers": [(b"content-type", b"application/json")]})
+    headers = [(b"content-type", b"application/json"), *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": error.encode()})
 
 
@@ -227,6 +249,7 @@ def engine_deployment(settings: Settings, options: ReplicaOptions):
         # a replica takes what its batch holds plus a short waiting line; more wait in the router, visible to the
         # autoscaler, and go to whichever replica frees up first
         max_ongoing_requests=seqs + max(1, seqs // 4),
+        max_queued_requests=settings.engine.max_waiting,  # beyond: a 429, as one server answers
         graceful_shutdown_timeout_s=settings.server.shutdown_grace,
         health_check_period_s=5,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[options.routing]),
@@ -239,7 +262,9 @@ def build_app(settings: Settings, options: ReplicaOptions):
         settings.model.threads = max(1, int(options.cpus))
     engine = engine_deployment(settings, options).bind(msgspec.to_builtins(settings))
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
-    return ingress.bind(engine)
+    # a replica answers within request_timeout (its own 504); beyond that plus a margin, no replica took it
+    timeout = settings.server.request_timeout
+    return ingress.bind(engine, timeout + 10 if timeout else None)
 
 
 def build(args: dict):
