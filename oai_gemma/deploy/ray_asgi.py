@@ -42,9 +42,9 @@ class HTTPCall:
 
 
 class _Prompt(msgspec.Struct):
-    messages: msgspec.Raw | None = None
-    prompt: msgspec.Raw | None = None
-    input: msgspec.Raw | None = None
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
 
 
 def prompt_prefix(body: bytes) -> bytes:
@@ -53,8 +53,8 @@ def prompt_prefix(body: bytes) -> bytes:
         parsed = msgspec.json.decode(body, type=_Prompt)
     except msgspec.DecodeError:
         return b""
-    raw = parsed.messages or parsed.prompt or parsed.input
-    return bytes(raw)[:PREFIX_BYTES] if raw else b""
+    raw = next((r for r in (parsed.messages, parsed.prompt, parsed.input) if len(r)), b"")
+    return bytes(raw)[:PREFIX_BYTES]
 
 
 async def serve_call(app, call: HTTPCall, replica: str) -> AsyncIterator[list[dict]]:
