@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import MODEL, ServerProcess, user
 from openai_schema import validate
 

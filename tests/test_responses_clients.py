@@ -14,7 +14,6 @@ import asyncio
 
 import openai
 import pytest
-
 from conftest import MODEL
 
 agents = pytest.importorskip("agents")
@@ -30,7 +29,7 @@ def get_weather(city: str) -> str:
     return f"It is sunny and 21 degrees in {city}."
 
 
-def weather_agent(model) -> "agents.Agent":
+def weather_agent(model) -> agents.Agent:
     return agents.Agent(
         name="weather",
         instructions="Answer questions about the weather. Use the tool, then answer in one sentence.",
@@ -67,7 +66,7 @@ def chat_completions_model(client: openai.AsyncOpenAI):
 RUN = {"max_turns": 4}
 
 
-def config() -> "agents.RunConfig":
+def config() -> agents.RunConfig:
     return agents.RunConfig(tracing_disabled=True)
 
 

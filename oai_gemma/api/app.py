@@ -23,13 +23,26 @@ from .metrics import ServerMetrics
 from .openapi import HEALTH, add_wire_components, documented
 from .playground import playground_paths, playground_routes
 from .protocol import (
-    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    encoder,
 )
-from .protocol_responses import STREAM_EVENTS, DeletedResponse, ItemList, ResponsesRequest
+from .protocol_responses import DeletedResponse, ItemList, ResponsesRequest
 from .protocol_responses import Response as ResponseObject
 from .response_store import ResponseStore, owner_of
+from .responses_events import STREAM_EVENTS
 from .services import Services
-from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from .serving_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 log = logging.getLogger("oai_gemma.server")
 

@@ -17,29 +17,130 @@ A non-streamed response folds the same deltas and drops the events, so both have
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+from msgspec import Struct
 from msgspec.structs import replace
 
 from .choices import ChoiceDelta, Finish, TextDelta, ToolCallArguments, ToolCallStart
 from .protocol_responses import (
-    ContentPartAdded,
-    ContentPartDone,
-    FunctionCallArgumentsDelta,
-    FunctionCallArgumentsDone,
     FunctionToolCall,
-    OutputItemAdded,
-    OutputItemDone,
+    OutputItem,
     OutputMessage,
     OutputTextContent,
-    OutputTextDelta,
-    OutputTextDone,
     Response,
-    ResponseCompleted,
-    ResponseCreated,
-    ResponseFailed,
-    ResponseIncomplete,
-    ResponseInProgress,
 )
 from .responses_input import new_id
+
+# ---- the events (wire types) ------------------------------------------------------------------------------
+
+
+class _Lifecycle(Struct):
+    sequence_number: int
+    response: Response
+
+
+class ResponseCreated(_Lifecycle, tag="response.created", tag_field="type"):
+    pass
+
+
+class ResponseInProgress(_Lifecycle, tag="response.in_progress", tag_field="type"):
+    pass
+
+
+class ResponseCompleted(_Lifecycle, tag="response.completed", tag_field="type"):
+    pass
+
+
+class ResponseIncomplete(_Lifecycle, tag="response.incomplete", tag_field="type"):
+    pass
+
+
+class ResponseFailed(_Lifecycle, tag="response.failed", tag_field="type"):
+    pass
+
+
+class _ItemEvent(Struct):
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemAdded(_ItemEvent, tag="response.output_item.added", tag_field="type"):
+    pass
+
+
+class OutputItemDone(_ItemEvent, tag="response.output_item.done", tag_field="type"):
+    pass
+
+
+class _PartEvent(Struct):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputTextContent
+
+
+class ContentPartAdded(_PartEvent, tag="response.content_part.added", tag_field="type"):
+    pass
+
+
+class ContentPartDone(_PartEvent, tag="response.content_part.done", tag_field="type"):
+    pass
+
+
+class OutputTextDelta(Struct, tag="response.output_text.delta", tag_field="type"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class OutputTextDone(Struct, tag="response.output_text.done", tag_field="type"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class FunctionCallArgumentsDelta(Struct, tag="response.function_call_arguments.delta", tag_field="type"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(Struct, tag="response.function_call_arguments.done", tag_field="type"):
+    sequence_number: int
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ErrorEvent(Struct, tag="error", tag_field="type"):
+    sequence_number: int
+    code: str | None
+    message: str
+    param: str | None = None
+
+
+STREAM_EVENTS = (
+    ResponseCreated, ResponseInProgress, ResponseCompleted, ResponseIncomplete, ResponseFailed, OutputItemAdded,
+    OutputItemDone, ContentPartAdded, ContentPartDone, OutputTextDelta, OutputTextDone, FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone, ErrorEvent,
+)
+"""Every event a Responses stream may send (the OpenAPI document lists them)."""
+
+
+
+# ---- the encoder ------------------------------------------------------------------------------------------
 
 FINAL_EVENTS = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete, "failed": ResponseFailed}
 

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
+from typing import ClassVar
 
 import msgspec
 
@@ -84,7 +85,7 @@ class PreparedResponse:
 
 
 class ResponsesService(OpenAIServing):
-    unsupported_why = {
+    unsupported_why: ClassVar[dict[str, str]] = {
         "background": "background responses are not supported: leave `background` unset and wait for the response",
         "conversation": "the Conversations API is not supported: use `previous_response_id` or send the items",
         "prompt": "stored prompt templates are not supported: send `instructions` and `input`",
