@@ -170,8 +170,11 @@ async function answer() {
   const draw = () => {
     if (!dirty) return;
     dirty = false;
+    const box = $("messages");
+    const following = box.scrollHeight - box.scrollTop - box.clientHeight < 80; // the reader is at the bottom
     content.innerHTML = renderMarkdown(text);
     drawTiming(panel, timing);
+    if (following) box.scrollTop = box.scrollHeight;
   };
   const schedule = () => { if (!dirty) { dirty = true; requestAnimationFrame(draw); } };
   const controller = new AbortController();
