@@ -206,6 +206,7 @@ async function answer() {
   dirty = true;
   draw();
   item.dataset.done = "true";
+  if (!item.isConnected) return false; // "New chat" ended it: the answer belongs to no conversation
   history.push({ role: "assistant", content: text });
   $("regenerate").disabled = false;
   return true;
