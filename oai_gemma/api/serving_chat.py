@@ -69,7 +69,7 @@ class ChatService:
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.images = images
-        self.processor = engine.loaded.processor
+        self.processor = engine.processor
         self.max_prompt_chars = max_model_len * longest_token_chars(engine.tokenizer)
         self._image_client = None
 
