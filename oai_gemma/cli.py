@@ -8,46 +8,79 @@ import os
 import sys
 
 import msgspec
+import msgspec.inspect
 
-from .settings import load_settings
+from .settings import SECTIONS, field_docs, load_settings
 
-# flag -> (section, field)
-SERVE_FLAGS = {
-    "model": ("model", "source"),
-    "served_model_name": ("model", "served_name"),
-    "dtype": ("model", "dtype"),
-    "device": ("model", "device"),
-    "load_format": ("model", "load_format"),
-    "max_model_len": ("model", "max_model_len"),
-    "threads": ("model", "threads"),
-    "max_num_seqs": ("engine", "max_num_seqs"),
-    "max_prefill_tokens": ("engine", "max_prefill_tokens"),
-    "host": ("server", "host"),
-    "port": ("server", "port"),
-    "log_level": ("server", "log_level"),
-}
+# The settings operators change most, as flags of `serve` and `prepare`: (section, field, flag name when it is
+# not the field's). Type, choices, default and help come from the settings tree, so a flag cannot drift from it.
+SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
+    ("model", "source", "model"),
+    ("model", "served_name", "served-model-name"),
+    ("model", "dtype", None),
+    ("model", "device", None),
+    ("model", "load_format", None),
+    ("model", "max_model_len", None),
+    ("model", "threads", None),
+    ("engine", "max_num_seqs", None),
+    ("engine", "max_prefill_tokens", None),
+    ("engine", "max_waiting", None),
+    ("engine", "kv_cache_gib", None),
+    ("server", "api_keys", "api-key"),
+    ("server", "request_timeout", None),
+    ("server", "idle_timeout", None),
+)
+SERVE_ONLY_FLAGS = (("server", "host", None), ("server", "port", None), ("server", "log_level", None))
+
+
+def flag_name(section: str, field: str, name: str | None) -> str:
+    return "--" + (name or field.replace("_", "-"))
+
+
+def _dest(section: str, field: str) -> str:
+    return f"setting__{section}__{field}"
+
+
+def _add_setting_flag(parser: argparse.ArgumentParser, section: str, field: str, name: str | None) -> None:
+    info = next(f for f in msgspec.inspect.type_info(SECTIONS[section]).fields if f.name == field)
+    kind = info.type
+    kwargs: dict = {"dest": _dest(section, field), "default": None, "metavar": field.upper()}
+    default = info.default
+    if isinstance(kind, msgspec.inspect.LiteralType):
+        kwargs["choices"] = list(kind.values)
+        del kwargs["metavar"]
+    elif isinstance(kind, msgspec.inspect.IntType):
+        kwargs["type"] = int
+    elif isinstance(kind, msgspec.inspect.FloatType):
+        kwargs["type"] = float
+    elif isinstance(kind, msgspec.inspect.BoolType):
+        kwargs["action"] = argparse.BooleanOptionalAction
+        del kwargs["metavar"]
+    elif isinstance(kind, msgspec.inspect.VarTupleType):  # a list setting: the flag may be repeated
+        kwargs["action"] = "append"
+        kwargs["metavar"] = field.upper().removesuffix("S")
+        default = "none; repeat the flag for several"
+    elif not isinstance(kind, msgspec.inspect.StrType):
+        raise TypeError(f"no flag for {section}.{field} of type {kind}")
+    doc = field_docs(section).get(field, "")
+    shown = default if isinstance(default, str) and default.startswith("none;") else repr(default)
+    kwargs["help"] = f"{doc} [{section}.{field}, default: {shown}]".strip().replace("%", "%%")
+    parser.add_argument(flag_name(section, field, name), **kwargs)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
     tree: dict = {}
-    for flag, (section, field) in SERVE_FLAGS.items():
-        value = getattr(args, flag, None)
+    for section, field, _ in SETTINGS_FLAGS + SERVE_ONLY_FLAGS:
+        value = getattr(args, _dest(section, field), None)
         if value is not None:
             tree.setdefault(section, {})[field] = value
     return tree
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a TOML settings file (see configs/)")
-    parser.add_argument("--model", help="`embedded` (default), a local model directory, or a hub id")
-    parser.add_argument("--served-model-name", help="the model id clients send")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
-    parser.add_argument("--load-format", choices=["auto", "dummy"])
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (0: one per core)")
-    parser.add_argument("--max-num-seqs", type=int, help="sequences decoded together in one batch")
-    parser.add_argument("--max-prefill-tokens", type=int, help="prompt tokens prefilled per engine step")
+def _add_settings_flags(parser: argparse.ArgumentParser, flags=SETTINGS_FLAGS) -> None:
+    parser.add_argument("--config", help="a TOML settings file (see configs/); flags override it and OAI_GEMMA_* env vars")
+    for section, field, name in flags:
+        _add_setting_flag(parser, section, field, name)
 
 
 def _settings(args: argparse.Namespace):
@@ -93,16 +126,12 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oai-gemma", description="OpenAI-compatible server for Gemma-3")
     commands = parser.add_subparsers(dest="command", required=True)
 
     p_serve = commands.add_parser("serve", help="start the server")
-    _add_settings_flags(p_serve)
-    p_serve.add_argument("--host")
-    p_serve.add_argument("--port", type=int)
-    p_serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    _add_settings_flags(p_serve, SETTINGS_FLAGS + SERVE_ONLY_FLAGS)
     p_serve.set_defaults(func=serve)
 
     p_prepare = commands.add_parser("prepare", help="convert the embedded model into the local cache, then exit")
@@ -118,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         p_bench = commands.add_parser("bench", help="benchmark a running server (and the baselines)")
         add_bench_arguments(p_bench)
         p_bench.set_defaults(func=run_bench)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -6,6 +6,9 @@ Env vars name a field by its path with double underscores: `OAI_GEMMA_MODEL__SOU
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import json
 import os
 import tomllib
@@ -79,8 +82,11 @@ class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
+    """Address to listen on (`0.0.0.0` for every interface)."""
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    """TCP port to listen on."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Server log level (the access log is always on)."""
     api_keys: tuple[str, ...] = ()
     """Bearer keys clients must send (also `OAI_GEMMA_API_KEYS=k1,k2`); none means open."""
     health_requires_key: bool = False
@@ -100,6 +106,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     shutdown_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """On SIGTERM/SIGINT: seconds running requests get to finish while new ones get 503; the rest are then
     ended (503, or an error event then `[DONE]`) and the process exits 0."""
+    playground: bool = True
+    """Serve the web playground at `/` and `/playground` (the page is open; its API calls need a key when keys are set)."""
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
@@ -118,6 +126,23 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
 
 
 ENV_PREFIX = "OAI_GEMMA_"
+
+SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "model": ModelSettings, "engine": EngineSettings, "server": ServerSettings, "images": ImageSettings,
+}
+
+
+@functools.cache
+def field_docs(section: str) -> dict[str, str]:
+    """The docstrings written under a section's fields (read from this file), for `--help` and docs."""
+    tree = ast.parse(inspect.getsource(SECTIONS[section]))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:

@@ -1,7 +1,16 @@
-"""Validate JSON objects against the official OpenAI OpenAPI spec (tests only).
+"""Validate JSON objects against OpenAI's own definitions of its wire format (tests only).
 
-The spec is `../shared/openai-openapi.yaml` next to the repo (override with env `OAI_OPENAPI_SPEC`).
-It is OpenAPI 3.1 (JSON Schema 2020-12 dialect) with a few 3.0 leftovers: `nullable: true` is turned into
+Two sources, the stricter one when it is there:
+
+* the official OpenAI OpenAPI spec, `../shared/openai-openapi.yaml` next to the repo (override with env
+  `OAI_OPENAPI_SPEC`; point it at a missing file to force the fallback). Only the team's machines have it.
+* otherwise the official `openai` package's own pydantic types (`ChatCompletion`, `ChatCompletionChunk`,
+  `Completion`, `Model`, `ErrorObject`), which the tests install anyway, validated in pydantic's strict JSON mode:
+  the types, literals and required fields the SDK itself parses. They are laxer than the spec in one way: a
+  key that is nullable and required in the spec (`choices[].logprobs`, `message.refusal`, a chunk choice's
+  `finish_reason`, `error.param`/`error.code`) may be left out. `backend()` says which source is in use.
+
+The spec is OpenAPI 3.1 (JSON Schema 2020-12 dialect) with a few 3.0 leftovers: `nullable: true` is turned into
 `anyOf: [<schema>, {"type": "null"}]`; OpenAPI-only keywords (`discriminator`, `x-*`, `example`, `deprecated`,
 `format: unixtime`) are ignored by jsonschema anyway. The parsed spec is cached as a pickle in
 `~/.cache/oai-gemma/` keyed by the file's size and mtime, so later test sessions skip the 3 MB YAML parse.
@@ -36,9 +45,10 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
+import pydantic
 import yaml
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
@@ -148,19 +158,66 @@ def _describe(error: jsonschema.ValidationError, depth: int = 0) -> str:
     return line
 
 
-def errors(component_name: str, obj: Any) -> list[str]:
-    """Readable violations of `obj` against the component, empty when it conforms."""
+def _spec_errors(component_name: str, obj: Any) -> list[str]:
     found = sorted(_validator(component_name).iter_errors(obj), key=lambda e: (list(map(str, e.absolute_path)), e.message))
     return [_describe(e) for e in found]
 
 
-def validate(component_name: str, obj: Any) -> None:
+@functools.cache
+def _sdk_types() -> dict[str, pydantic.TypeAdapter]:
+    """The spec's component names mapped to the `openai` package's types for the same objects."""
+    from openai.types import Completion, ErrorObject, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    class ListModelsResponse(pydantic.BaseModel):  # the SDK pages lists itself, it has no type for the envelope
+        object: Literal["list"]
+        data: list[Model]
+
+    class ErrorResponse(pydantic.BaseModel):
+        error: ErrorObject
+
+    types = {
+        "CreateChatCompletionResponse": ChatCompletion,
+        "CreateChatCompletionStreamResponse": ChatCompletionChunk,
+        "CreateCompletionResponse": Completion,
+        "ListModelsResponse": ListModelsResponse,
+        "Model": Model,
+        "ErrorResponse": ErrorResponse,
+    }
+    return {name: pydantic.TypeAdapter(t) for name, t in types.items()}
+
+
+def _sdk_errors(component_name: str, obj: Any) -> list[str]:
+    adapters = _sdk_types()
+    if component_name not in adapters:
+        raise KeyError(f"no openai SDK type mapped for {component_name!r} (known: {sorted(adapters)})")
+    try:  # JSON mode: the objects came off the wire, and strict JSON mode still accepts objects for nested models
+        adapters[component_name].validate_json(json.dumps(obj), strict=True)
+    except pydantic.ValidationError as exc:
+        where = lambda loc: "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)  # noqa: E731
+        return sorted(f"{where(e['loc'])}: {_short(e['msg'])}" for e in exc.errors())
+    return []
+
+
+def backend() -> str:
+    """"spec" when the OpenAPI spec file is there, else "sdk" (the openai package's types)."""
+    return "spec" if spec_path().is_file() else "sdk"
+
+
+def errors(component_name: str, obj: Any, source: str | None = None) -> list[str]:
+    """Readable violations of `obj` against the component, empty when it conforms (`source`: "spec" or "sdk")."""
+    source = source or backend()
+    return _spec_errors(component_name, obj) if source == "spec" else _sdk_errors(component_name, obj)
+
+
+def validate(component_name: str, obj: Any, source: str | None = None) -> None:
     """Raise AssertionError listing every violation of `obj` against `#/components/schemas/<component_name>`."""
-    problems = errors(component_name, obj)
+    source = source or backend()
+    problems = errors(component_name, obj, source)
     if problems:
         body = _short(json.dumps(obj, default=str), 2000)
         raise AssertionError(
-            f"{len(problems)} violation(s) of OpenAI schema {component_name}:\n  - "
+            f"{len(problems)} violation(s) of OpenAI schema {component_name} ({source}):\n  - "
             + "\n  - ".join(problems)
             + f"\nobject: {body}"
         )

@@ -2,6 +2,8 @@
 cheap to build, and every JSON text has exactly one tokenization, so tests can spell documents out."""
 
 import asyncio
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future
 
@@ -13,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from oai_gemma.api.errors import APIError
 from oai_gemma.api.response_format import json_schema_grammar
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.grammar import GrammarCompiler, GrammarMasks, InvalidSchema, UnsupportedSchema
+from oai_gemma.engine.grammar import GrammarCompiler, GrammarMasks, InvalidSchema, UnsupportedSchema, apply_bitmask_torch
 
 PERSON = {
     "type": "object",
@@ -119,6 +121,39 @@ def test_lark_grammar_constrains_to_its_alternatives(compiler, tokenizer):
     matcher = compiler.lark('start: "yes" | "no"').matcher()
     out = GrammarMasks(compiler.vocab_size).apply(torch.randn(1, len(tokenizer)), [matcher])
     assert allowed(out[0], tokenizer) == {"y", "n"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [64, 1000, 262_144])
+def test_torch_mask_apply_bans_exactly_the_zero_bits(dtype, vocab):
+    # the reference: token t is allowed iff bit t % 32 of word t // 32 is set (llguidance's layout)
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), dtype=torch.int32, generator=gen)
+    bitmask[1] = -1  # all allowed
+    bitmask[2] = 0  # all banned
+    logits = torch.randn(4, vocab, generator=gen).to(dtype)
+    before = logits.clone()
+    apply_bitmask_torch(logits, bitmask)
+    token = torch.arange(vocab)
+    allowed = ((bitmask[:, token // 32] >> (token % 32).to(torch.int32)) & 1).bool()
+    assert torch.equal(torch.isneginf(logits), ~allowed)
+    assert torch.equal(logits[allowed], before[allowed])
+
+
+def test_masks_need_no_xgrammar_on_a_cpu(tmp_path):
+    # a CPU install has no xgrammar (it pulls triton, ~1 GB): the grammar module must work without it
+    script = (
+        "import sys; sys.modules['xgrammar'] = None\n"
+        "import torch, llguidance\n"
+        "from oai_gemma.engine import grammar\n"
+        "assert grammar.xgrammar is None\n"
+        "logits = torch.zeros(2, 64)\n"
+        "grammar.apply_bitmask_torch(logits, torch.tensor([[1, 0], [-1, -1]], dtype=torch.int32))\n"
+        "assert torch.isneginf(logits[0]).sum() == 63 and logits[0, 0] == 0 and not torch.isinf(logits[1]).any()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 class EngineWithoutGrammars:

@@ -21,12 +21,12 @@ from .errors import APIError, model_not_found
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
 from .openapi import HEALTH, add_wire_components, documented
+from .playground import playground_paths, playground_routes
 from .protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
 )
-from .serving_chat import ChatService
-from .serving_completions import CompletionService
-from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
+from .services import Services
+from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 log = logging.getLogger("oai_gemma.server")
 
@@ -42,7 +42,7 @@ class ServerState:
         self.served_name = settings.served_model_name
         self.created = int(time.time())
         self.engine: Engine | None = None
-        self.chat: ChatService | None = None
+        self.services: Services | None = None
         self.load_error: str | None = None
         self.draining = False
         self.metrics = ServerMetrics(
@@ -51,15 +51,15 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.chat is not None and self.engine is not None and self.engine.alive
+        return self.services is not None and self.engine is not None and self.engine.alive
 
-    def require_ready(self) -> ChatService:
+    def require_ready(self) -> Services:
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", None, "server_shutting_down")
         if not self.ready:
             reason = self.load_error or (self.engine and self.engine.dead_reason) or "the model is still loading"
             raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
-        return self.chat
+        return self.services
 
     def start_loading(self, loop: asyncio.AbstractEventLoop) -> None:
         threading.Thread(target=self._load, args=(loop,), name="oai-gemma-loader", daemon=True).start()
@@ -75,10 +75,7 @@ class ServerState:
         engine.observer = self.metrics
         engine.start(loop)
         self.engine = engine
-        self.chat = ChatService(
-            engine, self.served_name, self.settings.model.max_model_len, self.settings.engine.default_max_tokens,
-            self.settings.images,
-        )
+        self.services = Services.build(engine, self.settings)
         log.warning("ready: %s (%s) in %.1f s", self.served_name, engine.description, time.monotonic() - started)
 
     async def drain(self, grace: float) -> None:
@@ -119,7 +116,7 @@ def create_app(settings: Settings) -> Litestar:
     @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        chat = state.require_ready()
+        chat = state.require_ready().chat
         prepared = await chat.prepare(await request.body(), arrival)
         if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -128,7 +125,7 @@ def create_app(settings: Settings) -> Litestar:
     @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        service = CompletionService(state.require_ready())
+        service = state.require_ready().completions
         prepared = await service.prepare(await request.body(), arrival)
         if prepared.request.stream:
             return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -136,13 +133,13 @@ def create_app(settings: Settings) -> Litestar:
 
     @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
-        chat = state.require_ready()
-        return Response(content=await tokenize(chat, await request.body()), media_type=JSON)
+        service = state.require_ready().tokenize
+        return Response(content=await service.tokenize(await request.body()), media_type=JSON)
 
     @post("/detokenize", status_code=200, operation_class=documented(DetokenizeResponse, request=DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
-        chat = state.require_ready()
-        return Response(content=detokenize(chat, await request.body()), media_type=JSON)
+        service = state.require_ready().tokenize
+        return Response(content=service.detokenize(await request.body()), media_type=JSON)
 
     def card() -> ModelCard:
         return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
@@ -176,7 +173,7 @@ def create_app(settings: Settings) -> Litestar:
         state.shutdown()
 
     keys = settings.server.api_keys
-    open_paths = open_without_key(settings)
+    open_paths = open_without_key(settings) | playground_paths(settings)
     if keys:
         log.warning("API keys required (%d configured); open without one: %s", len(keys), ", ".join(sorted(open_paths)) or "nothing")
     else:
@@ -185,6 +182,7 @@ def create_app(settings: Settings) -> Litestar:
         before_request=_require_key(keys, open_paths) if keys else None,
         route_handlers=[
             chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics,
+            *playground_routes(settings),
         ],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],

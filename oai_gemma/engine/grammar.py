@@ -1,8 +1,8 @@
 """Structured output: grammars that constrain a request's tokens, and the token masks that enforce them.
 
-llguidance compiles JSON schemas and tracks each sequence's place in its grammar; xgrammar's kernel applies
-the step's masks to the logits in one batched op (as vLLM does). Why these two: docs/engine.md,
-"Structured output".
+llguidance compiles JSON schemas and tracks each sequence's place in its grammar; the step's masks are applied
+to the logits in one batched op: plain torch on a CPU (no triton for a CPU install), xgrammar's kernel on a GPU
+when the `gpu` extra installed it (as vLLM does). Why: docs/engine.md, "Structured output".
 
 The interface, generic on purpose (response_format uses it; so can tool calls):
 
@@ -33,7 +33,11 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
-import xgrammar
+
+try:  # the `gpu` extra: its CUDA kernel applies masks on the device (it needs triton, ~1 GB: not for CPU installs)
+    import xgrammar
+except ImportError:
+    xgrammar = None
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 CACHE_SIZE = 256
@@ -135,6 +139,20 @@ def schema_error(message: str) -> ValueError:
     return InvalidSchema(message.strip())
 
 
+# byte value -> its 8 bits as 8 bools (True = token banned), packed into one int64: one gather unpacks a byte
+_BANNED_BY_BYTE = (((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0).to(torch.uint8).view(torch.int64).view(256)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf on every token whose bit is 0 in `bitmask` [rows, words] (token t: bit t % 32 of word t // 32, as
+    llguidance fills it), in place on `logits` [rows, vocab]. Plain torch: one gather unpacks the bits, one
+    `masked_fill_` applies them."""
+    table = _BANNED_BY_BYTE.to(bitmask.device)
+    bytes_ = bitmask.view(torch.uint8)  # little-endian: byte k holds tokens 8k .. 8k+7, lowest bit first
+    banned = table[bytes_.long()].view(torch.bool).view(bitmask.shape[0], -1)[:, : logits.shape[-1]]
+    logits.masked_fill_(banned, float("-inf"))
+
+
 class GrammarMasks:
     """Each step: the rows that have a grammar get -inf on every token their grammar forbids.
 
@@ -153,9 +171,16 @@ class GrammarMasks:
             return logits
         if not logits.is_contiguous():
             logits = logits.contiguous()
-        bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32)
+        bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32)  # rows without a grammar: unused
         llguidance.torch.fill_next_token_bitmask_par(self.executor, [(matchers[i], i) for i in rows], bitmask)
-        xgrammar.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
-        )
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        if logits.device.type == "cuda" and xgrammar is not None:
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        elif len(rows) == len(matchers):
+            apply_bitmask_torch(logits, bitmask)
+        else:  # only the rows with a grammar: the others keep their logits bit for bit
+            index = torch.tensor(rows, device=logits.device)
+            picked = logits.index_select(0, index)
+            apply_bitmask_torch(picked, bitmask.index_select(0, index))
+            logits.index_copy_(0, index, picked)
         return logits
