@@ -152,6 +152,14 @@ class Engine:
         """How busy the engine is right now: running, waiting, steps, kv_cache_usage (the share of KV slots held)."""
         return self.core.stats()
 
+    def cache_config(self) -> dict[str, object]:
+        """The KV cache's shape, as vLLM's `cache_config_info` names it: one block (slot) of max_model_len tokens per sequence."""
+        runner = self.core.runner
+        return {
+            "block_size": self.max_model_len, "num_gpu_blocks": runner.cache.num_slots, "num_cpu_blocks": 0,
+            "cache_dtype": str(runner.dtype).removeprefix("torch."), "enable_prefix_caching": True,
+        }
+
     def encode(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
