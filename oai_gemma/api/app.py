@@ -14,7 +14,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from ..engine.engine import Engine
-from ..engine.loader import load
+from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .errors import APIError, model_not_found
@@ -63,7 +63,7 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False
         self.metrics = ServerMetrics(
-            self.served_name, lambda: self.engine.load() if self.engine else None, settings.server.log_request_text,
+            self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
             settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
         )
 
@@ -85,19 +85,7 @@ class ServerState:
     def _load(self, loop: asyncio.AbstractEventLoop) -> None:
         started = time.monotonic()
         try:
-            loaded = load(self.settings.model)
-            engine = Engine(
-                loaded,
-                max_num_seqs=self.settings.engine.max_num_seqs,
-                max_prefill_tokens=self.settings.engine.max_prefill_tokens,
-                max_model_len=self.settings.model.max_model_len,
-                kv_cache_gib=self.settings.engine.kv_cache_gib,
-                max_waiting=self.settings.engine.max_waiting,
-                request_timeout=self.settings.server.request_timeout,
-                idle_timeout=self.settings.server.idle_timeout,
-                compile=self.settings.model.compile,
-            )
-            engine.warm_up()
+            engine = load_engine(self.settings)
         except Exception as exc:
             self.load_error = f"loading the model failed: {exc!r}"
             log.exception("loading the model failed")
@@ -106,10 +94,7 @@ class ServerState:
         engine.start(loop)
         self.engine = engine
         self.services = Services.build(engine, self.settings, self.store)
-        log.warning(
-            "ready: %s (%s, %s on %s) in %.1f s", self.served_name, loaded.source_dir, str(loaded.dtype).removeprefix("torch."),
-            loaded.device, time.monotonic() - started,
-        )
+        log.warning("ready: %s (%s) in %.1f s", self.served_name, engine.description, time.monotonic() - started)
 
     async def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""
@@ -221,8 +206,8 @@ def create_app(settings: Settings) -> Litestar:
     @get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))
     async def health() -> Response:
         if state.ready and not state.draining:
-            load = state.engine.load()
-            return _json({"status": "ok", "model": state.served_name, **load})
+            stats = state.engine.stats()
+            return _json({"status": "ok", "model": state.served_name, **stats})
         reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
         return _json({"status": "unavailable", "reason": reason}, status=503)
 
