@@ -16,7 +16,7 @@ from litestar.response import Stream
 from ..engine.engine import Engine
 from ..engine.loader import load
 from ..settings import Settings
-from .access_log import access_log_middleware
+from .access_log import access_log_middleware, record_of
 from .errors import APIError, model_not_found
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
@@ -131,11 +131,11 @@ def create_app(settings: Settings) -> Litestar:
     @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        chat = state.require_ready().chat
+        chat, record = state.require_ready().chat, record_of(request.scope)
         prepared = await chat.prepare(await request.body(), arrival)
         if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
-            return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
-        return Response(content=await unless_disconnected(request, chat.complete(prepared)), media_type=JSON)
+            return Stream(chat.stream(prepared, record), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await unless_disconnected(request, chat.complete(prepared, record)), media_type=JSON)
 
     @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
     async def completions(request: Request) -> Response:

@@ -17,7 +17,7 @@ import msgspec
 from ..chat import Prompt
 from ..chat.tools import ToolPlan
 from ..engine.types import GenerationRequest, TokenEvent
-from .access_log import set_finish_reason
+from .access_log import AccessRecord
 from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, ToolCallStart, assemble, indexed
 from .errors import APIError, generation_failure, invalid_request
 from .protocol import (
@@ -90,15 +90,16 @@ class ChatService(OpenAIServing):
 
     # ---- engine -> response -----------------------------------------------------------------------
 
-    async def complete(self, prepared: PreparedChat) -> bytes:
-        """The whole `chat.completion`: the assemblers fold the deltas as they go."""
+    async def complete(self, prepared: PreparedChat, record: AccessRecord | None = None) -> bytes:
+        """The whole `chat.completion`: the assemblers fold the deltas as they go (`record`: the access-log record
+        told the finish reason a tool-call answer ends with)."""
         assemblers = self._assemblers(prepared)
         async with self.submit(prepared.generation) as submission:
             async for _ in assemble(indexed(submission), assemblers):
                 pass
         if not all(a.done for a in assemblers.values()):
             raise generation_failure(None)
-        self._report(prepared, assemblers.values())
+        _report(prepared, assemblers.values(), record)
         choices = [self._choice(a, prepared) for a in assemblers.values()]
         usage = _usage([a.last for a in assemblers.values()])
         response = ChatCompletion(prepared.generation.request_id, prepared.created, self.served_name, choices, usage)
@@ -110,7 +111,7 @@ class ChatService(OpenAIServing):
         logprobs = ChoiceLogprobs(logprob_entries(self.engine.token_text, assembler.tokens)) if assembler.logprobs else None
         return Choice(assembler.index, message, assembler.finish_reason, logprobs)
 
-    async def stream(self, prepared: PreparedChat) -> AsyncIterator[bytes]:
+    async def stream(self, prepared: PreparedChat, record: AccessRecord | None = None) -> AsyncIterator[bytes]:
         """`chat.completion.chunk` events: a role chunk per choice, then each delta as it comes, usage, `[DONE]`."""
         chunks = _ChunkEncoder(self, prepared)
         try:
@@ -129,18 +130,11 @@ class ChatService(OpenAIServing):
             except APIError as exc:  # one choice failed: the request fails (the rest is cancelled)
                 yield sse_error(exc)
                 return
-        self._report(prepared, assemblers.values())
+        _report(prepared, assemblers.values(), record)
         finished = [a.last for a in assemblers.values() if a.finish_reason is not None]
         if chunks.include_usage and finished:
             yield chunks.usage(_usage(finished))
         yield DONE
-
-    def _report(self, prepared: PreparedChat, assemblers) -> None:
-        """A tool-call answer's refined finish reason (`tool_calls`) is the one the metrics count."""
-        if prepared.tools is not None:
-            called = [a.finish_reason for a in assemblers if a.tool_calls is not None]
-            if called:
-                set_finish_reason(prepared.generation.request_id, called[0])
 
 class _ChunkEncoder:
     """Deltas -> `chat.completion.chunk` SSE events of one response."""
@@ -180,6 +174,13 @@ def logprob_entries(token_text, events: tuple[TokenEvent, ...] | list[TokenEvent
 def _top(token_text, token_id: int, logprob: float) -> TopLogprob:
     text, raw = token_text(token_id)
     return TopLogprob(text, logprob, raw)
+
+
+def _report(prepared: PreparedChat, assemblers, record: AccessRecord | None) -> None:
+    """A tool-call answer's finish reason (`tool_calls`, not the engine's `stop`) is the one the metrics count."""
+    called = [a.finish_reason for a in assemblers if a.tool_calls is not None]
+    if called and record is not None:
+        record.refine(prepared.generation.request_id, called[0])
 
 
 def _wire_delta(delta: ChoiceDelta) -> Delta:
