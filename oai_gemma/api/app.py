@@ -16,6 +16,7 @@ from ..engine.engine import Engine
 from ..engine.loader import load
 from ..settings import Settings
 from .access_log import access_log_middleware
+from .exchange import exchange_middleware
 from .errors import APIError
 from .metrics import ServerMetrics
 from .openapi import add_wire_components
@@ -140,7 +141,9 @@ def create_app(settings: Settings) -> Litestar:
     add_wire_components(app)
     app.state.server = state
     # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
-    app.asgi_handler = access_log_middleware(app.asgi_handler, state.metrics.count_outcomes, settings.server.log_request_text)
+    # the exchange inside the access log: what a request still holds in the engine is given back before its line
+    handler = exchange_middleware(app.asgi_handler)
+    app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text)
     return app
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from .access_log import record_of
+from .exchange import exchange_of
 from .errors import APIError, model_not_found
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .openapi import HEALTH, documented
@@ -37,21 +37,21 @@ def _json(payload, status: int = 200) -> Response:
 @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
 async def chat_completions(request: Request) -> Response:
     arrival = time.perf_counter()
-    chat, record = _state(request).require_ready().chat, record_of(request.scope)
+    chat, exchange = _state(request).require_ready().chat, exchange_of(request.scope)
     prepared = await chat.prepare(await request.body(), arrival)
     if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
-        return Stream(chat.stream(prepared, record), media_type="text/event-stream", headers=SSE_HEADERS)
-    return Response(content=await unless_disconnected(request, chat.complete(prepared, record)), media_type=JSON)
+        return Stream(chat.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(content=await unless_disconnected(request, chat.complete(prepared, exchange)), media_type=JSON)
 
 
 @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
 async def completions(request: Request) -> Response:
     arrival = time.perf_counter()
-    service = _state(request).require_ready().completions
+    service, exchange = _state(request).require_ready().completions, exchange_of(request.scope)
     prepared = await service.prepare(await request.body(), arrival)
     if prepared.request.stream:
-        return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
-    return Response(content=await unless_disconnected(request, service.complete(prepared)), media_type=JSON)
+        return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
 
 
 @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them

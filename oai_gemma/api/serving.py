@@ -126,7 +126,9 @@ class OpenAIServing:
             raise busy(EngineBusyError(f"{places} choices but {free} free places in the engine; retry shortly"))
 
     def submit(self, generation: GenerationRequest) -> Submission:
-        """The request's place in the engine, or a 429/503."""
+        """The request's place in the engine (room for all its `n` choices), or a 429/503; decided at once, with no
+        await between the check and the taking, so concurrent requests cannot overfill the engine."""
+        self.check_capacity(generation.n)
         try:
             return self.engine.generate(generation)
         except EngineBusyError as exc:

@@ -16,8 +16,9 @@ import msgspec
 
 from ..chat import Prompt
 from ..chat.tools import ToolPlan
+from ..engine.engine import Submission
 from ..engine.types import GenerationRequest, TokenEvent
-from .access_log import AccessRecord
+from .exchange import Exchange
 from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, ToolCallStart, assemble, indexed
 from .errors import APIError, generation_failure, invalid_request
 from .protocol import (
@@ -65,7 +66,6 @@ class ChatService(OpenAIServing):
         tools = plan_tools(request)
         prompt = await self.build_prompt(request.messages, tool_prompt=tools and tools.prompt())
         generation = await self._generation(request, prompt, tools, arrival)
-        self.check_capacity()
         return PreparedChat(request, generation, int(time.time()), tools)
 
     async def _generation(
@@ -90,16 +90,15 @@ class ChatService(OpenAIServing):
 
     # ---- engine -> response -----------------------------------------------------------------------
 
-    async def complete(self, prepared: PreparedChat, record: AccessRecord | None = None) -> bytes:
-        """The whole `chat.completion`: the assemblers fold the deltas as they go (`record`: the access-log record
-        told the finish reason a tool-call answer ends with)."""
+    async def complete(self, prepared: PreparedChat, exchange: Exchange) -> bytes:
+        """The whole `chat.completion`: the assemblers fold the deltas as they go."""
         assemblers = self._assemblers(prepared)
         async with self.submit(prepared.generation) as submission:
             async for _ in assemble(indexed(submission), assemblers):
                 pass
         if not all(a.done for a in assemblers.values()):
             raise generation_failure(None)
-        _report(prepared, assemblers.values(), record)
+        _report(prepared, assemblers.values(), exchange)
         choices = [self._choice(a, prepared) for a in assemblers.values()]
         usage = _usage([a.last for a in assemblers.values()])
         response = ChatCompletion(prepared.generation.request_id, prepared.created, self.served_name, choices, usage)
@@ -111,14 +110,16 @@ class ChatService(OpenAIServing):
         logprobs = ChoiceLogprobs(logprob_entries(self.engine.token_text, assembler.tokens)) if assembler.logprobs else None
         return Choice(assembler.index, message, assembler.finish_reason, logprobs)
 
-    async def stream(self, prepared: PreparedChat, record: AccessRecord | None = None) -> AsyncIterator[bytes]:
+    def stream(self, prepared: PreparedChat, exchange: Exchange) -> AsyncIterator[bytes]:
+        """Takes the request's place in the engine now (a 429 or 503 before the status line), held by the exchange
+        until the stream ends; then the stream's events."""
+        submission = self.submit(prepared.generation)
+        exchange.hold(submission)
+        return self._stream(prepared, submission, exchange)
+
+    async def _stream(self, prepared: PreparedChat, submission: Submission, exchange: Exchange) -> AsyncIterator[bytes]:
         """`chat.completion.chunk` events: a role chunk per choice, then each delta as it comes, usage, `[DONE]`."""
         chunks = _ChunkEncoder(self, prepared)
-        try:
-            submission = self.submit(prepared.generation)  # takes its place before the first byte
-        except APIError as exc:
-            yield sse_error(exc)
-            return
         assemblers = self._assemblers(prepared)
         async with submission:
             for index in assemblers:
@@ -130,7 +131,7 @@ class ChatService(OpenAIServing):
             except APIError as exc:  # one choice failed: the request fails (the rest is cancelled)
                 yield sse_error(exc)
                 return
-        _report(prepared, assemblers.values(), record)
+        _report(prepared, assemblers.values(), exchange)
         finished = [a.last for a in assemblers.values() if a.finish_reason is not None]
         if chunks.include_usage and finished:
             yield chunks.usage(_usage(finished))
@@ -176,11 +177,11 @@ def _top(token_text, token_id: int, logprob: float) -> TopLogprob:
     return TopLogprob(text, logprob, raw)
 
 
-def _report(prepared: PreparedChat, assemblers, record: AccessRecord | None) -> None:
+def _report(prepared: PreparedChat, assemblers, exchange: Exchange) -> None:
     """A tool-call answer's finish reason (`tool_calls`, not the engine's `stop`) is the one the metrics count."""
     called = [a.finish_reason for a in assemblers if a.tool_calls is not None]
-    if called and record is not None:
-        record.refine(prepared.generation.request_id, called[0])
+    if called:
+        exchange.refine(prepared.generation.request_id, called[0])
 
 
 def _wire_delta(delta: ChoiceDelta) -> Delta:
