@@ -40,7 +40,8 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False
         self.metrics = ServerMetrics(
-            self.served_name, lambda: self.engine.load() if self.engine else None, settings.server.log_request_text
+            self.served_name, lambda: self.engine.load() if self.engine else None, settings.server.log_request_text,
+            settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
         )
 
     @property

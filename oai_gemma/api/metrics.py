@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..engine.observer import RequestObserver
 from ..engine.types import GenerationRequest, TokenEvent
 from .access_log import AccessRecord, GenerationStats, current_record
+from .metrics_vllm import VLLM, PrefixCacheCollector, PrefixCacheCounts, VllmLoadCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no `_created` twin of every series (process-wide; this server has only ours)
@@ -38,8 +39,12 @@ REQUEST_LATENCY_BUCKETS = (
 class ServerMetrics(RequestObserver):
     """The engine observer of an app: Prometheus series, and each request's stats for its access-log line."""
 
-    def __init__(self, model_name: str, load: Callable[[], dict | None], keep_text: bool = False):
-        """`load()`: the engine's `load()`, or None while there is no engine."""
+    def __init__(
+        self, model_name: str, load: Callable[[], dict | None], keep_text: bool = False, vllm_names: bool = False,
+        cache_config: Callable[[], dict | None] = lambda: None,
+    ):
+        """`load()`: the engine's `load()`, or None while there is no engine (`cache_config()` likewise);
+        `vllm_names`: also serve vLLM's names (metrics_vllm.py)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.keep_text = keep_text
@@ -70,6 +75,11 @@ class ServerMetrics(RequestObserver):
         )
         self.outcomes = {reason: outcomes.labels(model_name, reason) for reason in OUTCOMES}
         self.registry.register(_LoadCollector(model_name, load))
+        self.prefix_cache = PrefixCacheCounts()
+        self.registry.register(PrefixCacheCollector("oai_gemma:", model_name, self.prefix_cache))
+        if vllm_names:
+            self.registry.register(PrefixCacheCollector(VLLM, model_name, self.prefix_cache))
+            self.registry.register(VllmLoadCollector(model_name, load, cache_config))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -99,6 +109,7 @@ class ServerMetrics(RequestObserver):
             stats.first_token_time = event.timestamp
             self.ttft.observe(event.timestamp - stats.arrival)
             self.prompt_tokens.inc(event.num_prompt_tokens)
+            self.prefix_cache.count(event.num_prompt_tokens, event.num_cached_tokens)
             if event.scheduled_time is not None:
                 self.queue.observe(event.scheduled_time - stats.arrival)
         previous = stats.last_token_times.get(event.index)

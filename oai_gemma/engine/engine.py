@@ -133,6 +133,14 @@ class Engine:
             "kv_cache_usage": (slots - len(self.scheduler.slots)) / slots,
         }
 
+    def cache_config(self) -> dict[str, object]:
+        """The KV cache's shape, as vLLM's `cache_config_info` names it: one block (slot) of max_model_len tokens per sequence."""
+        cache = self.runner.cache
+        return {
+            "block_size": self.max_model_len, "num_gpu_blocks": cache.num_slots, "num_cpu_blocks": 0,
+            "cache_dtype": str(self.runner.dtype).removeprefix("torch."), "enable_prefix_caching": True,
+        }
+
     def encode(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (it carries its own <bos>)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
