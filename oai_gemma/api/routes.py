@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
-
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
@@ -19,14 +17,12 @@ from .protocol import (
 )
 from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
-if TYPE_CHECKING:
-    from .app import ServerState
-
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _state(request: Request) -> ServerState:
+def _state(request: Request):
+    """The app's `ServerState` (`app.py`, which imports this module)."""
     return request.app.state.server
 
 
@@ -66,7 +62,7 @@ async def detokenize_route(request: Request) -> Response:
     return Response(content=service.detokenize(await request.body()), media_type=JSON)
 
 
-def _card(state: ServerState) -> ModelCard:
+def _card(state) -> ModelCard:
     return ModelCard(id=state.served_name, created=state.created, max_model_len=state.settings.model.max_model_len)
 
 
