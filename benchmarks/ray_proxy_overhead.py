@@ -30,7 +30,8 @@ TARGET_TTFT_MS = 2.0
 
 def start(extra: list[str], port: int, log: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
 from kustomize_lite import render
+
 from oai_gemma.api.app import create_app
 from oai_gemma.settings import load_settings
 

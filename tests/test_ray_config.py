@@ -7,9 +7,9 @@ import yaml
 
 pytest.importorskip("ray.serve", reason="needs the `ray` extra")
 
-from ray.serve.schema import ServeDeploySchema  # noqa: E402
+from ray.serve.schema import ServeDeploySchema
 
-from oai_gemma.deploy.ray_serve import build  # noqa: E402
+from oai_gemma.deploy.ray_serve import build
 
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "ray" / "serve-config.yaml"
 

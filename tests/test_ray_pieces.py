@@ -7,9 +7,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray.serve", reason="needs the `ray` extra")
 
-from oai_gemma.deploy.ray_asgi import prompt_prefix  # noqa: E402
-from oai_gemma.deploy.ray_metrics import merge  # noqa: E402
-from oai_gemma.deploy.ray_router import block_hashes  # noqa: E402
+from oai_gemma.deploy.ray_asgi import prompt_prefix
+from oai_gemma.deploy.ray_metrics import merge
+from oai_gemma.deploy.ray_router import block_hashes
 
 
 def test_prompt_prefix_is_the_prompt_as_sent_whatever_comes_before_it():

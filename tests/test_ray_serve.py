@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray.serve", reason="the Ray Serve tests need the `ray` extra")
 
-from conftest import MAX_MODEL_LEN, MODEL, ServerProcess, user  # noqa: E402
+from conftest import MODEL, ServerProcess, user
 
 REPLICA = "x-oai-gemma-replica"
 LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log")).with_suffix(".ray.log")

@@ -13,7 +13,7 @@ from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
 from ..engine.engine import Engine
-from ..engine.loader import load
+from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .exchange import exchange_middleware
@@ -25,7 +25,6 @@ from .routes import JSON, ROUTES
 from .services import Services
 
 log = logging.getLogger("oai_gemma.server")
-
 
 
 class ServerState:
@@ -40,7 +39,7 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False
         self.metrics = ServerMetrics(
-            self.served_name, lambda: self.engine.load() if self.engine else None, settings.server.log_request_text,
+            self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
             settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
         )
 
@@ -62,19 +61,7 @@ class ServerState:
     def _load(self, loop: asyncio.AbstractEventLoop) -> None:
         started = time.monotonic()
         try:
-            loaded = load(self.settings.model)
-            engine = Engine(
-                loaded,
-                max_num_seqs=self.settings.engine.max_num_seqs,
-                max_prefill_tokens=self.settings.engine.max_prefill_tokens,
-                max_model_len=self.settings.model.max_model_len,
-                kv_cache_gib=self.settings.engine.kv_cache_gib,
-                max_waiting=self.settings.engine.max_waiting,
-                request_timeout=self.settings.server.request_timeout,
-                idle_timeout=self.settings.server.idle_timeout,
-                compile=self.settings.model.compile,
-            )
-            engine.warm_up()
+            engine = load_engine(self.settings)
         except Exception as exc:
             self.load_error = f"loading the model failed: {exc!r}"
             log.exception("loading the model failed")
@@ -83,10 +70,7 @@ class ServerState:
         engine.start(loop)
         self.engine = engine
         self.services = Services.build(engine, self.settings)
-        log.warning(
-            "ready: %s (%s, %s on %s) in %.1f s", self.served_name, loaded.source_dir, str(loaded.dtype).removeprefix("torch."),
-            loaded.device, time.monotonic() - started,
-        )
+        log.warning("ready: %s (%s) in %.1f s", self.served_name, engine.description, time.monotonic() - started)
 
     async def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""

@@ -23,7 +23,7 @@ class Services:
     def build(cls, engine: Engine, settings: Settings) -> Services:
         max_model_len = settings.model.max_model_len
         prompts = PromptBuilder(
-            engine.tokenizer, engine.loaded.processor, settings.images, max_model_len, settings.served_model_name
+            engine.tokenizer, engine.processor, settings.images, max_model_len, settings.served_model_name
         )
         context = ServingContext(engine, settings.served_model_name, max_model_len, prompts)
         return cls(

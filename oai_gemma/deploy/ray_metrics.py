@@ -55,7 +55,7 @@ async def push_forever(app_name: str, replica: str, render) -> None:
         try:
             target = target or hub(app_name)
             await target.put.remote(replica, render().decode())
-        except Exception as exc:  # the hub was killed: make a new one next time
+        except Exception as exc:  # noqa: BLE001 - the hub was killed (or not up yet): a new one next time
             log.warning("pushing metrics failed (%r); retrying", exc)
             target = None
         await asyncio.sleep(PUSH_PERIOD_S)

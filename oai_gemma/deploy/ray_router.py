@@ -16,7 +16,13 @@ import hashlib
 import random
 from collections import OrderedDict
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 
 def least_loaded_first(router: RequestRouter, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:

@@ -82,8 +82,8 @@ class EngineReplica:
                 raise RuntimeError(self.state.load_error)
             await asyncio.sleep(0.1)
         context = serve.get_replica_context()
-        self.replica = context.replica_id.unique_id
-        self.pusher = asyncio.ensure_future(push_forever(context.app_name, self.replica, self.state.metrics.render))
+        self.replica, self.app_name = context.replica_id.unique_id, context.app_name
+        self.pusher = asyncio.ensure_future(push_forever(self.app_name, self.replica, self.state.metrics.render))
 
     async def handle(self, call: HTTPCall):
         async for batch in serve_call(self.app, call, self.replica):
@@ -97,6 +97,7 @@ class EngineReplica:
     async def __del__(self) -> None:
         """Ray stops sending requests, waits for ongoing ones (graceful_shutdown_timeout_s), then calls this."""
         self.pusher.cancel()
+        hub(self.app_name).forget.remote(self.replica)  # off /metrics now, not once its series go stale
         await self.state.drain(1.0)
         await self.lifespan.shutdown()
 
