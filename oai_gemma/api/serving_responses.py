@@ -103,6 +103,7 @@ class ResponsesService(OpenAIServing):
 
     async def prepare(self, body: bytes, arrival: float, owner: str) -> PreparedResponse:
         request: ResponsesRequest = self.decode(request_decoder, body)
+        self.check_options(request.unsupported_parameter(), request.stream_options, request.stream)
         history = await self._history(request.previous_response_id, owner)
         items = decode_input(request.input)
         tools = _renamed(lambda: plan_tools(_chat_tools(request)), _tool_param)
