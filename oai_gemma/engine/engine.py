@@ -53,7 +53,7 @@ class Engine:
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.max_model_len = max_model_len
-        self.grammar_masks = GrammarMasks(len(loaded.tokenizer))
+        self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(self.eos_token_ids))
         self._grammars = _in_background(self._build_grammars, loaded.tokenizer, sorted(self.eos_token_ids), loaded.device)
         num_slots = slots_within_budget(loaded, max_num_seqs, max_model_len, kv_cache_gib)
         self.num_slots = num_slots
@@ -203,7 +203,9 @@ class Engine:
             stopper=StopMatcher(request.sampling.stop),
             cache_keys=list(request.prompt_token_ids),
             index=index,
-            matcher=request.grammar.matcher() if request.grammar is not None else None,
+            matcher=None if request.grammar is None else request.grammar.matcher(
+                budget=min(request.sampling.max_tokens, self.max_model_len - len(request.prompt_token_ids) - 1)
+            ),
         )
 
     def _admit(self, request: GenerationRequest, sink) -> None:
@@ -325,15 +327,17 @@ class Engine:
     def _outcome(self, seq: Sequence, token: int) -> tuple[str, str | None, str | None]:
         """(the text `token` completes, the finish reason if it ends the sequence, an error) once appended."""
         params: SamplingParams = seq.sampling
+        # a document closed early to fit its token budget ends as the budget would have ended it
+        done = "length" if seq.matcher is not None and seq.matcher.cut_short else "stop"
         if self._ends_turn(seq, token):
-            return seq.stopper.flush(), "stop", None
+            return seq.stopper.flush(), done, None
         text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
         if stopped:
             return text, "stop", None
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             return "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
         if seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
-            return text + seq.stopper.flush(), "stop", None
+            return text + seq.stopper.flush(), done, None
         if len(seq.output_ids) >= params.max_tokens or seq.num_computed + 1 >= self.max_model_len:
             return text + seq.stopper.flush(), "length", None
         return text, None, None
