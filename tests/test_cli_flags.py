@@ -85,6 +85,7 @@ def test_unset_flags_leave_config_and_env_alone():
     (["--request-timeout", "soon"], "invalid float value"),
 ])
 def test_bad_flag_values_exit_with_a_clear_message_before_loading_anything(argv, message):
-    done = subprocess.run([sys.executable, "-m", "oai_gemma.cli", "serve", *argv], capture_output=True, text=True, timeout=300)
+    code = f"import sys; from oai_gemma.cli import main; sys.exit(main({['serve', *argv]!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert message in done.stderr
