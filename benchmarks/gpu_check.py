@@ -219,7 +219,7 @@ def measure_mode(loaded, p: dict, compile_mode: str, report: dict) -> None:
         max_model_len=p["max_model_len"], compile=compile_mode, static_decode=True,
     )
     engine.warm_up()
-    runner = engine.runner
+    runner = engine.core.runner
     result = {
         "warm_up_s": time.perf_counter() - started,
         "static_decode": runner.static is not None,

@@ -102,6 +102,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_cpu(settings.engine)  # before torch loads: its OpenMP runtime reads the wait policy once
     _log_access_as_json_lines()
+    if args.replicas or args.max_replicas:
+        return _serve_replicas(settings, args)
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
@@ -109,6 +111,33 @@ def serve(args: argparse.Namespace) -> int:
     )
     GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace).run()
     return 0
+
+
+def _serve_replicas(settings, args: argparse.Namespace) -> int:
+    """`--replicas N` / `--max-replicas M`: engine replicas behind Ray Serve (pip install 'oai-gemma[ray]')."""
+    try:
+        from .deploy.ray_serve import ReplicaOptions, run
+    except ImportError as exc:
+        sys.exit(f"oai-gemma: --replicas needs Ray Serve: pip install 'oai-gemma[ray]' ({exc})")
+    options = ReplicaOptions(
+        replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=max(args.max_replicas or 1, args.min_replicas),
+        target_ongoing_requests=args.target_ongoing_requests, cpus=args.replica_cpus, gpus=args.replica_gpus,
+        routing=args.routing,
+    )
+    return run(settings, options, args.ray_address)
+
+
+def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    """How `serve` runs as Ray Serve replicas: deployment options, not settings of one server."""
+    ray = parser.add_argument_group("replicas (Ray Serve; pip install 'oai-gemma[ray]', see docs/scale-out.md)")
+    ray.add_argument("--replicas", type=int, help="run this many engine replicas behind Ray Serve's proxy")
+    ray.add_argument("--min-replicas", type=int, default=1, help="autoscaling: at least this many replicas")
+    ray.add_argument("--max-replicas", type=int, help="autoscaling: at most this many replicas (instead of --replicas)")
+    ray.add_argument("--target-ongoing-requests", type=float, default=0, help="autoscaling target per replica (0: max-num-seqs/2)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (fractions allowed); also its torch threads")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
+    ray.add_argument("--routing", choices=["prefix", "least-ongoing"], default="prefix", help="replica choice (default: prefix affinity, then load)")
+    ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
 
 
 def _log_access_as_json_lines() -> None:
@@ -135,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_serve = commands.add_parser("serve", help="start the server")
     _add_settings_flags(p_serve, SETTINGS_FLAGS + SERVE_ONLY_FLAGS)
+    _add_replica_flags(p_serve)
     p_serve.set_defaults(func=serve)
 
     p_prepare = commands.add_parser("prepare", help="convert the embedded model into the local cache, then exit")

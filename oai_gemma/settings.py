@@ -97,6 +97,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """`/health` is open by default so load balancers can probe it."""
     metrics_requires_key: bool = False
     """`/metrics` is open by default so Prometheus can scrape it."""
+    metrics_vllm_names: bool = True
+    """`/metrics` also carries vLLM's names (`vllm:num_requests_waiting`, ...) for gateways and autoscalers made for vLLM."""
     log_request_text: bool = False
     """Debugging only: access-log lines then carry the request body and the output text."""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 32 * 1024 * 1024

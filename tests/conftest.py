@@ -116,7 +116,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_vision_dir(tmp_path_factory):
     """The tiny multimodal Gemma-3 (270m text weights + a small random SigLIP), built once per session."""
-    from oai_gemma.engine.tiny_vision import build_tiny_multimodal
+    from oai_gemma.testing.tiny_vision import build_tiny_multimodal
 
     return build_tiny_multimodal(tmp_path_factory.mktemp("tiny-vision") / "gemma-3-tiny-mm")
 

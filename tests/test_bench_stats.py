@@ -1,9 +1,12 @@
 """The benchmark's percentile and per-level aggregation, on hand-made timings."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from oai_gemma.bench.client import LevelRun, RequestResult
-from oai_gemma.bench.report import ratio_table
+from oai_gemma.bench.report import REPO_ROOT, portable, ratio_table
 from oai_gemma.bench.stats import percentile, summarize_level
 
 
@@ -70,3 +73,14 @@ def test_ratio_table_divides_our_throughput_by_each_baseline():
     table = ratio_table(servers)
     assert "vs tutorial" in table and "broken" not in table
     assert "1.50x" in table and "8.00x" in table
+
+
+def test_report_commands_carry_no_absolute_paths_of_the_machine_they_ran_on():
+    home = Path.home()
+    command = (
+        f"{sys.executable} {REPO_ROOT}/benchmarks/tutorial_server.py --model-dir {home}/.cache/oai-gemma/gemma-3-270m"
+    )
+    assert portable(command) == (
+        f"{Path(sys.executable).name} benchmarks/tutorial_server.py --model-dir ~/.cache/oai-gemma/gemma-3-270m"
+    )
+    assert portable(f"{Path(sys.executable).parent}/transformers serve x") == "transformers serve x"

@@ -134,7 +134,7 @@ def test_a_step_that_fails_on_a_new_prompt_fails_that_request_alone(harness):
     steady = harness.prompt("Describe a long walk in the mountains.")
     doomed = harness.prompt("This prompt breaks the model.")
     (alone, _), = harness.run(steady, max_tokens=16)
-    runner = harness.engine.runner
+    runner = harness.engine.core.runner
     real_forward = runner.forward
 
     def forward(prefills, decodes):
@@ -172,7 +172,7 @@ def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones(harness):
     def step():
         raise Broken("the loop itself broke (injected)")
 
-    engine._step = step
+    engine.core._step = step
     loop = asyncio.new_event_loop()
     engine.start(loop)
 
@@ -194,7 +194,7 @@ def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones(harness):
 
 def test_n_choices_prefill_the_prompt_once(harness):
     ids = harness.prompt("A prompt that only this test sends, about seven green kites.")
-    runner = harness.engine.runner
+    runner = harness.engine.core.runner
     real_forward = runner.forward
     prefilled = []
 

@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import jsonschema
-import pytest
 
 from conftest import MODEL, user
 

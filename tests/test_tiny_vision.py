@@ -1,4 +1,4 @@
-"""The tiny multimodal Gemma-3 (`oai_gemma.engine.tiny_vision`): built offline from the embedded 270m, loadable
+"""The tiny multimodal Gemma-3 (`oai_gemma.testing.tiny_vision`): built offline from the embedded 270m, loadable
 with the Auto classes, the real -it processor layout (256 soft tokens per image, pan-and-scan crops), the 270m's
 logits on text, and a working image forward."""
 
@@ -15,7 +15,7 @@ import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from oai_gemma.engine import tiny_vision  # noqa: E402
+from oai_gemma.testing import tiny_vision  # noqa: E402
 from oai_gemma.engine.loader import chat_template_text, embedded_model_dir  # noqa: E402
 
 IMAGE = tiny_vision.IMAGE_TOKEN_ID
@@ -120,7 +120,7 @@ def test_second_build_is_skipped_and_cli_prints_the_directory(tiny_dir):
     weights = tiny_dir / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert tiny_vision.build_tiny_multimodal(tiny_dir) == tiny_dir
-    run = subprocess.run([sys.executable, "-m", "oai_gemma.engine.tiny_vision", str(tiny_dir)],
+    run = subprocess.run([sys.executable, "-m", "oai_gemma.testing.tiny_vision", str(tiny_dir)],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(tiny_dir)

@@ -259,7 +259,7 @@ def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor)
 
 
 def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vision_dir, processor):
-    from oai_gemma.engine.engine import token_runs
+    from oai_gemma.engine.core import token_runs
     from oai_gemma.engine.runner import ModelRunner, StepItem
 
     loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))

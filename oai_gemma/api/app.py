@@ -14,7 +14,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from ..engine.engine import Engine
-from ..engine.loader import load
+from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .errors import APIError, model_not_found
@@ -25,9 +25,8 @@ from .playground import playground_paths, playground_routes
 from .protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
 )
-from .serving_chat import ChatService
-from .serving_completions import CompletionService
-from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
+from .services import Services
+from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 log = logging.getLogger("oai_gemma.server")
 
@@ -43,24 +42,25 @@ class ServerState:
         self.served_name = settings.served_model_name
         self.created = int(time.time())
         self.engine: Engine | None = None
-        self.chat: ChatService | None = None
+        self.services: Services | None = None
         self.load_error: str | None = None
         self.draining = False
         self.metrics = ServerMetrics(
-            self.served_name, lambda: self.engine.load() if self.engine else None, settings.server.log_request_text
+            self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
+            settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
         )
 
     @property
     def ready(self) -> bool:
-        return self.chat is not None and self.engine is not None and self.engine.alive
+        return self.services is not None and self.engine is not None and self.engine.alive
 
-    def require_ready(self) -> ChatService:
+    def require_ready(self) -> Services:
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", None, "server_shutting_down")
         if not self.ready:
             reason = self.load_error or (self.engine and self.engine.dead_reason) or "the model is still loading"
             raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
-        return self.chat
+        return self.services
 
     def start_loading(self, loop: asyncio.AbstractEventLoop) -> None:
         threading.Thread(target=self._load, args=(loop,), name="oai-gemma-loader", daemon=True).start()
@@ -68,19 +68,7 @@ class ServerState:
     def _load(self, loop: asyncio.AbstractEventLoop) -> None:
         started = time.monotonic()
         try:
-            loaded = load(self.settings.model)
-            engine = Engine(
-                loaded,
-                max_num_seqs=self.settings.engine.max_num_seqs,
-                max_prefill_tokens=self.settings.engine.max_prefill_tokens,
-                max_model_len=self.settings.model.max_model_len,
-                kv_cache_gib=self.settings.engine.kv_cache_gib,
-                max_waiting=self.settings.engine.max_waiting,
-                request_timeout=self.settings.server.request_timeout,
-                idle_timeout=self.settings.server.idle_timeout,
-                compile=self.settings.model.compile,
-            )
-            engine.warm_up()
+            engine = load_engine(self.settings)
         except Exception as exc:
             self.load_error = f"loading the model failed: {exc!r}"
             log.exception("loading the model failed")
@@ -88,14 +76,8 @@ class ServerState:
         engine.observer = self.metrics
         engine.start(loop)
         self.engine = engine
-        self.chat = ChatService(
-            engine, self.served_name, self.settings.model.max_model_len, self.settings.engine.default_max_tokens,
-            self.settings.images,
-        )
-        log.warning(
-            "ready: %s (%s, %s on %s) in %.1f s", self.served_name, loaded.source_dir, str(loaded.dtype).removeprefix("torch."),
-            loaded.device, time.monotonic() - started,
-        )
+        self.services = Services.build(engine, self.settings)
+        log.warning("ready: %s (%s) in %.1f s", self.served_name, engine.description, time.monotonic() - started)
 
     async def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""
@@ -135,7 +117,7 @@ def create_app(settings: Settings) -> Litestar:
     @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        chat = state.require_ready()
+        chat = state.require_ready().chat
         prepared = await chat.prepare(await request.body(), arrival)
         if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
             return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -144,7 +126,7 @@ def create_app(settings: Settings) -> Litestar:
     @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        service = CompletionService(state.require_ready())
+        service = state.require_ready().completions
         prepared = await service.prepare(await request.body(), arrival)
         if prepared.request.stream:
             return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -152,13 +134,13 @@ def create_app(settings: Settings) -> Litestar:
 
     @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
     async def tokenize_route(request: Request) -> Response:
-        chat = state.require_ready()
-        return Response(content=await tokenize(chat, await request.body()), media_type=JSON)
+        service = state.require_ready().tokenize
+        return Response(content=await service.tokenize(await request.body()), media_type=JSON)
 
     @post("/detokenize", status_code=200, operation_class=documented(DetokenizeResponse, request=DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
-        chat = state.require_ready()
-        return Response(content=detokenize(chat, await request.body()), media_type=JSON)
+        service = state.require_ready().tokenize
+        return Response(content=service.detokenize(await request.body()), media_type=JSON)
 
     def card() -> ModelCard:
         return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
@@ -176,8 +158,8 @@ def create_app(settings: Settings) -> Litestar:
     @get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))
     async def health() -> Response:
         if state.ready and not state.draining:
-            load = state.engine.load()
-            return _json({"status": "ok", "model": state.served_name, **load})
+            stats = state.engine.stats()
+            return _json({"status": "ok", "model": state.served_name, **stats})
         reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
         return _json({"status": "unavailable", "reason": reason}, status=503)
 

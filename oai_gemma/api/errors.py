@@ -1,4 +1,5 @@
-"""OpenAI's error envelope, and turning decoder messages into the `param` they are about."""
+"""OpenAI's error envelope; decoder messages turned into the `param` they are about; the chat layer's and the
+engine's refusals mapped to their statuses."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 
 import msgspec
 
+from ..chat import ChatInputError, PromptTooLong
 from .protocol import ErrorBody, ErrorResponse, encoder
 
 ECHO_CHARS = 256
@@ -78,3 +80,33 @@ def param_from_validation(message: str) -> str | None:
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)
     return path or None
+
+
+# ---- what the chat layer and the engine refuse, as the client sees it ----------------------------------
+
+
+def chat_input_error(exc: ChatInputError, max_model_len: int) -> APIError:
+    """A `ChatInputError` (a message, an image, a prompt too long) as a 400 naming its field."""
+    if isinstance(exc, PromptTooLong):
+        return context_length_exceeded(max_model_len, exc.detail, exc.param)
+    return invalid_request(exc.message, exc.param, exc.code)
+
+
+def busy(exc: Exception) -> APIError:
+    return APIError(429, str(exc), "requests", None, "rate_limit_exceeded", {"Retry-After": "1"})
+
+
+def unavailable(exc: Exception) -> APIError:
+    return APIError(503, str(exc), "server_error", None, "engine_unavailable")
+
+
+def generation_failure(event) -> APIError:
+    """Why a request ended without `stop` or `length`, as the client sees it (status, or a stream's error event);
+    `event`: the choice's last event, None when none came."""
+    if event is None:
+        return APIError(500, "generation failed: no output", "server_error", None, "generation_failed")
+    if event.finish_reason == "timeout":
+        return APIError(504, event.error, "server_error", None, "timeout")
+    if event.finish_reason == "aborted":
+        return APIError(503, event.error, "server_error", None, "server_shutting_down")
+    return APIError(500, f"generation failed: {event.error or event.finish_reason}", "server_error", None, "generation_failed")

@@ -2,7 +2,7 @@
 
 Latencies come from the engine's own timestamps (`arrival_time`, each event's `timestamp`, the first
 event's `scheduled_time`), observed as each event is consumed; the running / waiting / KV-cache gauges
-read `engine.load()` at scrape time. One private registry per app, so several apps can live in one process.
+read `engine.stats()` at scrape time. One private registry per app, so several apps can live in one process.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..engine.observer import RequestObserver
 from ..engine.types import GenerationRequest, TokenEvent
 from .access_log import AccessRecord, GenerationStats, current_record
+from .metrics_vllm import VLLM, PrefixCacheCollector, PrefixCacheCounts, VllmLoadCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no `_created` twin of every series (process-wide; this server has only ours)
@@ -38,8 +39,12 @@ REQUEST_LATENCY_BUCKETS = (
 class ServerMetrics(RequestObserver):
     """The engine observer of an app: Prometheus series, and each request's stats for its access-log line."""
 
-    def __init__(self, model_name: str, load: Callable[[], dict | None], keep_text: bool = False):
-        """`load()`: the engine's `load()`, or None while there is no engine."""
+    def __init__(
+        self, model_name: str, stats: Callable[[], dict | None], keep_text: bool = False, vllm_names: bool = False,
+        cache_config: Callable[[], dict | None] = lambda: None,
+    ):
+        """`stats()`: the engine's `stats()`, or None while there is no engine (`cache_config()` likewise);
+        `vllm_names`: also serve vLLM's names (metrics_vllm.py)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.keep_text = keep_text
@@ -69,7 +74,12 @@ class ServerMetrics(RequestObserver):
             labels + ["finished_reason"], registry=self.registry,
         )
         self.outcomes = {reason: outcomes.labels(model_name, reason) for reason in OUTCOMES}
-        self.registry.register(_LoadCollector(model_name, load))
+        self.registry.register(_StatsCollector(model_name, stats))
+        self.prefix_cache = PrefixCacheCounts()
+        self.registry.register(PrefixCacheCollector("oai_gemma:", model_name, self.prefix_cache))
+        if vllm_names:
+            self.registry.register(PrefixCacheCollector(VLLM, model_name, self.prefix_cache))
+            self.registry.register(VllmLoadCollector(model_name, stats, cache_config))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -99,6 +109,7 @@ class ServerMetrics(RequestObserver):
             stats.first_token_time = event.timestamp
             self.ttft.observe(event.timestamp - stats.arrival)
             self.prompt_tokens.inc(event.num_prompt_tokens)
+            self.prefix_cache.count(event.num_prompt_tokens, event.num_cached_tokens)
             if event.scheduled_time is not None:
                 self.queue.observe(event.scheduled_time - stats.arrival)
         previous = stats.last_token_times.get(event.index)
@@ -137,20 +148,20 @@ class ServerMetrics(RequestObserver):
         self.outcomes.get(outcome, self.outcomes["error"]).inc()
 
 
-class _LoadCollector:
+class _StatsCollector:
     """Running / waiting requests and KV-cache use, read from the engine at scrape time."""
 
-    def __init__(self, model_name: str, load: Callable[[], dict | None]):
+    def __init__(self, model_name: str, stats: Callable[[], dict | None]):
         self.model_name = model_name
-        self.load = load
+        self.stats = stats
 
     def collect(self):
-        load = self.load() or {}
+        stats = self.stats() or {}
         for name, doc, key in (
             ("oai_gemma:num_requests_running", "Requests in the running batch.", "running"),
             ("oai_gemma:num_requests_waiting", "Requests waiting for a batch slot.", "waiting"),
             ("oai_gemma:kv_cache_usage_perc", "KV-cache usage (share of slots held). 1 means 100 percent.", "kv_cache_usage"),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
-            gauge.add_metric([self.model_name], load.get(key, 0))
+            gauge.add_metric([self.model_name], stats.get(key, 0))
             yield gauge

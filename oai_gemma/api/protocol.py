@@ -1,7 +1,8 @@
 """OpenAI wire types as msgspec Structs: the request is decoded and validated in one pass, and responses
 and stream chunks are encoded from these with one reused encoder.
 
-Unknown request fields are ignored (as vLLM does) so newer SDKs keep working.
+Unknown request fields are ignored (as vLLM does) so newer SDKs keep working. The chat messages are chat's own
+typed messages (`chat/messages.py`): decoded here once, read there as they are.
 """
 
 from __future__ import annotations
@@ -11,46 +12,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from ..chat.messages import (  # noqa: F401 (the wire's message types, re-exported)
+    ChatMessage, ContentPart, FunctionCall, ImageURL, ImageURLPart, TextPart, ToolCall,
+)
+
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
 # ---- request ---------------------------------------------------------------------------------------
-
-
-class ImageURL(Struct):
-    url: str
-    detail: Literal["auto", "low", "high"] = "auto"
-
-
-class TextPart(Struct, tag="text", tag_field="type"):
-    text: str
-
-
-class ImageURLPart(Struct, tag="image_url", tag_field="type"):
-    image_url: ImageURL | str
-
-
-ContentPart = TextPart | ImageURLPart
-
-
-class FunctionCall(Struct):
-    name: str
-    arguments: str
-    """The arguments as a JSON text (OpenAI's shape, in requests and responses)."""
-
-
-class ToolCall(Struct):
-    id: str
-    function: FunctionCall
-    type: Literal["function"] = "function"
-
-
-class ChatMessage(Struct, omit_defaults=True):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
 
 
 class FunctionDefinition(Struct, omit_defaults=True):

@@ -1,4 +1,4 @@
-"""`response_format` -> the grammar the engine enforces, compiled off the event loop; schema errors as 400s.
+"""`response_format` (or a forced tool call) -> the grammar the engine enforces, compiled off the event loop; schema errors as 400s.
 
 `json_schema_grammar` is the generic piece: anything that must constrain a request to a JSON schema
 (tool calls too) can use it with its own `param`.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from ..chat.tools import ToolPlan
 from ..engine.engine import Engine
 from ..engine.grammar import Grammar, InvalidSchema, StructuredOutputUnavailable, UnsupportedSchema
 from .errors import invalid_request
@@ -34,3 +35,12 @@ async def json_schema_grammar(engine: Engine, schema: dict, param: str) -> Gramm
         raise invalid_request(f"invalid JSON schema: {exc}", param, "invalid_json_schema") from None
     except StructuredOutputUnavailable as exc:
         raise invalid_request(f"{exc}; send the request without `{param}`", param, "structured_output_unavailable") from None
+
+
+async def request_grammar(engine: Engine, tools: ToolPlan | None, response_format: ResponseFormat | None) -> Grammar | None:
+    """The one grammar an answer follows, decided once: a forced tool call's schema (the answer is the call),
+    else `response_format`'s, else none."""
+    schema = tools.forced_schema() if tools is not None else None
+    if schema is not None:
+        return await json_schema_grammar(engine, schema, "tools")
+    return await response_format_grammar(engine, response_format)

@@ -14,11 +14,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..engine.engine import EngineBusyError, EngineDeadError, Submission
+from ..engine.engine import Submission
 from ..engine.types import GenerationRequest, TokenEvent
-from .errors import decode_body, invalid_request, model_not_found, not_supported
+from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, assemble
+from .errors import APIError, generation_failure, invalid_request
 from .protocol import (
     Completion,
     CompletionChoice,
@@ -30,7 +31,7 @@ from .protocol import (
     encoder,
 )
 from .sampling import choice_count, completion_budget, sampling_params
-from .serving_chat import DONE, FINISHED, ChatService, busy, generation_failure, sse, unavailable
+from .serving import DONE, OpenAIServing, sse, sse_error
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for the legacy endpoint (chat's is the server's `default_max_tokens`)."""
@@ -38,7 +39,7 @@ LOWEST_LOGPROB = -9999.0
 """What OpenAI (and vLLM) send instead of -inf, which JSON cannot carry."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannedPrompt:
     index: int
     prompt_text: str
@@ -50,7 +51,7 @@ class PlannedPrompt:
     """None for `echo` with `max_tokens: 0`: the prompt comes back, nothing is generated."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedCompletion:
     request: CompletionRequest
     id: str
@@ -62,40 +63,28 @@ class PreparedCompletion:
 
 @dataclass
 class ChoiceOutput:
-    """One choice as it is produced: its text so far, and the tokens whose logprobs are not reported yet."""
+    """One choice: its prompt, its assembler (None when nothing is generated) and where its next token's text
+    starts in the choice's text (`text_offset`)."""
 
     plan: PlannedPrompt
     index: int
-    pieces: list[str] = field(default_factory=list)
-    pending: list[TokenEvent] = field(default_factory=list)
+    assembler: ChoiceAssembler | None
     offset: int = 0
-    """`text_offset` of the next token: where its text starts in the choice's text."""
-    last: TokenEvent | None = None
-    echo_pending: bool = False
-    """A stream's echo waits for the prompt's logprobs, which come with the choice's first event."""
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.assembler is None:
+            return "length"  # echo with max_tokens 0: the budget of 0 tokens is used up
+        return self.assembler.finish_reason
 
 
-class CompletionService:
-    def __init__(self, chat: ChatService):
-        self.chat = chat
-        self.engine = chat.engine
+class CompletionService(OpenAIServing):
+    unsupported_why = {"suffix": "`suffix` is not supported: Gemma-3 has no fill-in-the-middle mode; leave it unset"}
 
     # ---- request -> engine ------------------------------------------------------------------------
 
     async def prepare(self, body: bytes, arrival: float) -> PreparedCompletion:
-        request: CompletionRequest = decode_body(completion_decoder, body)
-        if request.model != self.chat.served_name:
-            raise model_not_found(request.model, self.chat.served_name)
-        unsupported = request.unsupported_parameter()
-        if unsupported == "suffix":
-            raise invalid_request(
-                "`suffix` is not supported: Gemma-3 has no fill-in-the-middle mode; leave it unset",
-                "suffix", "unsupported_parameter",
-            )
-        if unsupported:
-            raise not_supported(unsupported)
-        if request.stream_options is not None and not request.stream:
-            raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+        request: CompletionRequest = self.decode(completion_decoder, body)
         if request.max_tokens == 0 and not request.echo:
             raise invalid_request("`max_tokens` must be at least 1 (0 only with `echo: true`)", "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -104,14 +93,14 @@ class CompletionService:
         for index, (text, ids, bos_added) in enumerate(await self._prompts(request.prompt)):
             generation = self._generation(request, ids, f"{rid}-{index}", arrival, n)
             prompts.append(PlannedPrompt(index, text, ids, bos_added, generation))
-        self._check_capacity(n * sum(p.generation is not None for p in prompts))
+        self.check_capacity(n * sum(p.generation is not None for p in prompts))
         return PreparedCompletion(request, rid, int(time.time()), prompts, n)
 
     async def _prompts(self, prompt: str | list) -> list[tuple[str, list[int], bool]]:
         """(text, token ids, whether `<bos>` was added) per prompt; text is tokenized with `<bos>` first, token ids
         are taken as they are."""
         if isinstance(prompt, str):
-            return [(prompt, await self.chat.encode_prompt(prompt, "prompt", add_special_tokens=True), True)]
+            prompt = [prompt]
         kinds = {type(item) for item in prompt}
         if len(kinds) > 1:
             raise invalid_request(
@@ -119,22 +108,17 @@ class CompletionService:
                 "not a mix", "prompt",
             )
         if kinds == {str}:
-            return [(text, await self.chat.encode_prompt(text, "prompt", add_special_tokens=True), True) for text in prompt]
+            return [(text, await self.encode(text, "prompt", add_special_tokens=True), True) for text in prompt]
         lists = [prompt] if kinds == {int} else prompt
         for ids in lists:
-            bad = next((t for t in ids if not 0 <= t < self.engine.vocab_limit), None)  # -1 would fail the whole step
-            if bad is not None:
-                raise invalid_request(
-                    f"token id {bad} in `prompt` is outside the vocabulary (0 to {self.engine.vocab_limit - 1})",
-                    "prompt", "invalid_token_id",
-                )
+            self.check_token_ids(ids, "prompt")
         return [(self.engine.tokenizer.decode(ids), list(ids), False) for ids in lists]
 
     def _generation(
         self, request: CompletionRequest, ids: list[int], rid: str, arrival: float, n: int
     ) -> GenerationRequest | None:
         asked = request.max_tokens
-        max_tokens = completion_budget(len(ids), asked, DEFAULT_MAX_TOKENS, self.chat.max_model_len, "prompt")
+        max_tokens = completion_budget(len(ids), asked, DEFAULT_MAX_TOKENS, self.max_model_len, "prompt")
         prompt_logprobs = request.logprobs if request.echo else None
         if asked == 0:
             if prompt_logprobs is None:
@@ -144,118 +128,102 @@ class CompletionService:
         sampling = dataclasses.replace(sampling, prompt_logprobs=prompt_logprobs)
         return GenerationRequest(rid, ids, sampling, arrival, n=n)
 
-    def _check_capacity(self, submissions: int) -> None:
-        """A 429 before the response starts unless every prompt can take its place in the engine now."""
-        try:
-            self.engine.check_capacity()
-        except EngineBusyError as exc:
-            raise busy(exc) from None
-        except EngineDeadError as exc:
-            raise unavailable(exc) from None
-        free = self.engine.capacity - self.engine.in_flight
-        if submissions > free:
-            raise busy(EngineBusyError(f"{submissions} choices but {free} free places in the engine; retry shortly"))
-
     def _submit(self, prepared: PreparedCompletion) -> dict[int, Submission]:
         """Every generating prompt's submission, all or none."""
         submissions: dict[int, Submission] = {}
         try:
             for prompt in prepared.prompts:
                 if prompt.generation is not None:
-                    submissions[prompt.index] = self.engine.generate(prompt.generation)
+                    submissions[prompt.index] = self.submit(prompt.generation)
         except BaseException:
             for submission in submissions.values():
                 submission.close()
             raise
         return submissions
 
+    def _outputs(self, prepared: PreparedCompletion, lead: bool = False) -> list[ChoiceOutput]:
+        """Every choice, in index order: n per prompt; with `echo`, each one's text starts with its prompt's
+        (`lead`: the assembler sends it with the first event, as a stream waiting for the prompt's logprobs does)."""
+        request, outputs = prepared.request, []
+        for prompt in prepared.prompts:
+            for k in range(prepared.n):
+                assembler = None
+                if prompt.generation is not None:
+                    assembler = ChoiceAssembler(
+                        prompt.index * prepared.n + k, logprobs=request.logprobs is not None,
+                        lead=prompt.prompt_text if lead and request.echo else "",
+                    )
+                offset = len(prompt.prompt_text) if request.echo else 0
+                outputs.append(ChoiceOutput(prompt, prompt.index * prepared.n + k, assembler, offset))
+        return outputs
+
     # ---- engine -> response -----------------------------------------------------------------------
 
     async def complete(self, prepared: PreparedCompletion) -> bytes:
         outputs = self._outputs(prepared)
-        try:
-            submissions = self._submit(prepared)
-        except EngineDeadError as exc:
-            raise unavailable(exc) from None
-        except EngineBusyError as exc:
-            raise busy(exc) from None
-        async with aclosing(merged(submissions)) as events:
-            async for prompt_index, event in events:
-                output = outputs[prompt_index * prepared.n + event.index]
-                output.pieces.append(event.text)
-                output.pending.append(event)
-                if event.finish_reason is not None:
-                    output.last = event
-                    if event.finish_reason not in FINISHED:
-                        raise generation_failure(event)
-        if any(o.plan.generation is not None and o.last is None for o in outputs):
+        assemblers = {o.index: o.assembler for o in outputs if o.assembler is not None}
+        async with aclosing(merged(self._submit(prepared), prepared.n)) as events:
+            async for _ in assemble(events, assemblers):
+                pass
+        if not all(a.done for a in assemblers.values()):
             raise generation_failure(None)
+        echo = prepared.request.echo
         choices = [
-            CompletionChoice(o.index, "".join(o.pieces), self._logprobs(o, prepared), _finish_reason(o))
+            CompletionChoice(
+                o.index, (o.plan.prompt_text if echo else "") + (o.assembler.text if o.assembler else ""),
+                self._logprobs(o, prepared, o.assembler.tokens if o.assembler else ()), o.finish_reason,
+            )
             for o in outputs
         ]
-        response = Completion(prepared.id, prepared.created, self.chat.served_name, choices, usage=_usage(prepared, outputs))
+        response = Completion(prepared.id, prepared.created, self.served_name, choices, usage=_usage(prepared, outputs))
         return encoder.encode(response)
 
     async def stream(self, prepared: PreparedCompletion) -> AsyncIterator[bytes]:
+        """A chunk per event that brings text or an end; with `echo`, the prompt first (or, with logprobs, with
+        the choice's first event, which brings the prompt's logprobs)."""
         request = prepared.request
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        outputs = self._outputs(prepared)
-
-        def chunk(choices: list[CompletionChoice], **usage) -> bytes:
-            return sse(Completion(prepared.id, prepared.created, self.chat.served_name, choices, **usage))
-
+        waits = request.logprobs is not None  # an echo waits for its prompt's logprobs
+        outputs = self._outputs(prepared, lead=waits)
         try:
             submissions = self._submit(prepared)  # takes their places before the first byte
-        except (EngineDeadError, EngineBusyError) as exc:
-            yield sse(unavailable(exc).body)
-            yield DONE
+        except APIError as exc:
+            yield sse_error(exc)
             return
-        if request.echo:
-            for output in outputs:
-                if request.logprobs is None or output.plan.generation is None:
-                    yield chunk([CompletionChoice(output.index, output.plan.prompt_text, None, _finish_reason(output))])
-                else:
-                    output.echo_pending = True
-        failed = False
-        async with aclosing(merged(submissions)) as events:
-            async for prompt_index, event in events:
-                output = outputs[prompt_index * prepared.n + event.index]
-                output.pending.append(event)
-                if event.finish_reason not in (None, *FINISHED):
-                    yield sse(generation_failure(event).body)
-                    failed = True
-                    break
-                if event.finish_reason is not None:
-                    output.last = event
-                text = event.text
-                if output.echo_pending:
-                    text, output.echo_pending = output.plan.prompt_text + text, False
-                if text or event.finish_reason:
-                    logprobs = self._logprobs(output, prepared)
-                    yield chunk([CompletionChoice(output.index, text, logprobs, event.finish_reason)])
-        if include_usage and not failed:
-            yield chunk([], usage=_usage(prepared, outputs))
+        for output in outputs:
+            if request.echo and (output.assembler is None or not waits):
+                yield self._chunk(prepared, CompletionChoice(output.index, output.plan.prompt_text, None, output.finish_reason))
+        by_index = {o.index: o for o in outputs}
+        assemblers = {o.index: o.assembler for o in outputs if o.assembler is not None}
+        async with aclosing(merged(submissions, prepared.n)) as events:
+            try:
+                async for assembler, deltas in assemble(events, assemblers):
+                    choice = self._stream_choice(by_index[assembler.index], deltas, prepared)
+                    if choice is not None:
+                        yield self._chunk(prepared, choice)
+            except APIError as exc:
+                yield sse_error(exc)
+                return
+        if request.stream_options and request.stream_options.include_usage:
+            yield self._chunk(prepared, usage=_usage(prepared, outputs))
         yield DONE
 
-    def _outputs(self, prepared: PreparedCompletion) -> list[ChoiceOutput]:
-        """Every choice, in index order: n per prompt; with `echo`, each starts with its prompt's text."""
-        outputs = []
-        for prompt in prepared.prompts:
-            for k in range(prepared.n):
-                output = ChoiceOutput(prompt, prompt.index * prepared.n + k)
-                if prepared.request.echo:
-                    output.pieces.append(prompt.prompt_text)
-                    output.offset = len(prompt.prompt_text)
-                outputs.append(output)
-        return outputs
+    def _stream_choice(self, output: ChoiceOutput, deltas: list[ChoiceDelta], prepared) -> CompletionChoice | None:
+        """One event's deltas as one chunk's choice: its text, the logprobs of its tokens, its finish reason."""
+        text = "".join(d.text for d in deltas if isinstance(d, TextDelta))
+        finish = next((d.reason for d in deltas if isinstance(d, Finish)), None)
+        if not text and finish is None:
+            return None
+        tokens = [token for d in deltas for token in d.tokens]
+        return CompletionChoice(output.index, text, self._logprobs(output, prepared, tokens), finish)
 
-    def _logprobs(self, output: ChoiceOutput, prepared: PreparedCompletion) -> CompletionLogprobs | None:
-        """The legacy logprobs of the output's pending tokens (stop tokens carry none), which are then reported;
-        with `echo`, the prompt's tokens come first (the very first with null logprobs: nothing precedes it).
+    def _chunk(self, prepared: PreparedCompletion, *choices: CompletionChoice, **usage) -> bytes:
+        return sse(Completion(prepared.id, prepared.created, self.served_name, list(choices), **usage))
+
+    def _logprobs(self, output: ChoiceOutput, prepared: PreparedCompletion, events) -> CompletionLogprobs | None:
+        """The legacy logprobs of `events` (stop tokens carry none); with `echo`, the prompt's tokens come first
+        (the very first with null logprobs: nothing precedes it).
 
         Each token's `top_logprobs` holds the `logprobs` most likely tokens and the chosen one, as OpenAI's."""
-        events, output.pending = output.pending, []
         if prepared.request.logprobs is None:
             return None
         result = CompletionLogprobs([], [], [], [])
@@ -289,8 +257,9 @@ class CompletionService:
         return offset + len(text)
 
 
-async def merged(submissions: dict[int, Submission]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """The events of several submissions as they come, each with its choice index. Closing this iterator
+async def merged(submissions: dict[int, Submission], n: int) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The events of several submissions (by prompt index, `n` choices each) as they come, each with its choice
+    index (choice k of prompt p is p * n + k). Closing this iterator
     (the client went away, or a choice failed) closes every submission, which cancels it in the engine."""
     queue: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
 
@@ -309,7 +278,7 @@ async def merged(submissions: dict[int, Submission]) -> AsyncIterator[tuple[int,
             if event is None:
                 remaining -= 1
             else:
-                yield index, event
+                yield index * n + event.index, event
     finally:
         for task in tasks:
             task.cancel()
@@ -317,15 +286,10 @@ async def merged(submissions: dict[int, Submission]) -> AsyncIterator[tuple[int,
             submission.close()
 
 
-def _finish_reason(output: ChoiceOutput) -> str | None:
-    if output.plan.generation is None:
-        return "length"  # echo with max_tokens 0: the budget of 0 tokens is used up
-    return output.last.finish_reason if output.last else None
-
-
 def _usage(prepared: PreparedCompletion, outputs: list[ChoiceOutput]) -> Usage:
     """Each prompt counted once, however many choices it has; completion tokens add up over every choice."""
+    lasts = [(o.index, o.assembler.last) for o in outputs if o.assembler is not None and o.assembler.last is not None]
     prompt = sum(len(p.prompt_ids) for p in prepared.prompts)
-    completion = sum(o.last.num_output_tokens for o in outputs if o.last)
-    cached = sum(o.last.num_cached_tokens for o in outputs if o.last and o.index % prepared.n == 0)
+    completion = sum(last.num_output_tokens for _, last in lasts)
+    cached = sum(last.num_cached_tokens for index, last in lasts if index % prepared.n == 0)
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))

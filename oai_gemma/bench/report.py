@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 NOTES = (
@@ -152,17 +153,28 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def portable(text: str) -> str:
+    """A command or path as the report shows it, without the absolute paths of the machine it ran on: the
+    venv's scripts by name, the checkout's files relative to it, the home directory as `~`."""
+    for prefix, short in ((str(Path(sys.executable).parent) + "/", ""), (str(REPO_ROOT) + "/", ""), (str(Path.home()), "~")):
+        text = text.replace(prefix, short)
+    return text
+
+
 def markdown_report(payload: dict) -> str:
     meta = payload["meta"]
     machine = meta["machine"]
     out = [
         "# Benchmark: oai-gemma against its baselines",
         "",
-        f"- Command: `{meta['command']}`",
+        f"- Command: `{portable(meta['command'])}`",
         f"- Date: {meta['date']}",
         f"- Machine: {machine['cpu_model']}, nproc {machine['nproc']}, {machine['memory_gib']} GiB RAM; "
         f"torch {machine['torch']}, transformers {machine['transformers']}",
-        f"- Model: `{meta['model_dir']}`, {meta['dtype']} on {meta['device']}",
+        f"- Model: `{portable(meta['model_dir'])}`, {meta['dtype']} on {meta['device']}",
         f"- Workload: per level, {meta['num_requests']} requests (at least the concurrency) of the "
         f"{meta['num_prompts']} fixed prompts of `oai_gemma/bench/prompts.py`, streamed, temperature 0, "
         f"max_tokens {meta['max_tokens']}; concurrency levels {', '.join(map(str, meta['concurrency']))}",
@@ -178,7 +190,7 @@ def markdown_report(payload: dict) -> str:
         out += ["## Output tokens/s: ours ÷ baseline", "", ratios, ""]
     out += ["## Per server (latencies in ms)", ""]
     for name, server in payload["servers"].items():
-        out += [f"### {name}", "", f"`{server.get('command') or server.get('base_url')}`", ""]
+        out += [f"### {name}", "", f"`{portable(server.get('command') or server.get('base_url'))}`", ""]
         if server.get("cpu_busy_idle") is not None:
             out += [f"CPU busy while the server idled, before the sweep: {server['cpu_busy_idle']:.0%}.", ""]
         if server.get("error"):

@@ -1,12 +1,13 @@
-"""OpenAI chat messages -> Gemma-3 prompt text (no HTTP, no torch)."""
+"""OpenAI chat messages -> Gemma-3 prompt (no HTTP types): typed messages, the template, tools, images.
 
-from oai_gemma.chat.render import (
-    IMAGE_TOKEN,
-    OFFICIAL_TEMPLATE_PATH,
-    ChatInputError,
-    ImagePart,
-    RenderedChat,
-    render_chat,
-)
+The entry point is `PromptBuilder.build_prompt(messages, ...) -> Prompt` (`prompt.py`).
+"""
 
-__all__ = ["IMAGE_TOKEN", "OFFICIAL_TEMPLATE_PATH", "ChatInputError", "ImagePart", "RenderedChat", "render_chat"]
+from oai_gemma.chat.messages import ChatInputError, ChatMessage, parse_messages
+from oai_gemma.chat.prompt import Prompt, PromptBuilder, PromptTooLong
+from oai_gemma.chat.render import IMAGE_TOKEN, OFFICIAL_TEMPLATE_PATH, ImagePart, RenderedChat, render_chat
+
+__all__ = [
+    "IMAGE_TOKEN", "OFFICIAL_TEMPLATE_PATH", "ChatInputError", "ChatMessage", "ImagePart", "Prompt", "PromptBuilder",
+    "PromptTooLong", "RenderedChat", "parse_messages", "render_chat",
+]

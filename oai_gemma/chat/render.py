@@ -24,22 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from .messages import ChatInputError, ChatMessage, ContentPart, ImageURL, TextPart, ToolCall, parse_messages
 from .tools import render_tool_calls, render_tool_result
 
 OFFICIAL_TEMPLATE_PATH = Path(__file__).with_name("gemma3_chat_template.jinja")
 IMAGE_TOKEN = "<start_of_image>"
-_DETAILS = ("auto", "low", "high")
-
-
-class ChatInputError(ValueError):
-    """A request the renderer refuses; `param` names the field, as OpenAI's error object does."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.message = message
-        self.param = param
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "model", "tool": "tool"}
 
 
 @dataclass
@@ -63,18 +54,17 @@ class _Turn:
 
 
 def render_chat(
-    messages: list[dict], *, tool_prompt: str | None = None, add_generation_prompt: bool = True,
+    messages: list[ChatMessage] | list[dict], *, tool_prompt: str | None = None, add_generation_prompt: bool = True,
     bos_token: str = "<bos>",
 ) -> RenderedChat:
-    if not isinstance(messages, list) or not messages:
-        raise ChatInputError("messages must be a non-empty list", "messages")
+    """The prompt text, with a `<start_of_image>` where each image goes, and the images in prompt order."""
     system: list[str] = []
     turns: list[_Turn] = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(parse_messages(messages)):
         where = f"messages[{i}]"
         role = _role(message, where)
         if role == "system":
-            system.append(_system_text(message.get("content"), where))
+            system.append(_system_text(message.content, where))
             continue
         if role == "tool":
             role, text, images = "user", _tool_result(message, where), []
@@ -85,66 +75,61 @@ def render_chat(
             turns[-1].images += images
         else:
             turns.append(_Turn(role, text, images))
-
     if tool_prompt:
         system.append(tool_prompt)
     if system:
-        prefix = "\n\n".join(system)
-        if turns and turns[0].role == "user":
-            turns[0].text = prefix + "\n\n" + turns[0].text
-        else:  # nothing to prefix: the system text is the conversation's opening user turn
-            turns.insert(0, _Turn("user", prefix.strip()))
-
+        _prefix(turns, "\n\n".join(system))
     prompt = bos_token + "".join(f"<start_of_turn>{t.role}\n{t.text}<end_of_turn>\n" for t in turns)
     if add_generation_prompt:
         prompt += "<start_of_turn>model\n"
     return RenderedChat(prompt, [image for t in turns for image in t.images])
 
 
-def _role(message: Any, where: str) -> str:
-    if not isinstance(message, dict):
-        raise ChatInputError("each message must be an object", where)
-    role = message.get("role")
-    if role in ("system", "developer"):
-        return "system"
-    if role == "user":
-        return "user"
-    if role == "assistant":
-        return "model"
-    if role == "tool":
-        return "tool"
-    if role == "function":
+def _prefix(turns: list[_Turn], prefix: str) -> None:
+    """The system text opens the first user turn, or is the conversation's opening user turn of its own."""
+    if turns and turns[0].role == "user":
+        turns[0].text = prefix + "\n\n" + turns[0].text
+    else:
+        turns.insert(0, _Turn("user", prefix.strip()))
+
+
+def _role(message: ChatMessage, where: str) -> str:
+    if message.role == "function":
         raise ChatInputError("messages with role 'function' are not supported: send 'tool' messages", where)
-    raise ChatInputError(f"unknown role {role!r}: expected system, developer, user or assistant", where)
+    return _ROLES[message.role]
 
 
-def _system_text(content: Any, where: str) -> str:
+def _system_text(content: str | list[ContentPart] | None, where: str) -> str:
     """Kept as sent (the official template does not trim it); images have no place in Gemma-3's system text."""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(_parts(content, where)):
-        kind, value = _part(part, f"{where}.content[{j}]")
-        if kind == "image":
+        value = _part(part, f"{where}.content[{j}]")
+        if isinstance(value, ImagePart):
             raise ChatInputError("images are not allowed in system messages", value.param)
         texts.append(value)
     return "".join(texts)
 
 
-def _turn_content(role: str, message: dict, where: str) -> tuple[str, list[ImagePart]]:
+def _turn_content(role: str, message: ChatMessage, where: str) -> tuple[str, list[ImagePart]]:
     """Each text trimmed and the parts concatenated as the official template does; an image is its marker."""
-    content = message.get("content")
-    if role == "model" and message.get("tool_calls"):
-        text, images = _turn_content(role, {"content": content}, where)
-        return "\n".join(t for t in (text, _tool_calls(message["tool_calls"], where)) if t), images
+    content = message.content
+    if role == "model" and message.tool_calls:
+        text, images = ("", []) if content is None else _content(content, where)
+        return "\n".join(t for t in (text, _tool_calls(message.tool_calls, where)) if t), images
     if role == "model" and content is None:
         return "", []
+    return _content(content, where)
+
+
+def _content(content: str | list[ContentPart] | None, where: str) -> tuple[str, list[ImagePart]]:
     if isinstance(content, str):
         return content.strip(), []
     pieces, images = [], []
     for j, part in enumerate(_parts(content, where)):
-        kind, value = _part(part, f"{where}.content[{j}]")
-        if kind == "image":
+        value = _part(part, f"{where}.content[{j}]")
+        if isinstance(value, ImagePart):
             images.append(value)
             pieces.append(IMAGE_TOKEN)
         else:
@@ -152,47 +137,32 @@ def _turn_content(role: str, message: dict, where: str) -> tuple[str, list[Image
     return "".join(pieces), images
 
 
-def _tool_calls(tool_calls: Any, where: str) -> str:
-    if not isinstance(tool_calls, list):
-        raise ChatInputError("tool_calls must be a list", f"{where}.tool_calls")
+def _tool_calls(tool_calls: list[ToolCall], where: str) -> str:
     try:
         return render_tool_calls(tool_calls)
     except ValueError as exc:
         raise ChatInputError("each tool call needs a function name and JSON object arguments", f"{where}.{exc}") from None
 
 
-def _tool_result(message: dict, where: str) -> str:
+def _tool_result(message: ChatMessage, where: str) -> str:
     """A tool's answer (text only, as OpenAI allows) in the block the model is told results come in."""
-    text, images = _turn_content("user", message, where)
+    text, images = _content(message.content, where)
     if images:
         raise ChatInputError("tool messages can only hold text", images[0].param)
     return render_tool_result(text)
 
 
-def _parts(content: Any, where: str) -> list:
+def _parts(content: list[ContentPart] | None, where: str) -> list[ContentPart]:
     if content is None:
         raise ChatInputError("content is required", where)
-    if not isinstance(content, list):
-        raise ChatInputError("content must be a string or a list of content parts", where)
     return content
 
 
-def _part(part: Any, where: str) -> tuple[str, Any]:
-    """One content part, checked: ("text", str) or ("image", ImagePart)."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text":
-        if not isinstance(part.get("text"), str):
-            raise ChatInputError("a text part needs a string 'text'", where)
-        return "text", part["text"]
-    if kind == "image_url":
-        image = part.get("image_url")
-        if isinstance(image, str):
-            image = {"url": image}
-        url = image.get("url") if isinstance(image, dict) else None
-        if not isinstance(url, str) or not url:
-            raise ChatInputError("an image_url part needs 'image_url.url'", where)
-        detail = image.get("detail") or "auto"
-        if detail not in _DETAILS:
-            raise ChatInputError(f"image_url.detail must be one of {', '.join(_DETAILS)}", where)
-        return "image", ImagePart(url, detail, where)
-    raise ChatInputError(f"content part type {kind!r} is not supported: expected 'text' or 'image_url'", where)
+def _part(part: ContentPart, where: str) -> str | ImagePart:
+    """One content part: its text, or the image it names (a URL is required)."""
+    if isinstance(part, TextPart):
+        return part.text
+    image = part.image_url if isinstance(part.image_url, ImageURL) else ImageURL(part.image_url)
+    if not image.url:
+        raise ChatInputError("an image_url part needs 'image_url.url'", where)
+    return ImagePart(image.url, image.detail, where)

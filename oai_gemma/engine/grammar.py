@@ -61,42 +61,6 @@ class UnsupportedSchema(ValueError):
         self.feature = feature
 
 
-class InvalidSchema(ValueError):
-    """The schema is not a valid JSON schema (or the grammar does not compile)."""
-
-
-class StructuredOutputUnavailable(RuntimeError):
-    """The grammar engine could not be built for this model's tokenizer: no request can be constrained."""
-
-
-class UnsupportedSchema(ValueError):
-    """The schema is valid but uses a feature the grammar engine cannot enforce; `feature` names it."""
-
-    def __init__(self, feature: str, message: str):
-        super().__init__(message)
-        self.feature = feature
-
-
-CLOSING_MARGIN = 8
-"""Tokens of slack when a budgeted document starts closing: one sampled token can deepen the document by a few
-levels (`[{"a":[{"`), so the closing starts while there is still room for what that token could add."""
-CLOSING_HORIZON = 64
-"""The closing is only planned once this few tokens of budget are left (it costs a few mask computations)."""
-
-# What closes a JSON document soonest from each place in it, best first (tried as single tokens of the vocabulary;
-# the grammar keeps only those the schema allows there)
-_VALUE_STARTS = ("0", '""', '"', "null", "false", "true", "[]", "{}", "[", "{")
-_CLOSING_TEXTS = {
-    "string": ('"}]}', '"}}', '"}]', '"]}', '"]]', '"}', '"]', '"', '",', '":'),
-    "colon": (":",),
-    "value": _VALUE_STARTS,
-    "key": ("}", '"'),
-    "{after": ("}}}", "}]}", "}}", "}]", "}", ","),
-    "[after": ("]}}", "]]}", "]}", "]]", "]", ","),
-    "[": ("]",) + _VALUE_STARTS,
-}
-
-
 @dataclass(frozen=True)
 class Grammar:
     """A compiled grammar: immutable, shared by every request that asks for it."""

@@ -40,3 +40,8 @@ class FrozenLinear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+
+def call_linear(x: torch.Tensor, linear: FrozenLinear) -> torch.Tensor:
+    """`linear` for engine/gemma3.py's layer functions when the projections are FrozenLinears."""
+    return linear(x)

@@ -128,10 +128,6 @@ class LoadedModel:
         config = self.model.config
         return getattr(config, "text_config", config)
 
-    @property
-    def is_multimodal(self) -> bool:
-        return hasattr(self.model.config, "vision_config")
-
 
 def _eos_ids(tokenizer, source_dir: str) -> tuple[int, ...]:
     ids = {tokenizer.eos_token_id}

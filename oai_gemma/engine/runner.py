@@ -1,8 +1,10 @@
 """The model runner: Gemma-3's forward pass over a mixed batch of prefill chunks and decode tokens.
 
-It reuses the transformers modules' weights (projections, norms, MLP, rotary tables) but owns the
+It reuses the transformers modules' weights (projections, norms, embeddings, rotary tables) but owns the
 attention and the KV cache, so sequences of different lengths decode together in one batch, join and
 leave between steps, and sliding-window layers keep only their window (a ring buffer).
+A step is packed into tensors (`_pack`), run through the layers (`_layers`: engine/gemma3.py's layer around
+our attention) and turned into logits for the rows that sample (`_logits`), as nano-vllm's runner does.
 Linear layers run once over all tokens of the step; attention runs per prefill chunk and batched for
 all decode tokens.
 """
@@ -14,9 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .linear import FrozenLinear
-
-SLIDING = "sliding_attention"
+from .buckets import bucket, buckets
+from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention
+from .kv_cache import KVCache
+from .linear import FrozenLinear, call_linear
+from .static_decode import StaticDecode, flash_kernel
 
 
 @dataclass
@@ -36,73 +40,34 @@ class StepItem:
     hidden: torch.Tensor | None = None
 
 
-class KVCache:
-    """Per layer K and V of shape [slots, kv_heads, capacity, head_dim].
+@dataclass
+class DecodeRows:
+    """Where the step's decode tokens go: each row's slot and position (device tensors), and from the host the
+    longest row's length and whether the slots are 0..B-1 in order (then the cache is sliced, not gathered)."""
 
-    Full-attention layers hold `max_len` positions; sliding layers hold their window, position p at p % window.
-    Each layer's tensors live on that layer's device (`layer_devices`, for a model spread over several GPUs).
-    `scratch_slot` adds one slot past the served ones that no sequence owns: padded rows of a static-shape decode
-    step write there. `positions_first` stores [slots, capacity, kv_heads, head_dim] (flash-attn's layout; `k`/`v`
-    are then transposed views of `k_store`/`v_store`, so every other reader sees the same shape).
-    """
+    slots: torch.Tensor
+    positions: torch.Tensor
+    longest: int
+    contiguous: bool
 
-    def __init__(
-        self, text_config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-        layer_devices: list[torch.device] | None = None, scratch_slot: bool = False, positions_first: bool = False,
-    ):
-        kv_heads, head_dim = text_config.num_key_value_heads, text_config.head_dim
-        self.sliding = [t == SLIDING for t in text_config.layer_types]
-        self.capacity = [min(text_config.sliding_window, max_len) if s else max_len for s in self.sliding]
-        devices = layer_devices or [device] * len(self.capacity)
-        allocated = num_slots + 1 if scratch_slot else num_slots
-        if positions_first:
-            self.k_store = [
-                torch.zeros(allocated, c, kv_heads, head_dim, dtype=dtype, device=d) for c, d in zip(self.capacity, devices)
-            ]
-            self.v_store = [torch.zeros_like(k) for k in self.k_store]
-            self.k = [k.transpose(1, 2) for k in self.k_store]
-            self.v = [v.transpose(1, 2) for v in self.v_store]
-        else:
-            self.k = [torch.zeros(allocated, kv_heads, c, head_dim, dtype=dtype, device=d) for c, d in zip(self.capacity, devices)]
-            self.v = [torch.zeros_like(k) for k in self.k]
-            self.k_store, self.v_store = self.k, self.v
-        self.num_slots = num_slots
-        self.scratch = num_slots if scratch_slot else None
-        """The slot padded rows write to, or None."""
+    def to(self, device: torch.device) -> DecodeRows:
+        return DecodeRows(self.slots.to(device), self.positions.to(device), self.longest, self.contiguous)
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Give slot `dst` the KV of slot `src` (a choice forked from a shared prompt)."""
-        for k, v in zip(self.k, self.v):
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+
+@dataclass
+class Batch:
+    """One step packed into tensors, at a bucketed token count (`pad` padding tokens at the end)."""
+
+    prefills: list[StepItem]
+    decodes: list[StepItem]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    pad: int
+    decode: DecodeRows
 
     @property
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k in self.k)
-
-    @staticmethod
-    def bytes_per_slot(text_config, max_len: int, dtype: torch.dtype) -> int:
-        per_position = text_config.num_key_value_heads * text_config.head_dim * 2 * torch.finfo(dtype).bits // 8
-        return sum(
-            per_position * (min(text_config.sliding_window, max_len) if t == SLIDING else max_len)
-            for t in text_config.layer_types
-        )
-
-
-def buckets(limit: int) -> list[int]:
-    """1, 2, 4, ... 64, then multiples of 64, up to the first one >= limit."""
-    sizes = [1]
-    while sizes[-1] < limit:
-        sizes.append(sizes[-1] * 2 if sizes[-1] < 64 else sizes[-1] + 64)
-    return sizes
-
-
-def bucket(n: int, sizes: list[int]) -> int:
-    """The smallest bucket that holds n (n itself past the largest: correct, just not pre-compiled)."""
-    for size in sizes:
-        if size >= n:
-            return size
-    return n
+    def items(self) -> list[StepItem]:
+        return self.prefills + self.decodes
 
 
 def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
@@ -119,12 +84,6 @@ def _text_parts(model):
     return getattr(inner, "language_model", inner), model.lm_head
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class ModelRunner:
     """`static_decode` (default: on a GPU) runs decode-only steps at static shapes, CUDA graphs where possible
     (engine/static_decode.py); `compile` (`auto` = with the static path) compiles its layer functions."""
@@ -136,10 +95,7 @@ class ModelRunner:
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
         config = self.text_model.config
-        if getattr(config, "attention_bias", False):
-            raise ValueError("attention projections with bias are not supported by this runner (Gemma-3 has none)")
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError("attention logit soft-capping (Gemma-2 style) is not supported by this runner")
+        check_supported(config)
         self.config = config
         self.device = self.lm_head.weight.device
         self.input_device = self.text_model.embed_tokens.weight.device
@@ -149,25 +105,20 @@ class ModelRunner:
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.shape = (self.num_heads, self.kv_heads, self.head_dim)
+        self.eps = config.rms_norm_eps
         self.scaling = config.query_pre_attn_scalar**-0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.layer_types = list(config.layer_types)
         self.max_len = max_len
         static = self.device.type == "cuda" if static_decode is None else static_decode
-        from .static_decode import StaticDecode, flash_kernel
-
         flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
         self.cache = KVCache(
             config, num_slots, max_len, self.dtype, self.device, self.layer_devices,
             scratch_slot=static, positions_first=flash is not None,
         )
-        self.linears = [
-            tuple(
-                FrozenLinear(module.weight)
-                for module in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            )
-            for a, m in ((layer.self_attn, layer.mlp) for layer in self.text_model.layers)
-        ]
+        self.weights = [LayerWeights.of(layer, FrozenLinear) for layer in self.text_model.layers]
+        """Each layer's weights, its projections pre-packed for oneDNN on a CPU (engine/linear.py)."""
         self.lm_head_linear = FrozenLinear(self.lm_head.weight)
         self.row_buckets = buckets(num_slots)
         self.token_buckets = buckets(max_tokens_per_step)
@@ -181,7 +132,7 @@ class ModelRunner:
         if self.static is not None:
             self.static.capture_all()
 
-    # ---- the step -------------------------------------------------------------------------------
+    # ---- the step: pack, layers, logits -----------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, prefills: list[StepItem], decodes: list[StepItem]):
@@ -189,63 +140,74 @@ class ModelRunner:
         prefills then decodes."""
         if self.static is not None and decodes and not prefills:
             return self.static.run(decodes)
+        batch = self._pack(prefills, decodes)
+        return self._logits(batch, self._layers(batch))
+
+    def _pack(self, prefills: list[StepItem], decodes: list[StepItem]) -> Batch:
+        """The step's token ids and positions as tensors, padded to a token bucket: a few shapes only, each
+        compiled (oneDNN) once at warm-up; every distinct shape would otherwise keep its own kernels and buffers,
+        and memory would creep up."""
         items = prefills + decodes
         token_ids = [t for it in items for t in it.token_ids]
         positions = [it.start + i for it in items for i in range(len(it.token_ids))]
-        padded = bucket(len(token_ids), self.token_buckets)
-        pad = padded - len(token_ids)
-        # the step runs at a bucketed token count: a few shapes only, each compiled (oneDNN) once at warm-up;
-        # every distinct shape would otherwise keep its own kernels and buffers, and memory would creep up
+        pad = bucket(len(token_ids), self.token_buckets) - len(token_ids)
         ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.input_device)
         positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.input_device)
-        hidden = self.text_model.embed_tokens(ids)
+        n_prefill = sum(len(it.token_ids) for it in prefills)
+        decode = DecodeRows(
+            torch.tensor([it.slot for it in decodes], dtype=torch.long, device=self.input_device),
+            positions[n_prefill : len(token_ids)],
+            max((it.start for it in decodes), default=0) + 1,  # from the host: no device sync
+            [it.slot for it in decodes] == list(range(len(decodes))),
+        )
+        return Batch(prefills, decodes, ids, positions, pad, decode)
+
+    def _embed(self, batch: Batch) -> torch.Tensor:
+        """Token embeddings, with the vision tower's output in place of each image soft token."""
+        hidden = self.text_model.embed_tokens(batch.ids)
         offset = 0
-        for it in prefills:
+        for it in batch.prefills:
             if it.image_embeds is not None:
                 rows, values = it.image_embeds
                 hidden[offset + rows] = values.to(hidden.device, hidden.dtype)
             offset += len(it.token_ids)
-        rope = {t: self.text_model.rotary_emb(hidden, positions[None], t) for t in set(self.layer_types)}
+        return hidden
+
+    def _layers(self, batch: Batch) -> torch.Tensor:
+        """The decoder layers over the packed step: last-layer hidden states [padded tokens, hidden]."""
+        hidden = self._embed(batch)
+        rope = {t: self.text_model.rotary_emb(hidden, batch.positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
-        n_prefill = sum(len(it.token_ids) for it in prefills)
-        dec_slots = torch.tensor([it.slot for it in decodes], dtype=torch.long, device=self.input_device)
-        dec_pos = positions[n_prefill : len(token_ids)]
-        dec_longest = max((it.start for it in decodes), default=0) + 1  # from the host: no device sync
-        dec_contiguous = [it.slot for it in decodes] == list(range(len(decodes)))
-
-        for li, layer in enumerate(self.text_model.layers):
-            attn, (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) = layer.self_attn, self.linears[li]
-            if hidden.device != self.layer_devices[li]:  # device_map="auto": the next layer is on another GPU
-                device = self.layer_devices[li]
-                hidden, dec_slots, dec_pos = hidden.to(device), dec_slots.to(device), dec_pos.to(device)
+        decode = batch.decode
+        for li, w in enumerate(self.weights):
+            device = self.layer_devices[li]
+            if hidden.device != device:  # device_map="auto": the next layer is on another GPU
+                hidden, decode = hidden.to(device), decode.to(device)
                 rope = {t: (cos.to(device), sin.to(device)) for t, (cos, sin) in rope.items()}
-            x = layer.input_layernorm(hidden)
-            q = attn.q_norm(q_proj(x).view(-1, self.num_heads, self.head_dim))
-            k = attn.k_norm(k_proj(x).view(-1, self.kv_heads, self.head_dim))
-            v = v_proj(x).view(-1, self.kv_heads, self.head_dim)
             cos, sin = rope[self.layer_types[li]]
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            outs = []
-            offset = 0
-            for it in prefills:
-                n = len(it.token_ids)
-                sl = slice(offset, offset + n)
-                outs.append(self._prefill_attention(li, it, q[sl], k[sl], v[sl]))
-                offset += n
-            if decodes:
-                end = offset + len(decodes)
-                outs.append(
-                    self._decode_attention(li, dec_slots, dec_pos, dec_longest, dec_contiguous, q[offset:end], k[offset:end], v[offset:end])
-                )
-            if pad:
-                outs.append(q.new_zeros(pad, self.num_heads, self.head_dim))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            hidden = hidden + layer.post_attention_layernorm(o_proj(out.reshape(out.shape[0], -1)))
-            x = layer.pre_feedforward_layernorm(hidden)
-            hidden = hidden + layer.post_feedforward_layernorm(down_proj(layer.mlp.act_fn(gate_proj(x)) * up_proj(x)))
+            q, k, v = pre_attention(hidden, w, cos, sin, self.eps, *self.shape, linear=call_linear)
+            out = self._attention(li, batch, decode, q, k, v)
+            hidden = post_attention(hidden, out, w, self.eps, linear=call_linear)
+        return hidden
 
+    def _attention(self, li: int, batch: Batch, decode: DecodeRows, q, k, v) -> torch.Tensor:
+        """Each prefill chunk over its past and itself, then every decode token batched; zeros for the padding."""
+        outs, offset = [], 0
+        for it in batch.prefills:
+            sl = slice(offset, offset + len(it.token_ids))
+            outs.append(self._prefill_attention(li, it, q[sl], k[sl], v[sl]))
+            offset += len(it.token_ids)
+        if batch.decodes:
+            sl = slice(offset, offset + len(batch.decodes))
+            outs.append(self._decode_attention(li, decode, q[sl], k[sl], v[sl]))
+        if batch.pad:
+            outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _logits(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of each item's last position that wants them; keeps the hidden states asked for."""
         rows, offset = [], 0
-        for it in items:
+        for it in batch.items:
             if it.keep_hidden:
                 it.hidden = hidden[offset : offset + len(it.token_ids)]
             offset += len(it.token_ids)
@@ -302,9 +264,9 @@ class ModelRunner:
         )
         return out[0].transpose(0, 1)
 
-    def _decode_attention(self, li: int, slots, pos, longest: int, contiguous: bool, q, k, v) -> torch.Tensor:
-        """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache
-        (`longest`: the longest row's length, known on the host)."""
+    def _decode_attention(self, li: int, rows: DecodeRows, q, k, v) -> torch.Tensor:
+        """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache."""
+        slots, pos, longest = rows.slots, rows.positions, rows.longest
         kc, vc = self.cache.k[li], self.cache.v[li]
         bsz = q.shape[0]
         if self.cache.sliding[li]:
@@ -316,7 +278,7 @@ class ModelRunner:
             kc[slots, :, pos] = k
             vc[slots, :, pos] = v
             span = longest
-        if contiguous:
+        if rows.contiguous:
             keys, values = kc[:bsz, :, :span], vc[:bsz, :, :span]
         else:
             keys, values = kc[slots, :, :span], vc[slots, :, :span]

@@ -9,7 +9,7 @@ host sync); padded rows write their K/V into a scratch slot that no sequence own
 Attention is flash-attn's `flash_attn_with_kvcache` when it is installed (it reads each row's cache in place
 through `cache_batch_idx`, up to `cache_seqlens`), else SDPA over a gathered span of the cache; the span is
 bucketed too, so a short context does not pay for `max_len`. The projections, norms and MLP of a layer are
-two plain functions of tensors (`pre_attention`, `post_attention`): `torch.compile` compiles each once for
+two plain functions of tensors (engine/gemma3.py's `pre_attention`, `post_attention`): `torch.compile` compiles each once for
 every layer (the weights are arguments, not constants), instead of one huge graph per shape.
 
 On CPU, or with layers on several GPUs (a graph is captured on one device), the same static-shape
@@ -20,86 +20,14 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .runner import bucket
+from .buckets import bucket, span_buckets
+from .gemma3 import LayerWeights, post_attention, pre_attention
 
 log = logging.getLogger("oai_gemma.static_decode")
-
-MIN_SPAN = 256
-
-
-class LayerWeights(NamedTuple):
-    """One decoder layer's tensors, passed as arguments so one compiled function serves every layer."""
-
-    input_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    o: torch.Tensor
-    post_attention_norm: torch.Tensor
-    pre_feedforward_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    post_feedforward_norm: torch.Tensor
-
-    @classmethod
-    def of(cls, layer) -> "LayerWeights":
-        """Plain (detached) tensors, not Parameters: dynamo then guards on their shapes, never on which layer."""
-        a, m = layer.self_attn, layer.mlp
-        return cls(*(
-            t.detach() for t in (
-                layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
-                a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
-                layer.pre_feedforward_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-                layer.post_feedforward_layernorm.weight,
-            )
-        ))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma-3's RMSNorm (transformers' Gemma3RMSNorm): in float32, scaled by (1 + weight), then cast back."""
-    y = x.float()
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.float())).type_as(x)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def pre_attention(hidden, w: LayerWeights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
-    """hidden [B, H] -> q [B, heads, D], k and v [B, kv_heads, D], normed and rotated."""
-    x = rms_norm(hidden, w.input_norm, eps)
-    q = rms_norm(F.linear(x, w.q).view(-1, heads, head_dim), w.q_norm, eps)
-    k = rms_norm(F.linear(x, w.k).view(-1, kv_heads, head_dim), w.k_norm, eps)
-    v = F.linear(x, w.v).view(-1, kv_heads, head_dim)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
-
-
-def post_attention(hidden, attn, w: LayerWeights, eps: float):
-    """Output projection, residuals and the gated-GELU MLP of one layer."""
-    hidden = hidden + rms_norm(F.linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps)
-    x = rms_norm(hidden, w.pre_feedforward_norm, eps)
-    mlp = F.linear(F.gelu(F.linear(x, w.gate), approximate="tanh") * F.linear(x, w.up), w.down)
-    return hidden + rms_norm(mlp, w.post_feedforward_norm, eps)
-
-
-def span_buckets(max_len: int) -> list[int]:
-    """KV spans attended by the SDPA path: 256, 512, ... doubling, then max_len."""
-    sizes = []
-    size = MIN_SPAN
-    while size < max_len:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max_len]
 
 
 def flash_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
@@ -155,14 +83,11 @@ class StaticDecode:
 
     def __init__(self, runner, *, use_graphs: bool, compiled: bool, flash=None):
         self.runner = runner
-        config = runner.config
-        if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"static decode implements Gemma-3's tanh GELU, not {config.hidden_activation}")
         if runner.cache.scratch is None:
             raise ValueError("static decode needs a KV cache with a scratch slot for its padded rows")
         self.weights = [LayerWeights.of(layer) for layer in runner.text_model.layers]
-        self.eps = config.rms_norm_eps
-        self.shape = (runner.num_heads, runner.kv_heads, runner.head_dim)
+        self.eps = runner.eps
+        self.shape = runner.shape
         self.flash = flash
         self.devices = sorted(set(runner.layer_devices) | {runner.input_device, runner.device}, key=str)
         self.rope = self._rope_tables()

@@ -170,8 +170,11 @@ async function answer() {
   const draw = () => {
     if (!dirty) return;
     dirty = false;
+    const box = $("messages");
+    const following = box.scrollHeight - box.scrollTop - box.clientHeight < 80; // the reader is at the bottom
     content.innerHTML = renderMarkdown(text);
     drawTiming(panel, timing);
+    if (following) box.scrollTop = box.scrollHeight;
   };
   const schedule = () => { if (!dirty) { dirty = true; requestAnimationFrame(draw); } };
   const controller = new AbortController();
@@ -203,6 +206,7 @@ async function answer() {
   dirty = true;
   draw();
   item.dataset.done = "true";
+  if (!item.isConnected) return false; // "New chat" ended it: the answer belongs to no conversation
   history.push({ role: "assistant", content: text });
   $("regenerate").disabled = false;
   return true;

@@ -10,7 +10,7 @@ ids, the config fields, the checkpoint's key names -- but the vision tower is 2 
 few MB and runs on a CPU in well under a second. The text model is the embedded gemma-3-270m, copied exactly,
 so on text-only prompts it gives the 270m model's logits.
 
-    python -m oai_gemma.engine.tiny_vision DIR     # builds DIR (once) and prints it
+    python -m oai_gemma.testing.tiny_vision DIR     # builds DIR (once) and prints it
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def build_tiny_multimodal(target: Path, *, seed: int = 0, source: Path | None = 
         if is_built(target, seed):
             return target
         if source is None:
-            from .loader import embedded_model_dir
+            from ..engine.loader import embedded_model_dir
 
             source = embedded_model_dir()
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
@@ -227,7 +227,7 @@ def tiny_tokenizer(source: Path):
     names the -it tokenizers carry (`tokenizer.boi_token`, `.image_token_id`...), and the chat template."""
     from transformers import AutoTokenizer
 
-    from .loader import chat_template_text
+    from ..engine.loader import chat_template_text
 
     tokenizer = AutoTokenizer.from_pretrained(source, extra_special_tokens=dict(EXTRA_SPECIAL_TOKENS))
     ids = {
@@ -278,7 +278,7 @@ def _build_into(staging: Path, source: Path, seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m oai_gemma.engine.tiny_vision",
+    parser = argparse.ArgumentParser(prog="python -m oai_gemma.testing.tiny_vision",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where to build the model (skipped if already built)")
     parser.add_argument("--seed", type=int, default=0)

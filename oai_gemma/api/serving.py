@@ -1,0 +1,131 @@
+"""The serving base every OpenAI route builds on, as vLLM's `OpenAIServing`.
+
+    HTTP body --OpenAIServing.decode--> wire request (msgspec Struct), checked: model, unsupported parameters,
+                                        `stream_options`
+              --build_prompt / encode--> chat.Prompt (token ids, images, cache keys)     [chat/prompt.py]
+              --the route's own mapping--> engine GenerationRequest (built once)          [sampling.py]
+              --submit--> engine Submission --choices.assemble--> deltas                  [choices.py]
+              --the route's encoder--> JSON response, or SSE `data: {...}` ... `data: [DONE]` (`sse`, `DONE`)
+
+The routes (`serving_chat.ChatService`, `serving_completions.CompletionService`, `serving_tokenize.TokenizeService`,
+the Responses API) are siblings: each subclasses `OpenAIServing`, and all are built once at start-up
+(`services.py`), sharing one `PromptBuilder`. Every refusal is an `APIError` (OpenAI's envelope, the right status).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..chat import ChatInputError, ChatMessage, Prompt, PromptBuilder
+from ..engine.engine import Engine, EngineBusyError, EngineDeadError, Submission
+from ..engine.types import GenerationRequest
+from .errors import APIError, busy, chat_input_error, decode_body, invalid_request, model_not_found, not_supported, unavailable
+from .protocol import encoder
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: Any) -> bytes:
+    """One server-sent event holding `payload` as JSON."""
+    return b"data: " + encoder.encode(payload) + b"\n\n"
+
+
+def sse_error(exc: APIError) -> bytes:
+    """A stream that fails after its status line: the error as its last event, then `[DONE]` (as vLLM does)."""
+    return sse(exc.body) + DONE
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What every service is built from, once at start-up."""
+
+    engine: Engine
+    served_name: str
+    max_model_len: int
+    prompts: PromptBuilder
+
+
+class OpenAIServing:
+    """The engine handle, the served name, `max_model_len`, prompt building, the common checks, submission."""
+
+    unsupported_why: dict[str, str] = {}
+    """Per parameter, why it is refused, where a generic "not supported yet" would mislead."""
+
+    def __init__(self, context: ServingContext):
+        self.engine = context.engine
+        self.served_name = context.served_name
+        self.max_model_len = context.max_model_len
+        self.prompts = context.prompts
+
+    # ---- request checks ---------------------------------------------------------------------------
+
+    def decode(self, decoder: msgspec.json.Decoder, body: bytes, *, model_required: bool = True):
+        """The wire request, checked (400/404 otherwise): it names the served model (a request that may leave
+        `model` unset skips that), sets no parameter this server does not do, `stream_options` only with `stream`."""
+        request = decode_body(decoder, body)
+        if model_required or request.model is not None:
+            self.check_model(request.model)
+        unsupported = getattr(request, "unsupported_parameter", lambda: None)()
+        if unsupported:
+            why = self.unsupported_why.get(unsupported)
+            raise invalid_request(why, unsupported, "unsupported_parameter") if why else not_supported(unsupported)
+        if getattr(request, "stream_options", None) is not None and not request.stream:
+            raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+        return request
+
+    def check_model(self, model: str) -> None:
+        if model != self.served_name:
+            raise model_not_found(model, self.served_name)
+
+    # ---- prompts ----------------------------------------------------------------------------------
+
+    async def build_prompt(self, messages: list[ChatMessage], **options) -> Prompt:
+        """`PromptBuilder.build_prompt`, its refusals as 400s (`options`: tool_prompt, add_generation_prompt,
+        add_special_tokens)."""
+        try:
+            return await self.prompts.build_prompt(messages, **options)
+        except ChatInputError as exc:
+            raise chat_input_error(exc, self.max_model_len) from None
+
+    async def encode(self, text: str, where: str, add_special_tokens: bool = False) -> list[int]:
+        """A text prompt's token ids; one that cannot fit the context is a 400 `context_length_exceeded`."""
+        try:
+            return await self.prompts.encode(text, where, add_special_tokens)
+        except ChatInputError as exc:
+            raise chat_input_error(exc, self.max_model_len) from None
+
+    def check_token_ids(self, ids: list[int], param: str, limit: int | None = None) -> None:
+        """Every id within the vocabulary (`limit`: its size; the sampler's by default), else a 400 naming `param`."""
+        limit = self.engine.vocab_limit if limit is None else limit
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < limit), None)  # -1 would fail the whole step
+        if bad is not None:
+            where = f"at {param}[{bad}] " if param == "tokens" else f"in `{param}` "
+            raise invalid_request(
+                f"token id {ids[bad]} {where}is outside the vocabulary (0 to {limit - 1})", param, "invalid_token_id"
+            )
+
+    # ---- the engine -------------------------------------------------------------------------------
+
+    def check_capacity(self, places: int = 1) -> None:
+        """A 429 (or 503) before the response starts unless `places` requests can take their place now."""
+        try:
+            self.engine.check_capacity()
+        except EngineBusyError as exc:
+            raise busy(exc) from None
+        except EngineDeadError as exc:
+            raise unavailable(exc) from None
+        free = self.engine.capacity - self.engine.in_flight
+        if places > free:
+            raise busy(EngineBusyError(f"{places} choices but {free} free places in the engine; retry shortly"))
+
+    def submit(self, generation: GenerationRequest) -> Submission:
+        """The request's place in the engine, or a 429/503."""
+        try:
+            return self.engine.generate(generation)
+        except EngineBusyError as exc:
+            raise busy(exc) from None
+        except EngineDeadError as exc:
+            raise unavailable(exc) from None

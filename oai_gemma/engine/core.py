@@ -1,0 +1,258 @@
+"""The engine thread: it owns the model and runs the step loop.
+
+Each step: take every queued request and cancellation (the inbox), admit waiting requests into free KV
+slots, run one forward pass over every running sequence's next token plus prefill chunks of new prompts,
+sample all rows at once, turn the tokens into events (engine/postprocess.py) and hand them to the event
+loop with one `loop.call_soon_threadsafe`. No thread per request, no polling, no lock around the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .grammar import GrammarMasks
+from .loader import LoadedModel
+from .memory import release_free_memory, slots_within_budget
+from .postprocess import Events, Limits, finish, postprocess
+from .runner import ModelRunner
+from .sampler import RowRandom, sample_with_logprobs, token_logprobs
+from .scheduler import Scheduler, Sequence, Step
+from .types import GenerationRequest
+
+log = logging.getLogger("oai_gemma.engine")
+
+
+class EngineCore:
+    def __init__(
+        self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
+        kv_cache_gib: float = 0.0, compile: str = "auto", static_decode: bool | None = None,
+    ):
+        self.tokenizer = loaded.tokenizer
+        config = loaded.model.config
+        self.image_token_id = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
+        self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
+        self.limits = Limits(frozenset(loaded.eos_token_ids), max_model_len)
+        self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
+        num_slots = slots_within_budget(loaded.text_config, loaded.dtype, max_num_seqs, max_model_len, kv_cache_gib)
+        # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
+        longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
+        self.runner = ModelRunner(
+            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
+            compile=compile, static_decode=static_decode,
+        )
+        log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
+        self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_reason: str | None = None
+        self.steps = 0
+
+    # ---- called from the event loop (thread-safe: messages through the inbox) ---------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="oai-gemma-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    def add(self, request: GenerationRequest, sink: asyncio.Queue) -> None:
+        self._inbox.put(("add", request, sink))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id, None))
+
+    def abort_all(self, reason: str) -> None:
+        self._inbox.put(("abort_all", reason, None))
+
+    def stats(self) -> dict[str, float]:
+        """A snapshot read from the event loop, not a lock. `kv_cache_usage`: the share of slots held (0..1)."""
+        slots = self.runner.cache.num_slots
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps,
+            "kv_cache_usage": (slots - len(self.scheduler.slots)) / slots,
+        }
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    if not self.scheduler.has_work():
+                        release_free_memory()
+                    self._take_inbox(block=not self.scheduler.has_work())
+                    if self.scheduler.has_work():
+                        self._step()
+        except BaseException as exc:  # the loop itself broke: fail everyone, report dead
+            self.dead_reason = f"engine loop died: {exc!r}"
+            log.exception("engine loop died")
+            self._fail_all(self.dead_reason)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(block=block)
+            while True:
+                if message is None:
+                    return
+                kind, payload, sink = message
+                if kind == "add":
+                    self._admit(payload, sink)
+                elif kind == "abort_all":
+                    self._fail_all(payload, "aborted")
+                else:
+                    for seq in self.scheduler.find(payload):  # its consumer is gone (that is why it cancelled): no event to send
+                        finish(self.scheduler, seq, "cancelled", [])
+                message = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _sequence(self, request: GenerationRequest, sink, index: int) -> Sequence:
+        seed = request.sampling.seed
+        return Sequence(
+            request=request,
+            sink=sink,
+            # each choice its own stream of uniforms, still reproducible from the request's seed
+            random=RowRandom(seed if seed is None or index == 0 else hash((seed, index))),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            stopper=StopMatcher(request.sampling.stop),
+            cache_keys=list(request.prompt_token_ids),
+            index=index,
+            matcher=None if request.grammar is None else request.grammar.matcher(
+                budget=min(request.sampling.max_tokens, self.limits.max_model_len - len(request.prompt_token_ids) - 1)
+            ),
+        )
+
+    def _admit(self, request: GenerationRequest, sink) -> None:
+        prompt = request.prompt_token_ids
+        seq = self._sequence(request, sink, 0)
+        seq.forks = [self._sequence(request, sink, index) for index in range(1, request.n)]
+        error = None
+        if not prompt or len(prompt) + 1 > self.limits.max_model_len:
+            error = f"prompt of {len(prompt)} tokens does not fit the context"
+        elif request.pixel_values is not None:
+            try:
+                self._attach_images(seq)
+            except Exception as exc:  # a bad image fails its own request only
+                log.exception("vision tower failed")
+                error = f"image processing failed: {exc}"
+        if error:
+            events: Events = []
+            finish(self.scheduler, seq, "error", events, error=error)
+            self._deliver(events)
+            return
+        for fork in seq.forks:  # should a fork prefill on its own after all (no free slot), it needs these too
+            fork.cache_keys, fork.image_spans, fork.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
+        self.scheduler.add(seq)
+
+    def _attach_images(self, seq: Sequence) -> None:
+        """Run the vision tower once at admission; mark each image block for the mask and the prefix cache."""
+        spans = token_runs(seq.prompt_ids, self.image_token_id)
+        keys = seq.request.crop_keys
+        if len(spans) != len(keys):
+            raise ValueError(f"{len(spans)} image blocks in the prompt but {len(keys)} crops")
+        seq.image_spans = tuple(spans)
+        seq.image_embeds = self.runner.image_features(seq.request.pixel_values)
+        for (start, end), key in zip(spans, keys):
+            seq.cache_keys[start:end] = [-1 - key % 2**62] * (end - start)
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule(time.perf_counter())
+        try:
+            logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
+            self._prompt_logprobs(step)
+            logits, sampled = self._fork(logits, step.sampled)
+            logits = self.grammar_masks.apply(logits, [seq.matcher for seq in sampled])
+            tokens, logprobs = sample_with_logprobs(logits, sampled, self.limits.eos_token_ids)
+        except Exception as exc:  # the culprits fail alone; the engine keeps serving
+            log.exception("engine step failed")
+            # a new prompt (huge, or with a bad image) is the likely cause: fail the prefills and let the
+            # decodes run again next step (rewriting their KV entry is harmless); a decode-only step that
+            # failed has no better suspect than all of it
+            events: Events = []
+            for seq in step.prefill_owners or step.decode_owners:
+                finish(self.scheduler, seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
+            self._deliver(events)
+            return
+        step.advance()
+        self.steps += 1
+        self._deliver(postprocess(self.scheduler, self.limits, sampled, tokens, logprobs, time.perf_counter()))
+
+    def _prompt_logprobs(self, step: Step) -> None:
+        """Add each flagged prefill chunk's prompt logprobs to its sequence: the hidden state at position p
+        predicts prompt token p + 1 (the chunk's last position predicts the next chunk's first token, or,
+        on the last chunk, the first output token: that one is sampled, not reported here)."""
+        size = self.runner.row_buckets[-1]
+        for seq, item in zip(step.prefill_owners, step.prefills):
+            if item.hidden is None:
+                continue
+            if item.start == 0:
+                seq.prompt_logprobs = [None]  # the first token has nothing before it
+            targets = seq.prompt_ids[item.start + 1 : item.start + len(item.token_ids) + 1]
+            top = seq.sampling.prompt_logprobs
+            for lo in range(0, len(targets), size):  # a slice at a time: a chunk's full logits would be large
+                logits = self.runner.logits_of(item.hidden[lo : lo + size])[:, : self.vocab_limit]
+                part = targets[lo : lo + size]
+                seq.prompt_logprobs += token_logprobs(logits, part, [top] * len(part))
+            item.hidden = None
+
+    def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Choices 1..n-1 of a request whose prompt just finished prefilling: copy its KV into their slots
+        and give them its logits row to sample from, each with its own randomness."""
+        rows, children = [], []
+        for row, seq in enumerate(sampled):
+            if seq.forks:
+                for child in self.scheduler.fork(seq, time.perf_counter()):
+                    self.runner.cache.copy_slot(seq.slot, child.slot)
+                    child.prompt_logprobs = seq.prompt_logprobs
+                    rows.append(row)
+                    children.append(child)
+        if not children:
+            return logits, sampled
+        return torch.cat((logits, logits[rows])), sampled + children
+
+    def _fail_all(self, reason: str, finish_reason: str = "error") -> None:
+        events: Events = []
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            finish(self.scheduler, seq, finish_reason, events, error=reason)
+        self._deliver(events)
+
+    def _deliver(self, events: Events) -> None:
+        if events and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_put_all, events)
+
+
+def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of `token` in `ids`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _put_all(events: Events) -> None:
+    for sink, event in events:
+        sink.put_nowait(event)

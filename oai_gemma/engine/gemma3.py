@@ -1,0 +1,89 @@
+"""One Gemma-3 decoder layer's math, shared by the dynamic runner and the static decode step.
+
+A layer is attention between two plain functions of tensors: `pre_attention` (norm, q/k/v projections,
+q/k norms, rope) and `post_attention` (output projection, residuals, gated-GELU MLP). The weights are
+arguments, not module state, so `torch.compile` compiles each function once for every layer (static decode),
+and the projections go through `linear`: `F.linear` over plain tensors by default, or a call of the
+CPU's pre-packed oneDNN weights (`engine/linear.py`, `call_linear`) in the dynamic runner.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+SLIDING = "sliding_attention"
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors (projections: tensors, or whatever `linear` takes)."""
+
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+
+    @classmethod
+    def of(cls, layer, projection=torch.Tensor.detach) -> LayerWeights:
+        """Plain (detached) tensors, not Parameters: dynamo then guards on their shapes, never on which layer.
+        `projection` turns each projection's weight into what `linear` takes (default: the tensor)."""
+        a, m = layer.self_attn, layer.mlp
+        weights = (
+            layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
+            a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
+            layer.pre_feedforward_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+            layer.post_feedforward_layernorm.weight,
+        )
+        projections = {1, 2, 3, 6, 9, 10, 11}
+        return cls(*(projection(t) if i in projections else t.detach() for i, t in enumerate(weights)))
+
+
+def check_supported(config) -> None:
+    """Refuse what this layer does not implement, rather than compute something else."""
+    if getattr(config, "attention_bias", False):
+        raise ValueError("attention projections with bias are not supported by this runner (Gemma-3 has none)")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError("attention logit soft-capping (Gemma-2 style) is not supported by this runner")
+    if config.hidden_activation not in GELU_TANH:
+        raise ValueError(f"this runner implements Gemma-3's tanh GELU, not {config.hidden_activation}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-3's RMSNorm (transformers' Gemma3RMSNorm): in float32, scaled by (1 + weight), then cast back."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).type_as(x)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def pre_attention(hidden, w: LayerWeights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, linear=F.linear):
+    """hidden [B, H] -> q [B, heads, D], k and v [B, kv_heads, D], normed and rotated."""
+    x = rms_norm(hidden, w.input_norm, eps)
+    q = rms_norm(linear(x, w.q).view(-1, heads, head_dim), w.q_norm, eps)
+    k = rms_norm(linear(x, w.k).view(-1, kv_heads, head_dim), w.k_norm, eps)
+    v = linear(x, w.v).view(-1, kv_heads, head_dim)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def post_attention(hidden, attn, w: LayerWeights, eps: float, linear=F.linear):
+    """Output projection, residuals and the gated-GELU MLP of one layer."""
+    hidden = hidden + rms_norm(linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps)
+    x = rms_norm(hidden, w.pre_feedforward_norm, eps)
+    mlp = linear(F.gelu(linear(x, w.gate), approximate="tanh") * linear(x, w.up), w.down)
+    return hidden + rms_norm(mlp, w.post_feedforward_norm, eps)

@@ -1,0 +1,95 @@
+"""After sampling: each sampled token becomes its sequence's next TokenEvent, and ends it when it should.
+
+One function, as nano-vllm's `postprocess`: append the token, turn it into text (incremental detokenizer,
+stop strings), advance the grammar, check the end conditions (stop token, stop string, complete document,
+max_tokens, context), and free the slot of every sequence that finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .scheduler import Scheduler, Sequence
+from .types import TokenEvent
+
+Events = list[tuple[object, TokenEvent]]
+"""(the sequence's sink, its event): what a step hands to the event loop."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+def postprocess(scheduler: Scheduler, limits: Limits, sampled: list[Sequence], tokens, logprobs, now: float) -> Events:
+    """The events of one step's sampled tokens (rows in the order of `sampled`); finished sequences leave."""
+    events: Events = []
+    for seq, token, entry in zip(sampled, tokens, logprobs):
+        first = not seq.output_ids
+        error = None
+        if seq.sampling.max_tokens == 0:  # only the prompt's logprobs were wanted (`echo`): drop the sampled token
+            token = entry = None
+            text, finish = "", "length"
+        else:
+            seq.output_ids.append(token)
+            if _ends_turn(limits, seq, token):
+                entry = None  # the stop token is not part of the output, nor of its logprobs
+            text, finish, error = _outcome(limits, seq, token)
+        event = make_event(seq, token, text, now, finish, error)
+        if entry is not None:
+            event.logprob, event.top_logprobs = entry
+        if first:
+            event.scheduled_time = seq.scheduled_time
+            event.prompt_logprobs = seq.prompt_logprobs
+        events.append((seq.sink, event))
+        if finish:
+            scheduler.finish(seq)
+    return events
+
+
+def _ends_turn(limits: Limits, seq: Sequence, token: int) -> bool:
+    return token in limits.eos_token_ids and not seq.sampling.ignore_eos
+
+
+def _outcome(limits: Limits, seq: Sequence, token: int) -> tuple[str, str | None, str | None]:
+    """(the text `token` completes, the finish reason if it ends the sequence, an error) once appended."""
+    # a document closed early to fit its token budget ends as the budget would have ended it
+    done = "length" if seq.matcher is not None and seq.matcher.cut_short else "stop"
+    if _ends_turn(limits, seq, token):
+        return seq.stopper.flush(), done, None
+    text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
+    if stopped:
+        return text, "stop", None
+    if seq.matcher is not None and not seq.matcher.consume_token(token):
+        return "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
+    if seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
+        return text + seq.stopper.flush(), done, None
+    if len(seq.output_ids) >= seq.sampling.max_tokens or seq.num_computed + 1 >= limits.max_model_len:
+        return text + seq.stopper.flush(), "length", None
+    return text, None, None
+
+
+def make_event(seq: Sequence, token, text: str, now: float, finish, error: str | None = None) -> TokenEvent:
+    return TokenEvent(
+        request_id=seq.request_id,
+        token_id=token,
+        text=text,
+        timestamp=now,
+        finish_reason=finish,
+        num_prompt_tokens=len(seq.prompt_ids),
+        num_output_tokens=len(seq.output_ids),
+        num_cached_tokens=seq.num_cached,
+        error=error,
+        index=seq.index,
+    )
+
+
+def finish(scheduler: Scheduler, seq: Sequence, reason: str, events: Events, error: str | None = None, cache_valid: bool = True) -> None:
+    """End a sequence outside the token path (cancelled, failed, aborted): its last event, its slot freed."""
+    scheduler.finish(seq, cache_valid)
+    events.append((seq.sink, make_event(seq, None, "", time.perf_counter(), reason, error)))
+    for fork in seq.forks:  # choices that never started end with the one they were waiting for
+        finish(scheduler, fork, reason, events, error)
+    seq.forks = []

@@ -1,0 +1,84 @@
+"""One request's events on the event loop: an async iterator over its asyncio queue, with its time limits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from .types import GenerationRequest, TokenEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Submission:
+    """One request's events as an async iterator, and its place in the engine until closed.
+
+    A class, not an async generator: closing must free the place even if iteration never started.
+    A request that runs past its total time, or waits too long for its next event, ends with a last
+    event of finish_reason `timeout` (and is cancelled in the engine).
+    """
+
+    def __init__(self, engine: Engine, request: GenerationRequest, timeout: float = 0.0, idle_timeout: float = 0.0):
+        self.engine = engine
+        self.request = request
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.unfinished = request.n
+        """Choices still generating: the submission ends with the last one's last event."""
+        self.finished = False
+        self.closed = False
+        self.deadline = request.arrival_time + timeout if timeout else None
+        self.idle_timeout = idle_timeout or None
+
+    def __aiter__(self) -> "Submission":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        limit, wait = "idle", self.idle_timeout  # whichever limit comes first is the one armed
+        if self.deadline is not None:
+            left = self.deadline - time.perf_counter()
+            if wait is None or left < wait:
+                limit, wait = "total", left
+        if not self.events.empty():
+            event = self.events.get_nowait()
+        elif wait is None:
+            event = await self.events.get()
+        else:
+            try:
+                event = await asyncio.wait_for(self.events.get(), max(wait, 0.0))
+            except TimeoutError:
+                event = self._timed_out(limit)
+                self.engine.cancel(self.request.request_id)
+                self.unfinished = 1  # the timeout ends every choice
+        self.engine.observer.on_event(self.request, event)
+        if event.finish_reason is not None:
+            self.unfinished -= 1
+            if not self.unfinished:
+                self.finished = True
+                self.close()
+        return event
+
+    def _timed_out(self, limit: str) -> TokenEvent:
+        why = (
+            f"the request ran past the server's request timeout ({self.deadline - self.request.arrival_time:g} s)"
+            if limit == "total" else f"no token for {self.idle_timeout:g} s (the server's idle timeout)"
+        )
+        return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "timeout", error=why)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.in_flight -= self.request.n
+        if not self.finished:
+            self.engine.cancel(self.request.request_id)
+        self.engine.observer.on_close(self.request, cancelled=not self.finished)
+
+    async def __aenter__(self) -> "Submission":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()

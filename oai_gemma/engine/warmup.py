@@ -1,0 +1,58 @@
+"""Warm-up: every step shape run once before the server says it is ready, so that no user request pays
+for kernel compilation (oneDNN per shape on a CPU, CUDA graphs and the grammar mask kernel on a GPU)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .grammar import GrammarCompiler, GrammarMasks, StructuredOutputUnavailable
+from .runner import StepItem
+from .sampler import PlainRow, RowRandom, sample_with_logprobs
+from .types import SamplingParams
+
+if TYPE_CHECKING:
+    from .core import EngineCore
+
+log = logging.getLogger("oai_gemma.engine")
+
+
+def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
+    """Each token-count bucket, each logits-row bucket, both sampling paths, on a GPU every static decode
+    bucket's CUDA graph and the grammar mask kernel (`grammars()` waits for the compiler's build)."""
+    runner = core.runner
+    for size in runner.token_buckets:
+        runner.forward([StepItem(0, [0] * min(size, core.limits.max_model_len), 0)], [])
+    for rows in runner.row_buckets:
+        logits = runner.forward([], [StepItem(slot % runner.cache.num_slots, [0], 0) for slot in range(rows)])
+    runner.capture_decode_graphs()
+    rows = [
+        PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),
+        PlainRow(
+            SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.1, logprobs=5),
+            RowRandom(1),
+        ),
+    ]
+    sample_with_logprobs(logits[:1].repeat(2, 1), rows, core.limits.eos_token_ids)
+    if runner.device.type != "cpu":  # a GPU's mask kernel compiles on its first call: pay that before ready
+        try:
+            core.grammar_masks.apply(logits[:1, : core.vocab_limit].clone(), [grammars().json_object().matcher()])
+        except StructuredOutputUnavailable:
+            pass  # logged by build_grammars; the server serves without structured output
+
+
+def build_grammars(tokenizer, eos_token_ids: list[int], masks: GrammarMasks, vocab_limit: int, device: torch.device) -> GrammarCompiler:
+    """The grammar compiler (seconds of one core: the vocabulary's token trie). It runs beside warm-up and
+    serving: on a CPU the server is ready without it, and a structured request in the first seconds waits for
+    it (off the event loop). The CPU mask kernel is warmed here too; a GPU's is warmed on the engine thread,
+    which owns the device (`warm_up`)."""
+    try:
+        compiler = GrammarCompiler(tokenizer, eos_token_ids)
+        if device.type == "cpu":
+            masks.apply(torch.zeros(1, vocab_limit), [compiler.json_object().matcher()])
+    except Exception as exc:  # a tokenizer llguidance cannot read (e.g. a stand-in): serve without it
+        log.warning("structured output is unavailable for this tokenizer: %s", exc)
+        raise
+    return compiler
