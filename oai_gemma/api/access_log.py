@@ -21,6 +21,7 @@ import msgspec
 log = logging.getLogger("oai_gemma.access")
 
 REQUEST_ID_HEADER = b"x-request-id"
+SCOPE_KEY = "oai_gemma.access_record"
 _MAX_CLIENT_ID = 128
 
 
@@ -57,6 +58,13 @@ class AccessRecord:
     done: bool = False
     """The line is written: engine news arriving later (a stream closed after the response) goes to the metrics only."""
 
+    def refine(self, request_id: str, reason: str) -> None:
+        """The API layer's finish reason for an engine request (`stop` -> `tool_calls`), counted instead of the
+        engine's once the response is over."""
+        stats = self.generations.get(request_id)
+        if stats is not None:
+            stats.outcome = reason
+
     def outcomes(self) -> list[str]:
         found = [g.outcome for g in self.generations.values() if g.outcome]
         return found + ["rejected"] if self.rejected else found
@@ -92,11 +100,15 @@ def current_record() -> AccessRecord | None:
 
 
 def set_finish_reason(request_id: str, reason: str) -> None:
-    """Let the API layer rename an engine outcome it refined (`stop` -> `tool_calls`) before it is counted."""
+    """`refine` on the current request's record (for code that has no handle on it)."""
     record = _current.get()
-    stats = record.generations.get(request_id) if record else None
-    if stats is not None:
-        stats.outcome = reason
+    if record is not None:
+        record.refine(request_id, reason)
+
+
+def record_of(scope) -> AccessRecord | None:
+    """The record of the HTTP request whose ASGI `scope` this is (a route hands it to the service)."""
+    return scope.get(SCOPE_KEY)
 
 
 def request_id_from(headers) -> str:
@@ -122,6 +134,7 @@ def access_log_middleware(app, on_done: Callable[[AccessRecord], None], keep_bod
             body=bytearray() if keep_body else None,
         )
         token = _current.set(record)
+        scope = {**scope, SCOPE_KEY: record}
 
         async def receive_and_keep():
             message = await receive()

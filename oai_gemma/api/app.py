@@ -1,5 +1,5 @@
-"""The Litestar app: routes, the OpenAI error envelope for every failure, and model loading in the
-background so `/health` can answer 503 while loading and 200 once the warmed-up engine is ready."""
+"""The Litestar app: the routes (`routes.py`), API keys, the OpenAI error envelope for every failure, and model
+loading in the background so `/health` can answer 503 while loading and 200 once the warmed-up engine is ready."""
 
 from __future__ import annotations
 
@@ -9,29 +9,22 @@ import logging
 import threading
 import time
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
-from litestar.response import Stream
 
 from ..engine.engine import Engine
 from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
-from .errors import APIError, model_not_found
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .exchange import exchange_middleware
+from .errors import APIError
 from .metrics import ServerMetrics
-from .openapi import HEALTH, add_wire_components, documented
+from .openapi import add_wire_components
 from .playground import playground_paths, playground_routes
-from .protocol import (
-    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
-)
+from .routes import JSON, ROUTES
 from .services import Services
-from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 log = logging.getLogger("oai_gemma.server")
-
-JSON = "application/json"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ServerState:
@@ -107,65 +100,8 @@ async def _until(condition, timeout: float) -> bool:
     return True
 
 
-def _json(payload, status: int = 200) -> Response:
-    return Response(content=encoder.encode(payload), media_type=JSON, status_code=status)
-
-
 def create_app(settings: Settings) -> Litestar:
     state = ServerState(settings)
-
-    @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.perf_counter()
-        chat = state.require_ready().chat
-        prepared = await chat.prepare(await request.body(), arrival)
-        if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
-            return Stream(chat.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
-        return Response(content=await unless_disconnected(request, chat.complete(prepared)), media_type=JSON)
-
-    @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
-    async def completions(request: Request) -> Response:
-        arrival = time.perf_counter()
-        service = state.require_ready().completions
-        prepared = await service.prepare(await request.body(), arrival)
-        if prepared.request.stream:
-            return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
-        return Response(content=await unless_disconnected(request, service.complete(prepared)), media_type=JSON)
-
-    @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
-    async def tokenize_route(request: Request) -> Response:
-        service = state.require_ready().tokenize
-        return Response(content=await service.tokenize(await request.body()), media_type=JSON)
-
-    @post("/detokenize", status_code=200, operation_class=documented(DetokenizeResponse, request=DetokenizeRequest))
-    async def detokenize_route(request: Request) -> Response:
-        service = state.require_ready().tokenize
-        return Response(content=service.detokenize(await request.body()), media_type=JSON)
-
-    def card() -> ModelCard:
-        return ModelCard(id=state.served_name, created=state.created, max_model_len=settings.model.max_model_len)
-
-    @get("/v1/models", operation_class=documented(ModelList, errors=(401,)))
-    async def list_models() -> Response:
-        return _json(ModelList(data=[card()]))
-
-    @get("/v1/models/{model_id:path}", operation_class=documented(ModelCard, errors=(401, 404)))
-    async def retrieve_model(model_id: str) -> Response:
-        if model_id.lstrip("/") != state.served_name:
-            raise model_not_found(model_id.lstrip("/"), state.served_name)
-        return _json(card())
-
-    @get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))
-    async def health() -> Response:
-        if state.ready and not state.draining:
-            stats = state.engine.stats()
-            return _json({"status": "ok", "model": state.served_name, **stats})
-        reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
-        return _json({"status": "unavailable", "reason": reason}, status=503)
-
-    @get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
-    async def metrics() -> Response:
-        return Response(content=state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def on_startup() -> None:
         state.start_loading(asyncio.get_running_loop())
@@ -181,10 +117,7 @@ def create_app(settings: Settings) -> Litestar:
         log.warning("no API key configured: the server is open to anyone who can reach it")
     app = Litestar(
         before_request=_require_key(keys, open_paths) if keys else None,
-        route_handlers=[
-            chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics,
-            *playground_routes(settings),
-        ],
+        route_handlers=[*ROUTES, *playground_routes(settings)],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
@@ -193,33 +126,12 @@ def create_app(settings: Settings) -> Litestar:
     add_wire_components(app)
     app.state.server = state
     # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
-    app.asgi_handler = access_log_middleware(app.asgi_handler, state.metrics.count_outcomes, settings.server.log_request_text)
+    # the exchange inside the access log: what a request still holds in the engine is given back before its line
+    handler = exchange_middleware(app.asgi_handler)
+    app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text)
     return app
 
 
-async def unless_disconnected(request: Request, work) -> bytes:
-    """Await `work`; if the client disconnects first, cancel it (which cancels its engine request at once).
-
-    Litestar does not cancel a handler whose client went away, so a non-streaming request would otherwise
-    keep its batch slot until its last token.
-    """
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise APIError(499, "the client closed the connection", "invalid_request_error", None, "client_closed_request")
-    return task.result()
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns once the ASGI server reports that the client is gone (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 def open_without_key(settings: Settings) -> frozenset[str]:
     """`/health` and `/metrics` answer without an API key unless their switch says otherwise."""
     server = settings.server

@@ -94,6 +94,10 @@ class SamplingRequest(Struct, kw_only=True, omit_defaults=True):
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     ignore_eos: bool | None = None
 
+    def unsupported_parameter(self) -> str | None:
+        """The first known parameter set to something this server does not do (yet), else None."""
+        return None
+
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
     model: str

@@ -23,7 +23,7 @@ from ..chat import ChatInputError, ChatMessage, Prompt, PromptBuilder
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError, Submission
 from ..engine.types import GenerationRequest
 from .errors import APIError, busy, chat_input_error, decode_body, invalid_request, model_not_found, not_supported, unavailable
-from .protocol import encoder
+from .protocol import SamplingRequest, encoder
 
 DONE = b"data: [DONE]\n\n"
 
@@ -63,18 +63,22 @@ class OpenAIServing:
     # ---- request checks ---------------------------------------------------------------------------
 
     def decode(self, decoder: msgspec.json.Decoder, body: bytes, *, model_required: bool = True):
-        """The wire request, checked (400/404 otherwise): it names the served model (a request that may leave
-        `model` unset skips that), sets no parameter this server does not do, `stream_options` only with `stream`."""
+        """The wire request, checked (a 400/404 otherwise): it names the served model (a request that may leave
+        `model` unset skips that when it does); a chat or completions request also `check_options`."""
         request = decode_body(decoder, body)
         if model_required or request.model is not None:
             self.check_model(request.model)
-        unsupported = getattr(request, "unsupported_parameter", lambda: None)()
+        if isinstance(request, SamplingRequest):
+            self.check_options(request.unsupported_parameter(), request.stream_options, request.stream)
+        return request
+
+    def check_options(self, unsupported: str | None, stream_options: object | None, stream: bool | None) -> None:
+        """No parameter this server does not do (`unsupported`: the first one set), `stream_options` only with `stream`."""
         if unsupported:
             why = self.unsupported_why.get(unsupported)
             raise invalid_request(why, unsupported, "unsupported_parameter") if why else not_supported(unsupported)
-        if getattr(request, "stream_options", None) is not None and not request.stream:
+        if stream_options is not None and not stream:
             raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
-        return request
 
     def check_model(self, model: str) -> None:
         if model != self.served_name:
@@ -122,7 +126,9 @@ class OpenAIServing:
             raise busy(EngineBusyError(f"{places} choices but {free} free places in the engine; retry shortly"))
 
     def submit(self, generation: GenerationRequest) -> Submission:
-        """The request's place in the engine, or a 429/503."""
+        """The request's place in the engine (room for all its `n` choices), or a 429/503; decided at once, with no
+        await between the check and the taking, so concurrent requests cannot overfill the engine."""
+        self.check_capacity(generation.n)
         try:
             return self.engine.generate(generation)
         except EngineBusyError as exc:

@@ -16,8 +16,9 @@ import msgspec
 
 from ..chat import Prompt
 from ..chat.tools import ToolPlan
+from ..engine.engine import Submission
 from ..engine.types import GenerationRequest, TokenEvent
-from .access_log import set_finish_reason
+from .exchange import Exchange
 from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, ToolCallStart, assemble, indexed
 from .errors import APIError, generation_failure, invalid_request
 from .protocol import (
@@ -65,7 +66,6 @@ class ChatService(OpenAIServing):
         tools = plan_tools(request)
         prompt = await self.build_prompt(request.messages, tool_prompt=tools and tools.prompt())
         generation = await self._generation(request, prompt, tools, arrival)
-        self.check_capacity()
         return PreparedChat(request, generation, int(time.time()), tools)
 
     async def _generation(
@@ -90,7 +90,7 @@ class ChatService(OpenAIServing):
 
     # ---- engine -> response -----------------------------------------------------------------------
 
-    async def complete(self, prepared: PreparedChat) -> bytes:
+    async def complete(self, prepared: PreparedChat, exchange: Exchange) -> bytes:
         """The whole `chat.completion`: the assemblers fold the deltas as they go."""
         assemblers = self._assemblers(prepared)
         async with self.submit(prepared.generation) as submission:
@@ -98,7 +98,7 @@ class ChatService(OpenAIServing):
                 pass
         if not all(a.done for a in assemblers.values()):
             raise generation_failure(None)
-        self._report(prepared, assemblers.values())
+        _report(prepared, assemblers.values(), exchange)
         choices = [self._choice(a, prepared) for a in assemblers.values()]
         usage = _usage([a.last for a in assemblers.values()])
         response = ChatCompletion(prepared.generation.request_id, prepared.created, self.served_name, choices, usage)
@@ -110,14 +110,16 @@ class ChatService(OpenAIServing):
         logprobs = ChoiceLogprobs(logprob_entries(self.engine.token_text, assembler.tokens)) if assembler.logprobs else None
         return Choice(assembler.index, message, assembler.finish_reason, logprobs)
 
-    async def stream(self, prepared: PreparedChat) -> AsyncIterator[bytes]:
+    def stream(self, prepared: PreparedChat, exchange: Exchange) -> AsyncIterator[bytes]:
+        """Takes the request's place in the engine now (a 429 or 503 before the status line), held by the exchange
+        until the stream ends; then the stream's events."""
+        submission = self.submit(prepared.generation)
+        exchange.hold(submission)
+        return self._stream(prepared, submission, exchange)
+
+    async def _stream(self, prepared: PreparedChat, submission: Submission, exchange: Exchange) -> AsyncIterator[bytes]:
         """`chat.completion.chunk` events: a role chunk per choice, then each delta as it comes, usage, `[DONE]`."""
         chunks = _ChunkEncoder(self, prepared)
-        try:
-            submission = self.submit(prepared.generation)  # takes its place before the first byte
-        except APIError as exc:
-            yield sse_error(exc)
-            return
         assemblers = self._assemblers(prepared)
         async with submission:
             for index in assemblers:
@@ -129,18 +131,11 @@ class ChatService(OpenAIServing):
             except APIError as exc:  # one choice failed: the request fails (the rest is cancelled)
                 yield sse_error(exc)
                 return
-        self._report(prepared, assemblers.values())
+        _report(prepared, assemblers.values(), exchange)
         finished = [a.last for a in assemblers.values() if a.finish_reason is not None]
         if chunks.include_usage and finished:
             yield chunks.usage(_usage(finished))
         yield DONE
-
-    def _report(self, prepared: PreparedChat, assemblers) -> None:
-        """A tool-call answer's refined finish reason (`tool_calls`) is the one the metrics count."""
-        if prepared.tools is not None:
-            called = [a.finish_reason for a in assemblers if a.tool_calls is not None]
-            if called:
-                set_finish_reason(prepared.generation.request_id, called[0])
 
 class _ChunkEncoder:
     """Deltas -> `chat.completion.chunk` SSE events of one response."""
@@ -180,6 +175,13 @@ def logprob_entries(token_text, events: tuple[TokenEvent, ...] | list[TokenEvent
 def _top(token_text, token_id: int, logprob: float) -> TopLogprob:
     text, raw = token_text(token_id)
     return TopLogprob(text, logprob, raw)
+
+
+def _report(prepared: PreparedChat, assemblers, exchange: Exchange) -> None:
+    """A tool-call answer's finish reason (`tool_calls`, not the engine's `stop`) is the one the metrics count."""
+    called = [a.finish_reason for a in assemblers if a.tool_calls is not None]
+    if called:
+        exchange.refine(prepared.generation.request_id, called[0])
 
 
 def _wire_delta(delta: ChoiceDelta) -> Delta:

@@ -31,6 +31,7 @@ from .protocol import (
     encoder,
 )
 from .sampling import choice_count, completion_budget, sampling_params
+from .exchange import Exchange
 from .serving import DONE, OpenAIServing, sse, sse_error
 
 DEFAULT_MAX_TOKENS = 16
@@ -93,7 +94,6 @@ class CompletionService(OpenAIServing):
         for index, (text, ids, bos_added) in enumerate(await self._prompts(request.prompt)):
             generation = self._generation(request, ids, f"{rid}-{index}", arrival, n)
             prompts.append(PlannedPrompt(index, text, ids, bos_added, generation))
-        self.check_capacity(n * sum(p.generation is not None for p in prompts))
         return PreparedCompletion(request, rid, int(time.time()), prompts, n)
 
     async def _prompts(self, prompt: str | list) -> list[tuple[str, list[int], bool]]:
@@ -129,7 +129,8 @@ class CompletionService(OpenAIServing):
         return GenerationRequest(rid, ids, sampling, arrival, n=n)
 
     def _submit(self, prepared: PreparedCompletion) -> dict[int, Submission]:
-        """Every generating prompt's submission, all or none."""
+        """Every generating prompt's submission, all or none (a 429 unless all can take their places now)."""
+        self.check_capacity(prepared.n * len([p for p in prepared.prompts if p.generation is not None]))
         submissions: dict[int, Submission] = {}
         try:
             for prompt in prepared.prompts:
@@ -159,7 +160,7 @@ class CompletionService(OpenAIServing):
 
     # ---- engine -> response -----------------------------------------------------------------------
 
-    async def complete(self, prepared: PreparedCompletion) -> bytes:
+    async def complete(self, prepared: PreparedCompletion, exchange: Exchange) -> bytes:
         outputs = self._outputs(prepared)
         assemblers = {o.index: o.assembler for o in outputs if o.assembler is not None}
         async with aclosing(merged(self._submit(prepared), prepared.n)) as events:
@@ -178,17 +179,20 @@ class CompletionService(OpenAIServing):
         response = Completion(prepared.id, prepared.created, self.served_name, choices, usage=_usage(prepared, outputs))
         return encoder.encode(response)
 
-    async def stream(self, prepared: PreparedCompletion) -> AsyncIterator[bytes]:
+    def stream(self, prepared: PreparedCompletion, exchange: Exchange) -> AsyncIterator[bytes]:
+        """Takes every prompt's place in the engine now (a 429 or 503 before the status line), held by the exchange
+        until the stream ends; then the stream's chunks."""
+        submissions = self._submit(prepared)
+        for submission in submissions.values():
+            exchange.hold(submission)
+        return self._stream(prepared, submissions)
+
+    async def _stream(self, prepared: PreparedCompletion, submissions: dict[int, Submission]) -> AsyncIterator[bytes]:
         """A chunk per event that brings text or an end; with `echo`, the prompt first (or, with logprobs, with
         the choice's first event, which brings the prompt's logprobs)."""
         request = prepared.request
         waits = request.logprobs is not None  # an echo waits for its prompt's logprobs
         outputs = self._outputs(prepared, lead=waits)
-        try:
-            submissions = self._submit(prepared)  # takes their places before the first byte
-        except APIError as exc:
-            yield sse_error(exc)
-            return
         for output in outputs:
             if request.echo and (output.assembler is None or not waits):
                 yield self._chunk(prepared, CompletionChoice(output.index, output.plan.prompt_text, None, output.finish_reason))

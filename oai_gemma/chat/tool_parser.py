@@ -128,40 +128,66 @@ def _json_spans(body: str) -> list[_CallSpan]:
     """The call objects of a JSON answer, complete or cut short: each one's name once its string is complete,
     and the span of its arguments when they are an object (`parameters` or `arguments`). A scan over the text,
     not a parse: it never fails, it only finds less in text that is not a call."""
-    spans: list[_CallSpan] = []
-    call_depth = 1 if body[:1] == "{" else 2
-    depth, key, at_key = 0, None, False
-    i = 0
-    while i < len(body):
-        ch = body[i]
+    return _SpanScan(body).run()
+
+
+class _SpanScan:
+    """The scanner behind `_json_spans`: nesting depth, and the key being read at a call object's own level."""
+
+    def __init__(self, body: str):
+        self.body = body
+        self.spans: list[_CallSpan] = []
+        self.call_depth = 1 if body[:1] == "{" else 2
+        self.depth, self.key, self.at_key = 0, None, False
+
+    def run(self) -> list[_CallSpan]:
+        i: int | None = 0
+        while i is not None and i < len(self.body):
+            i = self._step(i)
+        return self.spans
+
+    def _step(self, i: int) -> int | None:
+        """Read what starts at `i`; where to go on, or None to stop (an unterminated string, the value's end)."""
+        ch = self.body[i]
         if ch == '"':
-            end = _string_end(body, i)
-            if end is None:
-                break
-            if depth == call_depth:
-                if at_key:
-                    key, at_key = _json_string(body[i:end]), False
-                elif key == "name" and spans:
-                    spans[-1].name = _json_string(body[i:end])
-            i = end
-            continue
+            return self._string(i)
         if ch in "{[":
-            depth += 1
-            if ch == "{" and depth == call_depth:
-                spans.append(_CallSpan())
-                key, at_key = None, True
-            elif ch == "{" and depth == call_depth + 1 and key in ("parameters", "arguments") and spans[-1].start is None:
-                spans[-1].start = i
+            self._open(ch, i)
         elif ch in "}]":
-            if depth == call_depth + 1 and spans and spans[-1].start is not None and spans[-1].end is None:
-                spans[-1].end = i + 1
-            depth -= 1
-            if depth == 0:  # the answer's value is complete: what follows is not part of it
-                break
-        elif ch == "," and depth == call_depth:
-            key, at_key = None, True
-        i += 1
-    return spans
+            if self._close(i):
+                return None
+        elif ch == "," and self.depth == self.call_depth:
+            self.key, self.at_key = None, True
+        return i + 1
+
+    def _string(self, i: int) -> int | None:
+        end = _string_end(self.body, i)
+        if end is None or self.depth != self.call_depth:
+            return end
+        if self.at_key:
+            self.key, self.at_key = _json_string(self.body[i:end]), False
+        elif self.key == "name" and self.spans:
+            self.spans[-1].name = _json_string(self.body[i:end])
+        return end
+
+    def _open(self, ch: str, i: int) -> None:
+        self.depth += 1
+        if ch != "{":
+            return
+        if self.depth == self.call_depth:
+            self.spans.append(_CallSpan())
+            self.key, self.at_key = None, True
+        elif self.depth == self.call_depth + 1 and self.key in ("parameters", "arguments") and self.spans:
+            if self.spans[-1].start is None:
+                self.spans[-1].start = i
+
+    def _close(self, i: int) -> bool:
+        """True when the answer's value is complete: what follows is not part of it."""
+        span = self.spans[-1] if self.spans else None
+        if self.depth == self.call_depth + 1 and span is not None and span.start is not None and span.end is None:
+            span.end = i + 1
+        self.depth -= 1
+        return self.depth == 0
 
 
 def _string_end(text: str, start: int) -> int | None:

@@ -32,7 +32,7 @@ log = logging.getLogger("oai_gemma.engine")
 class EngineCore:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
-        kv_cache_gib: float = 0.0, compile: str = "auto", static_decode: bool | None = None,
+        kv_cache_gib: float = 0.0, compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False,
     ):
         self.tokenizer = loaded.tokenizer
         config = loaded.model.config
@@ -46,7 +46,7 @@ class EngineCore:
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
             loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
-            compile=compile, static_decode=static_decode,
+            compile=compile, static_decode=static_decode, own_weights=own_weights,
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))

@@ -37,11 +37,12 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
-        compile: str = "auto", static_decode: bool | None = None,
+        compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False,
     ):
+        """`own_weights`: the engine may free the model's weights it keeps its own copy of (see ModelRunner)."""
         self.core = EngineCore(
             loaded, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
-            kv_cache_gib=kv_cache_gib, compile=compile, static_decode=static_decode,
+            kv_cache_gib=kv_cache_gib, compile=compile, static_decode=static_decode, own_weights=own_weights,
         )
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
@@ -77,7 +78,7 @@ class Engine:
         self.core.limits = replace(self.core.limits, eos_token_ids=frozenset(ids))
 
     @classmethod
-    def from_settings(cls, loaded: LoadedModel, settings: Settings) -> Engine:
+    def from_settings(cls, loaded: LoadedModel, settings: Settings, own_weights: bool = False) -> Engine:
         return cls(
             loaded,
             max_num_seqs=settings.engine.max_num_seqs,
@@ -88,6 +89,7 @@ class Engine:
             request_timeout=settings.server.request_timeout,
             idle_timeout=settings.server.idle_timeout,
             compile=settings.model.compile,
+            own_weights=own_weights,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------

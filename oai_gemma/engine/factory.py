@@ -1,4 +1,8 @@
-"""`load_engine(settings)`: the model loaded, the engine built from the settings and warmed up, ready to start."""
+"""`load_engine(settings)`: the model loaded, the engine built from the settings and warmed up, ready to start.
+
+It logs the start-up phases (load, relayout, KV cache, warm-up) and the resident memory by part, so that a
+regression in either shows in the first lines of a server's log.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,11 @@ import time
 from ..settings import Settings
 from .engine import Engine
 from .loader import load
+from .memory import release_free_memory, resident_bytes
 
 log = logging.getLogger("oai_gemma.engine")
+
+MB = 2**20
 
 
 def load_engine(settings: Settings) -> Engine:
@@ -17,11 +24,16 @@ def load_engine(settings: Settings) -> Engine:
     started = time.monotonic()
     loaded = load(settings.model)
     loaded_at = time.monotonic()
-    engine = Engine.from_settings(loaded, settings)
+    engine = Engine.from_settings(loaded, settings, own_weights=True)  # nothing else uses this model: one copy of its weights
     built_at = time.monotonic()
     engine.warm_up()
+    release_free_memory()  # warm-up's activations
+    runner = engine.core.runner
+    phases = {"load": loaded_at - started, **runner.timings, "warm-up": time.monotonic() - built_at}
+    log.info("start-up phases: %s", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+    total, weights, kv = resident_bytes(), runner.weight_bytes(), runner.cache.resident_bytes()
     log.info(
-        "start-up phases: load %.1f s, engine (weights re-laid out, KV cache) %.1f s, warm-up %.1f s",
-        loaded_at - started, built_at - loaded_at, time.monotonic() - built_at,
+        "resident memory: %.0f MB (weights %.0f, KV cache %.0f of %.0f allocated, other %.0f: runtime, tokenizer, "
+        "grammar, activations)", total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB, (total - weights - kv) / MB,
     )
     return engine

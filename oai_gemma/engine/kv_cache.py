@@ -1,6 +1,15 @@
-"""The KV cache: one slot per running sequence, allocated once at start (memory never grows with traffic)."""
+"""The KV cache: one slot per running sequence, allocated once at start.
+
+On a CPU the cache is one anonymous memory map: allocating it is instant, and the OS backs a page with memory
+only when a sequence first writes there, so the resident size follows the positions traffic actually used
+(never more than the whole cache, and a freed slot's pages are reused, not added). A page never written reads
+as zeros, as `torch.zeros` would give. On a GPU it is plain `torch.zeros`.
+"""
 
 from __future__ import annotations
+
+import ctypes
+import mmap
 
 import torch
 
@@ -26,17 +35,14 @@ class KVCache:
         self.capacity = [min(text_config.sliding_window, max_len) if s else max_len for s in self.sliding]
         devices = layer_devices or [device] * len(self.capacity)
         allocated = num_slots + 1 if scratch_slot else num_slots
+        shapes = [(allocated, c, kv_heads, head_dim) if positions_first else (allocated, kv_heads, c, head_dim) for c in self.capacity]
+        tensors, self._memory, self._base = _zeros([*shapes, *shapes], dtype, [*devices, *devices])
+        self.k_store, self.v_store = tensors[: len(shapes)], tensors[len(shapes) :]
         if positions_first:
-            self.k_store = [
-                torch.zeros(allocated, c, kv_heads, head_dim, dtype=dtype, device=d) for c, d in zip(self.capacity, devices)
-            ]
-            self.v_store = [torch.zeros_like(k) for k in self.k_store]
             self.k = [k.transpose(1, 2) for k in self.k_store]
             self.v = [v.transpose(1, 2) for v in self.v_store]
         else:
-            self.k = [torch.zeros(allocated, kv_heads, c, head_dim, dtype=dtype, device=d) for c, d in zip(self.capacity, devices)]
-            self.v = [torch.zeros_like(k) for k in self.k]
-            self.k_store, self.v_store = self.k, self.v
+            self.k, self.v = self.k_store, self.v_store
         self.num_slots = num_slots
         self.scratch = num_slots if scratch_slot else None
         """The slot padded rows write to, or None."""
@@ -46,6 +52,12 @@ class KVCache:
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
+
+    def resident_bytes(self) -> int:
+        """Bytes of the cache backed by memory now (on a CPU: the pages written so far)."""
+        if self._memory is None:
+            return self.nbytes
+        return _resident_bytes(self._base.data_ptr(), len(self._memory))
 
     @property
     def nbytes(self) -> int:
@@ -58,3 +70,46 @@ class KVCache:
             per_position * (min(text_config.sliding_window, max_len) if t == SLIDING else max_len)
             for t in text_config.layer_types
         )
+
+
+def _zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, devices: list[torch.device]):
+    """(zero tensors of these shapes, the memory map behind the CPU ones and its byte view, or None). CPU tensors
+    are views into one anonymous map (zero pages until written: no memory and no time spent at allocation)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [_round_up(itemsize * _numel(shape), mmap.PAGESIZE) for shape, d in zip(shapes, devices) if d.type == "cpu"]
+    memory = mmap.mmap(-1, sum(sizes)) if sizes else None
+    if memory is not None and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)  # a huge page would make one written position cost 2 MB
+    base = torch.frombuffer(memory, dtype=torch.uint8) if memory is not None else None
+    tensors, offset = [], 0
+    for shape, device in zip(shapes, devices):
+        if device.type != "cpu":
+            tensors.append(torch.zeros(shape, dtype=dtype, device=device))
+            continue
+        nbytes = itemsize * _numel(shape)
+        tensors.append(base[offset : offset + nbytes].view(dtype).view(shape))
+        offset += _round_up(nbytes, mmap.PAGESIZE)
+    return tensors, memory, base
+
+
+def _resident_bytes(address: int, length: int) -> int:
+    """Bytes of [address, address + length) in memory now (mincore(2): one byte per page, bit 0 = resident)."""
+    pages = -(-length // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vector) != 0:
+        return length  # cannot tell: report it all
+    return sum(byte & 1 for byte in bytes(vector)) * mmap.PAGESIZE
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step

@@ -35,6 +35,8 @@ class FrozenLinear:
             except RuntimeError:  # a torch build without this oneDNN path: fall back to F.linear
                 self.packed = None
         self.weight = weight if self.packed is None else None
+        self.packed_bytes = weight.numel() * weight.element_size() if self.packed is not None else 0
+        """Memory of the re-laid-out copy (0 when the module's own weight is used as it is)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -36,3 +36,15 @@ def release_free_memory() -> None:
     activations come in many sizes, and glibc would otherwise keep the high-water mark for good."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -11,15 +11,18 @@ all decode tokens.
 
 from __future__ import annotations
 
+import gc
+import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from .attention import DecodeRows, decode_attention, prefill_attention
 from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention
 from .kv_cache import KVCache
 from .linear import FrozenLinear, call_linear
+from .mapped import copy_out_of_checkpoint, map_embedding
 from .static_decode import StaticDecode, flash_kernel
 
 
@@ -41,20 +44,6 @@ class StepItem:
 
 
 @dataclass
-class DecodeRows:
-    """Where the step's decode tokens go: each row's slot and position (device tensors), and from the host the
-    longest row's length and whether the slots are 0..B-1 in order (then the cache is sliced, not gathered)."""
-
-    slots: torch.Tensor
-    positions: torch.Tensor
-    longest: int
-    contiguous: bool
-
-    def to(self, device: torch.device) -> DecodeRows:
-        return DecodeRows(self.slots.to(device), self.positions.to(device), self.longest, self.contiguous)
-
-
-@dataclass
 class Batch:
     """One step packed into tensors, at a bucketed token count (`pad` padding tokens at the end)."""
 
@@ -70,14 +59,6 @@ class Batch:
         return self.prefills + self.decodes
 
 
-def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
-    """Index of the image block each position is in, -1 for text."""
-    ids = torch.full_like(positions, -1)
-    for index, (start, end) in enumerate(spans):
-        ids[(positions >= start) & (positions < end)] = index
-    return ids
-
-
 def _text_parts(model):
     """(text decoder, lm_head) of a Gemma3ForCausalLM or Gemma3ForConditionalGeneration."""
     inner = model.model
@@ -86,11 +67,14 @@ def _text_parts(model):
 
 class ModelRunner:
     """`static_decode` (default: on a GPU) runs decode-only steps at static shapes, CUDA graphs where possible
-    (engine/static_decode.py); `compile` (`auto` = with the static path) compiles its layer functions."""
+    (engine/static_decode.py); `compile` (`auto` = with the static path) compiles its layer functions.
+    `own_weights`: the runner may take the model's layer projections: once re-laid out for oneDNN (a copy), the
+    module's originals are freed, so one copy stays in memory; the transformers model can then no longer run its
+    own forward (the server's case; tests that hold the engine against transformers keep it whole)."""
 
     def __init__(
         self, model, num_slots: int, max_len: int, max_tokens_per_step: int,
-        static_decode: bool | None = None, compile: str = "auto",
+        static_decode: bool | None = None, compile: str = "auto", own_weights: bool = False,
     ):
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
@@ -113,19 +97,56 @@ class ModelRunner:
         self.max_len = max_len
         static = self.device.type == "cuda" if static_decode is None else static_decode
         flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
+        started = time.monotonic()
         self.cache = KVCache(
             config, num_slots, max_len, self.dtype, self.device, self.layer_devices,
             scratch_slot=static, positions_first=flash is not None,
         )
+        allocated = time.monotonic()
+        self.mapped_embedding = False
+        """The token embedding is read from the checkpoint file on demand (engine/mapped.py), not held in memory."""
+        if own_weights and not static:  # all but what is re-laid out below: then the checkpoint's map can close
+            copy_out_of_checkpoint(model, {id(t) for t in self._projections()} | {id(self.lm_head.weight)})
         self.weights = [LayerWeights.of(layer, FrozenLinear) for layer in self.text_model.layers]
         """Each layer's weights, its projections pre-packed for oneDNN on a CPU (engine/linear.py)."""
         self.lm_head_linear = FrozenLinear(self.lm_head.weight)
+        if own_weights and not static:  # the static path reads the module weights (F.linear)
+            self._release_packed()
+            if self.lm_head_linear.packed is not None:
+                self.mapped_embedding = map_embedding(self.text_model, self.lm_head, getattr(model.config, "_name_or_path", ""))
+            gc.collect()
+        self.timings = {"relayout": time.monotonic() - allocated, "KV cache": allocated - started}
+        """Seconds of the start-up phases this constructor runs (logged by engine/factory.py)."""
         self.row_buckets = buckets(num_slots)
         self.token_buckets = buckets(max_tokens_per_step)
         self.static = None
         if static:
             compiled = compile == "on" or (compile == "auto" and self.device.type == "cuda")
             self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=compiled, flash=flash)
+
+    def _projections(self) -> list[torch.Tensor]:
+        return [
+            module.weight for layer in self.text_model.layers for module in (
+                layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj,
+            )
+        ]
+
+    def _release_packed(self) -> None:
+        """Free the module weight of every projection that has a packed copy (see `own_weights`)."""
+        for layer, w in zip(self.text_model.layers, self.weights):
+            a, m = layer.self_attn, layer.mlp
+            modules = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            for module, linear in zip(modules, (w.q, w.k, w.v, w.o, w.gate, w.up, w.down)):
+                if linear.packed is not None:
+                    module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the runner and the model hold in memory (packed copies included)."""
+        mapped = self.text_model.embed_tokens.weight if self.mapped_embedding else None
+        return sum(t.numel() * t.element_size() for t in self.model.parameters() if t is not mapped) + sum(
+            linear.packed_bytes for w in [*self.weights, [self.lm_head_linear]] for linear in w if isinstance(linear, FrozenLinear)
+        )
 
     def capture_decode_graphs(self) -> None:
         """Build (capture) every static decode bucket now: warm-up, before the server says it is ready."""
@@ -195,11 +216,11 @@ class ModelRunner:
         outs, offset = [], 0
         for it in batch.prefills:
             sl = slice(offset, offset + len(it.token_ids))
-            outs.append(self._prefill_attention(li, it, q[sl], k[sl], v[sl]))
+            outs.append(prefill_attention(self.cache, li, it.slot, it.start, it.image_spans, q[sl], k[sl], v[sl], self.scaling))
             offset += len(it.token_ids)
         if batch.decodes:
             sl = slice(offset, offset + len(batch.decodes))
-            outs.append(self._decode_attention(li, decode, q[sl], k[sl], v[sl]))
+            outs.append(decode_attention(self.cache, li, decode, q[sl], k[sl], v[sl], self.scaling))
         if batch.pad:
             outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -228,65 +249,6 @@ class ModelRunner:
         if self.final_softcap:
             logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
         return logits
-
-    # ---- attention ------------------------------------------------------------------------------
-
-    def _prefill_attention(self, li: int, it: StepItem, q, k, v) -> torch.Tensor:
-        """Attention of one chunk (positions start..start+n-1) over its cached past and itself."""
-        kc, vc = self.cache.k[li], self.cache.v[li]
-        n, start = q.shape[0], it.start
-        qpos = torch.arange(start, start + n, device=q.device)
-        if self.cache.sliding[li]:
-            window = self.cache.capacity[li]
-            past = torch.arange(max(0, start - window + 1), start, device=q.device)
-            keys = torch.cat((kc[it.slot][:, past % window], k.transpose(0, 1)), dim=1)
-            values = torch.cat((vc[it.slot][:, past % window], v.transpose(0, 1)), dim=1)
-            kpos = torch.cat((past, qpos))
-            mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
-            keep = qpos[-window:]
-            kc[it.slot][:, keep % window] = k[-window:].transpose(0, 1)
-            vc[it.slot][:, keep % window] = v[-window:].transpose(0, 1)
-        else:
-            kc[it.slot, :, start : start + n] = k.transpose(0, 1)
-            vc[it.slot, :, start : start + n] = v.transpose(0, 1)
-            keys, values = kc[it.slot, :, : start + n], vc[it.slot, :, : start + n]
-            kpos = torch.arange(start + n, device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]
-        if it.image_spans:
-            q_blocks = _block_ids(qpos, it.image_spans)[:, None]
-            same_image = (q_blocks == _block_ids(kpos, it.image_spans)[None, :]) & (q_blocks >= 0)
-            if self.cache.sliding[li]:
-                mask |= same_image & (kpos[None, :] > qpos[:, None] - window)
-            else:
-                mask |= same_image
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
-        )
-        return out[0].transpose(0, 1)
-
-    def _decode_attention(self, li: int, rows: DecodeRows, q, k, v) -> torch.Tensor:
-        """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache."""
-        slots, pos, longest = rows.slots, rows.positions, rows.longest
-        kc, vc = self.cache.k[li], self.cache.v[li]
-        bsz = q.shape[0]
-        if self.cache.sliding[li]:
-            window = self.cache.capacity[li]
-            kc[slots, :, pos % window] = k
-            vc[slots, :, pos % window] = v
-            span = min(window, longest)  # before the window fills, entries >= longest are still empty
-        else:
-            kc[slots, :, pos] = k
-            vc[slots, :, pos] = v
-            span = longest
-        if rows.contiguous:
-            keys, values = kc[:bsz, :, :span], vc[:bsz, :, :span]
-        else:
-            keys, values = kc[slots, :, :span], vc[slots, :, :span]
-        mask = torch.arange(span, device=q.device)[None, :] <= pos[:, None]  # [B, span]
-        # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]
-        qg = q.view(bsz, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scaling)
-        return out.reshape(bsz, self.num_heads, self.head_dim)
 
     @torch.inference_mode()
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:

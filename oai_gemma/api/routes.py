@@ -1,0 +1,122 @@
+"""The routes: each one reads its body, asks its service (built once, `services.py`) and answers; the services
+do the work. The server's state (`app.ServerState`) is `request.app.state.server`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from .exchange import exchange_of
+from .errors import APIError, model_not_found
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .openapi import HEALTH, documented
+from .protocol import (
+    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
+)
+from .serving_tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+
+JSON = "application/json"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request):
+    """The app's `ServerState` (`app.py`, which imports this module)."""
+    return request.app.state.server
+
+
+def _json(payload, status: int = 200) -> Response:
+    return Response(content=encoder.encode(payload), media_type=JSON, status_code=status)
+
+
+@post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
+async def chat_completions(request: Request) -> Response:
+    arrival = time.perf_counter()
+    chat, exchange = _state(request).require_ready().chat, exchange_of(request.scope)
+    prepared = await chat.prepare(await request.body(), arrival)
+    if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
+        return Stream(chat.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(content=await unless_disconnected(request, chat.complete(prepared, exchange)), media_type=JSON)
+
+
+@post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
+async def completions(request: Request) -> Response:
+    arrival = time.perf_counter()
+    service, exchange = _state(request).require_ready().completions, exchange_of(request.scope)
+    prepared = await service.prepare(await request.body(), arrival)
+    if prepared.request.stream:
+        return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
+
+
+@post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
+async def tokenize_route(request: Request) -> Response:
+    service = _state(request).require_ready().tokenize
+    return Response(content=await service.tokenize(await request.body()), media_type=JSON)
+
+
+@post("/detokenize", status_code=200, operation_class=documented(DetokenizeResponse, request=DetokenizeRequest))
+async def detokenize_route(request: Request) -> Response:
+    service = _state(request).require_ready().tokenize
+    return Response(content=service.detokenize(await request.body()), media_type=JSON)
+
+
+def _card(state) -> ModelCard:
+    return ModelCard(id=state.served_name, created=state.created, max_model_len=state.settings.model.max_model_len)
+
+
+@get("/v1/models", operation_class=documented(ModelList, errors=(401,)))
+async def list_models(request: Request) -> Response:
+    return _json(ModelList(data=[_card(_state(request))]))
+
+
+@get("/v1/models/{model_id:path}", operation_class=documented(ModelCard, errors=(401, 404)))
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    state = _state(request)
+    if model_id.lstrip("/") != state.served_name:
+        raise model_not_found(model_id.lstrip("/"), state.served_name)
+    return _json(_card(state))
+
+
+@get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.ready and not state.draining:
+        stats = state.engine.stats()
+        return _json({"status": "ok", "model": state.served_name, **stats})
+    reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
+    return _json({"status": "unavailable", "reason": reason}, status=503)
+
+
+@get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
+async def metrics(request: Request) -> Response:
+    return Response(content=_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+ROUTES = [chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics]
+
+
+async def unless_disconnected(request: Request, work) -> bytes:
+    """Await `work`; if the client disconnects first, cancel it (which cancels its engine request at once).
+
+    Litestar does not cancel a handler whose client went away, so a non-streaming request would otherwise
+    keep its batch slot until its last token.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "the client closed the connection", "invalid_request_error", None, "client_closed_request")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the ASGI server reports that the client is gone (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

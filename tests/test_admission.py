@@ -1,0 +1,121 @@
+"""Admission under pressure (issue 18 items 1 and 2), on a small server: 2 batch slots and 2 waiting places.
+
+A request that cannot take its place is a 429 before the status line, for streams as for non-streams (a client
+can retry a 429, not an error event inside a 200); and however a request ends, the engine's running / waiting
+counts (`/health`, the gauges) and its free places come back to exact.
+"""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, user
+from metrics_scrape import scrape
+
+MODEL = "gemma-3-270m"
+SLOTS, WAITING = 2, 2
+CAPACITY = SLOTS + WAITING
+TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    env = {"OAI_GEMMA_ENGINE__MAX_WAITING": str(WAITING), "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": str(TIMEOUT_S)}
+    log = tmp_path_factory.mktemp("logs") / "small-server.log"
+    with ServerProcess("--max-num-seqs", str(SLOTS), env=env, log=log) as proc:
+        yield proc
+
+
+def body(max_tokens: int, stream: bool, **extra) -> dict:
+    return {"model": MODEL, "messages": user("Tell me a story."), "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": stream, "temperature": 0, **extra}
+
+
+async def one(client: httpx.AsyncClient, payload: dict) -> tuple[int, list[str]]:
+    """(status, the SSE `data:` payloads or the JSON body) of one request, read to its end."""
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        if not payload["stream"] or response.status_code != 200:
+            return response.status_code, [(await response.aread()).decode()]
+        return 200, [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+async def burst(url: str, payloads: list[dict]) -> list[tuple[int, list[str]]]:
+    limits = httpx.Limits(max_connections=len(payloads) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        return await asyncio.gather(*(one(client, p) for p in payloads))
+
+
+def counts_are_zero(url: str) -> None:
+    """`/health` and the gauges say nothing runs or waits, within a few seconds (the engine thread catches up)."""
+    deadline = time.monotonic() + 15
+    while True:
+        health = httpx.get(url + "/health").json()
+        metrics = scrape(url)
+        seen = (health["running"], health["waiting"], metrics.value("oai_gemma:num_requests_running"),
+                metrics.value("oai_gemma:num_requests_waiting"))
+        if seen == (0, 0, 0, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert seen == (0, 0, 0, 0), f"running/waiting on /health and the gauges: {seen}"
+
+
+def every_place_is_free(url: str) -> None:
+    """The engine's admission count is back too: a full load of streams is admitted again, no 429."""
+    results = asyncio.run(burst(url, [body(2, True) for _ in range(CAPACITY)]))
+    assert [status for status, _ in results] == [200] * CAPACITY
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streams", "non-streams"])
+def test_overflow_of_a_burst_is_exactly_the_429s_and_every_admitted_request_completes(small, stream):
+    overflow = 8
+    results = asyncio.run(burst(small.url, [body(8, stream) for _ in range(CAPACITY + overflow)]))
+    statuses = sorted(status for status, _ in results)
+    assert statuses == [200] * CAPACITY + [429] * overflow
+    for status, data in results:
+        if status == 429:
+            assert json.loads(data[0])["error"]["code"] == "rate_limit_exceeded"
+        elif stream:
+            assert data[-1] == "[DONE]"
+            assert not any('"error"' in d for d in data[:-1]), data
+        else:
+            assert json.loads(data[0])["choices"][0]["finish_reason"] == "length"
+    counts_are_zero(small.url)
+
+
+def test_counts_are_exact_after_streams_dropped_after_their_first_event_and_mid_way(small):
+    async def drop(client: httpx.AsyncClient, after_events: int) -> None:
+        async with client.stream("POST", "/v1/chat/completions", json=body(400, True, n=2 if after_events else 1)) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen > after_events:
+                    return  # leaving the block closes the connection mid-stream
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=small.url, timeout=120) as client:
+            await asyncio.gather(drop(client, 0), drop(client, 3))
+
+    asyncio.run(run())
+    counts_are_zero(small.url)
+    every_place_is_free(small.url)
+
+
+def test_counts_are_exact_after_a_non_stream_whose_client_went_away(small):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(small.url + "/v1/chat/completions", json=body(400, False), timeout=3)
+    counts_are_zero(small.url)
+    every_place_is_free(small.url)
+
+
+def test_counts_are_exact_after_timeouts_while_running_and_in_the_queue(small):
+    """Two long requests run past the request timeout; a third times out waiting for a slot."""
+    results = asyncio.run(burst(small.url, [body(1900, True) for _ in range(SLOTS + 1)]))
+    for status, data in results:
+        assert status == 200 and data[-1] == "[DONE]"
+        assert json.loads(data[-2])["error"]["code"] == "timeout"
+    counts_are_zero(small.url)
+    every_place_is_free(small.url)

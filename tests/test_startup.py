@@ -1,0 +1,41 @@
+"""Start-up says where its time and memory went (issue 18 items 6 and 9); not timed: the numbers are only logged."""
+
+import re
+import types
+from pathlib import Path
+
+import torch
+
+from oai_gemma.engine.kv_cache import KVCache
+
+PHASES = re.compile(r"start-up phases: load ([\d.]+) s, relayout ([\d.]+) s, KV cache ([\d.]+) s, warm-up ([\d.]+) s")
+MEMORY = re.compile(r"resident memory: (\d+) MB \(weights (\d+), KV cache (\d+) of (\d+) allocated, other (-?\d+)")
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_server_logs_its_start_up_phases_and_resident_memory_by_part(server):
+    log = server.log_path.read_text()
+    assert PHASES.search(log), log[-3000:]
+    total, weights, kv, allocated, other = map(int, MEMORY.search(log).groups())
+    assert weights > 200 and total >= weights + kv  # gemma-3-270m in float32 is ~1 GB of weights
+    assert allocated > kv  # the KV cache's untouched pages are not resident
+
+
+def test_the_kv_cache_takes_memory_only_where_it_is_written():
+    config = types.SimpleNamespace(
+        num_key_value_heads=1, head_dim=256, layer_types=["full_attention"] * 4, sliding_window=512,
+    )
+    before = rss()
+    cache = KVCache(config, num_slots=32, max_len=8192, dtype=torch.float32, device=torch.device("cpu"))
+    assert cache.nbytes == 32 * 8192 * 256 * 4 * 2 * 4  # 2 GiB allocated...
+    assert rss() - before < 64 * 2**20  # ...none of it resident
+    assert cache.resident_bytes() < 2**20
+    assert not cache.k[0][7, :, :10].any() and not cache.v[3][31, :, -10:].any()  # reads as zeros
+    cache.k[2][5, :, :100] = 1.0  # one sequence's first 100 positions of one layer
+    assert 100 * 256 * 4 <= cache.resident_bytes() < 2**20
