@@ -10,6 +10,7 @@ import sys
 import msgspec
 import msgspec.inspect
 
+from .cpu import configure_cpu
 from .settings import SECTIONS, field_docs, load_settings
 
 # The settings operators change most, as flags of `serve` and `prepare`: (section, field, flag name when it is
@@ -21,11 +22,12 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("model", "device", None),
     ("model", "load_format", None),
     ("model", "max_model_len", None),
-    ("model", "threads", None),
     ("engine", "max_num_seqs", None),
     ("engine", "max_prefill_tokens", None),
     ("engine", "max_waiting", None),
     ("engine", "kv_cache_gib", None),
+    ("engine", "threads", None),
+    ("engine", "cpu_wait", None),
     ("server", "api_keys", "api-key"),
     ("server", "request_timeout", None),
     ("server", "idle_timeout", None),
@@ -98,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_cpu(settings.engine)  # before torch loads: its OpenMP runtime reads the wait policy once
     _log_access_as_json_lines()
     if args.replicas or args.max_replicas:
         return _serve_replicas(settings, args)

@@ -36,8 +36,6 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
-    threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """Torch intra-op threads on CPU; 0 means one per core."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""
@@ -57,6 +55,12 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
     max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 256
     """Requests allowed to wait for a batch slot; beyond that a 429 with Retry-After, not an unbounded queue."""
+    threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Torch compute threads on a CPU; 0 means one per CPU this process may run on (its affinity mask)."""
+    cpu_wait: Literal["passive", "active"] = "passive"
+    """How idle compute threads wait for work on a CPU: `passive` sleeps at once (OMP_WAIT_POLICY=PASSIVE,
+    KMP_BLOCKTIME=0), so a thread descheduled by another process does not leave its partners spinning;
+    `active` spins (the OpenMP default, a little faster on a CPU nothing else uses)."""
 
 
 class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

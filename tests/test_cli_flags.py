@@ -18,7 +18,7 @@ OPERATOR_FLAGS = {  # issue 18 item 7: the settings operators change most
     "--max-model-len": ("model", "max_model_len"),
     "--kv-cache-gib": ("engine", "kv_cache_gib"),
     "--dtype": ("model", "dtype"),
-    "--threads": ("model", "threads"),
+    "--threads": ("engine", "threads"),
 }
 
 
@@ -69,7 +69,7 @@ def test_flags_reach_the_settings_and_win_over_env():
     assert settings.engine.max_waiting == 3
     assert settings.server.request_timeout == 12.5 and settings.server.idle_timeout == 0
     assert settings.model.max_model_len == 2048 and settings.engine.kv_cache_gib == 0.25
-    assert settings.model.dtype == "float32" and settings.model.threads == 1 and settings.server.port == 9123
+    assert settings.model.dtype == "float32" and settings.engine.threads == 1 and settings.server.port == 9123
 
 
 def test_unset_flags_leave_config_and_env_alone():
@@ -85,6 +85,7 @@ def test_unset_flags_leave_config_and_env_alone():
     (["--request-timeout", "soon"], "invalid float value"),
 ])
 def test_bad_flag_values_exit_with_a_clear_message_before_loading_anything(argv, message):
-    done = subprocess.run([sys.executable, "-m", "oai_gemma.cli", "serve", *argv], capture_output=True, text=True, timeout=60)
+    code = f"import sys; from oai_gemma.cli import main; sys.exit(main({['serve', *argv]!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert message in done.stderr

@@ -2,6 +2,7 @@
 cheap to build, and every JSON text has exactly one tokenization, so tests can spell documents out."""
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -152,7 +153,7 @@ def test_masks_need_no_xgrammar_on_a_cpu(tmp_path):
         "grammar.apply_bitmask_torch(logits, torch.tensor([[1, 0], [-1, -1]], dtype=torch.int32))\n"
         "assert torch.isneginf(logits[0]).sum() == 63 and logits[0, 0] == 0 and not torch.isinf(logits[1]).any()\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
 
 
@@ -195,3 +196,80 @@ def test_schemas_compile_off_the_event_loop(compiler):
     loop_thread, grammar = asyncio.run(compile_on_the_loop())
     assert grammar.matcher() is not None
     assert seen and seen[0] is not loop_thread
+
+
+def run_greedy(compiler, tokenizer, grammar, budget: int, favourite: str) -> tuple[str, bool]:
+    """Generate under the grammar with a 'model' whose logits favour the characters of `favourite` (in order,
+    cyclically, as a looping small model would), within `budget` tokens. Returns (text, cut_short)."""
+    eos = tokenizer.eos_token_id
+    masks = GrammarMasks(compiler.vocab_size, eos)
+    matcher = grammar.matcher(budget=budget)
+    text = ""
+    for step in range(budget):
+        logits = torch.zeros(1, len(tokenizer))
+        for rank, char in enumerate(favourite):
+            logits[0, tokenizer.convert_tokens_to_ids(char)] = 10.0 - rank * 0.01 if char == favourite[step % len(favourite)] else 5.0 - rank * 0.01
+        logits[0, eos] = -5.0
+        token = int(masks.apply(logits, [matcher]).argmax())
+        if token == eos:
+            break
+        assert matcher.consume_token(token)
+        text += tokenizer.decode([token])
+        if matcher.is_stopped():
+            break
+    return text, matcher.cut_short
+
+
+@pytest.mark.parametrize("budget", [12, 20, 40, 100])
+def test_a_looping_object_is_closed_within_its_budget(compiler, tokenizer, budget):
+    # the model would repeat `"color":"black",` forever; the document must still end, parse, within budget
+    text, cut = run_greedy(compiler, tokenizer, compiler.json_object(), budget, '{"color":"black",')
+    assert len(text) <= budget
+    assert isinstance(json.loads(text), dict), text
+    assert cut
+
+
+def test_endless_digits_and_nested_arrays_are_closed(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"n": {"type": "number"}, "xs": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}},
+              "required": ["n", "xs"], "additionalProperties": False}
+    text, cut = run_greedy(compiler, tokenizer, compiler.json_schema(schema), 30, '{"n":1234567891234567891234')
+    doc = json.loads(text)
+    assert set(doc) == {"n", "xs"} and cut and len(text) <= 30
+
+
+def test_a_document_that_ends_by_itself_is_not_cut(compiler, tokenizer):
+    text, cut = run_greedy(compiler, tokenizer, compiler.json_schema(PERSON), 100, '{"name":"a","role":"user"}')
+    assert json.loads(text) == {"name": "a", "role": "user"} and not cut
+
+
+def no_repeated_keys(pairs):
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), f"repeated key in {pairs}"
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("favourite", ['{"a":1,', '{"color":"black",', '{"k":{"k":{"k":1,'])
+def test_an_object_never_repeats_a_key(compiler, tokenizer, favourite):
+    # the model wants the same key again and again: the grammar must make it write another one
+    text, _ = run_greedy(compiler, tokenizer, compiler.json_object(), 60, favourite)
+    json.loads(text, object_pairs_hook=no_repeated_keys)
+
+
+def test_unbounded_numbers_get_sane_bounds(compiler, tokenizer):
+    def accepts(schema, text):
+        matcher = compiler.json_schema(schema).matcher()
+        return matcher.matcher.validate_tokens(tokenizer.encode(text)) == len(tokenizer.encode(text))
+
+    integer = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert accepts(integer, '{"n":-9000000000000000000}')
+    assert not accepts(integer, '{"n":12345678901234567890')  # 20 digits: beyond 64 bits
+    number = {"type": "array", "items": {"type": "number"}}
+    assert accepts(number, "[0.5,-3,123456789012345.123456789]")
+    assert not accepts(number, "[0.1234567891")  # a 10th decimal
+    assert not accepts(number, "[1e5")  # no exponent
+    assert not accepts(number, "[9999999999999999")  # beyond 1e15
+    # a schema's own bounds are kept
+    at_least_5 = {"type": "array", "items": {"type": "integer", "minimum": 5}}
+    assert accepts(at_least_5, "[123456789012345]")
+    assert not accepts(at_least_5, "[4]")
+    assert accepts({"type": "array", "items": {"type": "number", "multipleOf": 0.5, "maximum": 10}}, "[9.5]")

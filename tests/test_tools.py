@@ -11,6 +11,7 @@ gets no examples.
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -314,7 +315,8 @@ def test_langchain_structured_output_by_function_calling(server):
 
 
 def test_a_call_cut_short_by_max_tokens_stays_a_call_with_finish_length(client, http):
-    """As OpenAI's: the arguments written so far, `finish_reason: "length"`, in a stream and not."""
+    """As OpenAI's: `finish_reason: "length"`, in a stream and not. A forced call is a grammar's JSON document,
+    which is closed within the budget (issue 18): its arguments parse and validate, within max_tokens."""
     forced = {"type": "function", "function": {"name": "get_weather"}}
     # the forced call is `{"name":"get_weather","parameters":{...`: a budget that ends inside the arguments
     whole = ask(client, user("Hello!"), tool_choice=forced, max_tokens=60)
@@ -322,9 +324,11 @@ def test_a_call_cut_short_by_max_tokens_stays_a_call_with_finish_length(client, 
     response = ask(client, user("Hello!"), tool_choice=forced, max_tokens=budget)
     choice = response.choices[0]
     assert choice.finish_reason == "length"
+    assert response.usage.completion_tokens <= budget
     [call] = choice.message.tool_calls
     full = whole.choices[0].message.tool_calls[0].function.arguments
-    assert call.function.name == "get_weather" and full.startswith(call.function.arguments) and call.function.arguments != full
+    assert call.function.name == "get_weather" and call.function.arguments != full
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
     stream = post_stream(http, {"model": MODEL, "messages": user("Hello!"), "tools": TOOLS, "temperature": 0,
                                 "max_tokens": budget, "stream": True, "tool_choice": forced})
     deltas = [d for c in stream.chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls", [])]

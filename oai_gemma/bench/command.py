@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bare", action="store_true", help="also time the bare model, loaded as the server loads it (in a child process, before the sweep)")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare-model reference in --compare mode")
     parser.add_argument("--compare", action="store_true", help="start each of --servers in turn and sweep each")
+    parser.add_argument("--cpu-hog", action="store_true",
+                        help="instead of the sweep: c=8 quiet, then beside one `nice -n 10` busy loop, and the throughput ratio (server at --base-url)")
     parser.add_argument("--servers", type=_servers, default=list(SERVER_NAMES),
                         help=f"with --compare: which, in order (default {','.join(SERVER_NAMES)})")
     parser.add_argument("--ours-args", default="", help="with --compare: extra flags for `oai-gemma serve` as one string, e.g. --ours-args='--max-num-seqs 16'")
@@ -193,6 +195,16 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[{name}] failed: {exc}", file=sys.stderr)
                 server = {"error": str(exc), "levels": []}
             payload["servers"][name] = server
+    elif args.cpu_hog:
+        from .cpu_hog import cpu_hog, report
+
+        model = args.model or _discover_model(args.base_url, args.api_key)
+        asyncio.run(warm_up(args.base_url, model, args.max_tokens, args.request_timeout, args.api_key))
+        payload["cpu_hog"] = result = asyncio.run(cpu_hog(args.base_url, model, args))
+        print(report(result))
+        if args.output_json:
+            write_json(args.output_json, payload)
+        return 0 if result["ratio"] >= result["target"] else 1
     else:
         model = args.model or _discover_model(args.base_url, args.api_key)
         payload["meta"]["model_dir"] = model

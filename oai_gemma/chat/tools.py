@@ -55,8 +55,9 @@ class ToolPlan:
 
     def finish_reason(self, calls: ToolCallStream, event_finish: str | None) -> str:
         """OpenAI's for an answer that is calls: `stop` when the request named the function, else `tool_calls`;
-        calls cut short by the generation's end keep its reason (`length`, as OpenAI's)."""
-        if not calls.complete and event_finish is not None:
+        calls cut short by the generation's end keep its reason (`length`, as OpenAI's), also when the grammar
+        closed the call early to fit the token budget (complete then, and still `length`)."""
+        if event_finish == "length" or (not calls.complete and event_finish is not None):
             return event_finish
         return "stop" if self.named else "tool_calls"
 

@@ -28,6 +28,7 @@ from ray.serve.exceptions import BackPressureError
 
 from ..api.app import create_app
 from ..api.errors import APIError
+from ..cpu import configure_cpu
 from ..settings import Settings, load_settings
 from .ray_asgi import HTTPCall, prompt_prefix, serve_call
 from .ray_metrics import hub, merge, push_forever
@@ -73,6 +74,7 @@ class EngineReplica:
 
     async def __init__(self, settings: dict):
         self.settings = msgspec.convert(settings, Settings)
+        configure_cpu(self.settings.engine)  # torch threads (the wait policy only if torch is not loaded yet)
         self.app = create_app(self.settings)
         self.state = self.app.state.server
         self.lifespan = Lifespan(self.app)
@@ -230,7 +232,7 @@ class ReplicaOptions:
     target_ongoing_requests: float = 0
     """Ongoing requests per replica the autoscaler aims at; 0: half of engine.max_num_seqs."""
     cpus: float = 1.0
-    """Ray CPUs per engine replica (fractions allowed); also its torch threads (at least 1) unless model.threads is set."""
+    """Ray CPUs per engine replica (fractions allowed); also its torch threads (at least 1) unless engine.threads is set."""
     gpus: float = 0.0
     routing: str = "prefix"
 
@@ -259,8 +261,8 @@ def engine_deployment(settings: Settings, options: ReplicaOptions):
 
 
 def build_app(settings: Settings, options: ReplicaOptions):
-    if not settings.model.threads:
-        settings.model.threads = max(1, int(options.cpus))
+    if not settings.engine.threads:
+        settings.engine.threads = max(1, int(options.cpus))
     engine = engine_deployment(settings, options).bind(msgspec.to_builtins(settings))
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
     # a replica answers within request_timeout (its own 504); beyond that plus a margin, no replica took it

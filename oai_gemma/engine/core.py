@@ -40,7 +40,7 @@ class EngineCore:
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.limits = Limits(frozenset(loaded.eos_token_ids), max_model_len)
-        self.grammar_masks = GrammarMasks(len(loaded.tokenizer))
+        self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
         num_slots = slots_within_budget(loaded.text_config, loaded.dtype, max_num_seqs, max_model_len, kv_cache_gib)
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
@@ -136,7 +136,9 @@ class EngineCore:
             stopper=StopMatcher(request.sampling.stop),
             cache_keys=list(request.prompt_token_ids),
             index=index,
-            matcher=request.grammar.matcher() if request.grammar is not None else None,
+            matcher=None if request.grammar is None else request.grammar.matcher(
+                budget=min(request.sampling.max_tokens, self.limits.max_model_len - len(request.prompt_token_ids) - 1)
+            ),
         )
 
     def _admit(self, request: GenerationRequest, sink) -> None:

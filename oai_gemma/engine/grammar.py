@@ -34,6 +34,8 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from .json_document import DocumentMatcher, JsonVocabulary, bound_numbers
+
 try:  # the `gpu` extra: its CUDA kernel applies masks on the device (it needs triton, ~1 GB: not for CPU installs)
     import xgrammar
 except ImportError:
@@ -66,10 +68,13 @@ class Grammar:
     key: str
     template: llguidance.LLMatcher
     """A matcher at the start of the grammar; never advanced, only copied."""
+    json: JsonVocabulary | None = None
+    """Set for JSON grammars: their documents get json_document's promises (closed in budget, no repeated key)."""
 
-    def matcher(self) -> llguidance.LLMatcher:
-        """A fresh matcher for one sequence (a copy: microseconds, no compilation)."""
-        return self.template.deep_copy()
+    def matcher(self, budget: int | None = None) -> DocumentMatcher:
+        """A fresh matcher for one sequence (a copy: microseconds, no compilation). `budget`: the tokens the
+        sequence may generate; a JSON document is closed within it."""
+        return DocumentMatcher(self.template.deep_copy(), self.json, budget)
 
 
 class GrammarCompiler:
@@ -79,6 +84,7 @@ class GrammarCompiler:
         # the token trie of a 262k vocabulary: a few seconds, once per model
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=list(eos_token_ids))
         self.vocab_size = self.tokenizer.vocab_size
+        self.json = JsonVocabulary(tokenizer, self.tokenizer)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -88,7 +94,7 @@ class GrammarCompiler:
         if not isinstance(schema, dict):
             raise InvalidSchema("a JSON schema must be an object")
         key = "json_schema:" + json.dumps(schema, sort_keys=True, separators=(",", ":"))
-        return self._cached(key, lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS))
+        return self._cached(key, lambda: llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), JSON_OPTIONS))
 
     def json_object(self) -> Grammar:
         return self.json_schema({"type": "object"})
@@ -104,7 +110,9 @@ class GrammarCompiler:
                 self.hits += 1
                 return grammar
             self.misses += 1
-        grammar = Grammar(key, self._compile(build))  # outside the lock: compiles may run side by side
+        # only JSON documents get json_document's promises: a Lark grammar may have no JSON in it
+        json_vocabulary = self.json if key.startswith("json_schema:") else None
+        grammar = Grammar(key, self._compile(build), json_vocabulary)  # outside the lock: compiles may run side by side
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > CACHE_SIZE:
@@ -160,11 +168,12 @@ class GrammarMasks:
     one batched op; rows without a grammar are not touched.
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, eos_token: int = -1):
         self.words = (vocab_size + 31) // 32
+        self.eos_token = eos_token
         self.executor = llguidance.LLExecutor()
 
-    def apply(self, logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, matchers: list[DocumentMatcher | None]) -> torch.Tensor:
         """`logits` [rows, vocab] with the masks applied; the same tensor unless it had to be made contiguous."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
@@ -172,7 +181,20 @@ class GrammarMasks:
         if not logits.is_contiguous():
             logits = logits.contiguous()
         bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32)  # rows without a grammar: unused
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(matchers[i], i) for i in rows], bitmask)
+        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(matchers[i].matcher, i) for i in rows], bitmask)
+        for i in rows:  # json_document's promises: no repeated key; a document closing within its budget
+            for token in matchers[i].banned_tokens():
+                bit = token % 32
+                bitmask[i, token // 32] &= 0x7FFFFFFF if bit == 31 else ~(1 << bit)  # int32 two's complement
+            forced = matchers[i].forced_token(self.eos_token)
+            if forced is None and matchers[i].calm:
+                bitmask[i] &= matchers[i].vocabulary.calm_mask[: self.words]
+                if not bool(bitmask[i].any()):  # nothing calm is allowed here: close now
+                    forced = matchers[i].next_closing_token(self.eos_token)
+            if forced is not None and 0 <= forced < self.words * 32:
+                bit = 1 << (forced % 32)
+                bitmask[i] = 0
+                bitmask[i, forced // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 two's complement
         bitmask = bitmask.to(logits.device, non_blocking=True)
         if logits.device.type == "cuda" and xgrammar is not None:
             xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

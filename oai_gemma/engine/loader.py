@@ -175,8 +175,6 @@ def _dispatch(model, device_map: str, dtype: torch.dtype):
 def load(settings: ModelSettings) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
     source = resolve_source(settings)

@@ -55,15 +55,17 @@ def _ends_turn(limits: Limits, seq: Sequence, token: int) -> bool:
 
 def _outcome(limits: Limits, seq: Sequence, token: int) -> tuple[str, str | None, str | None]:
     """(the text `token` completes, the finish reason if it ends the sequence, an error) once appended."""
+    # a document closed early to fit its token budget ends as the budget would have ended it
+    done = "length" if seq.matcher is not None and seq.matcher.cut_short else "stop"
     if _ends_turn(limits, seq, token):
-        return seq.stopper.flush(), "stop", None
+        return seq.stopper.flush(), done, None
     text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
     if stopped:
         return text, "stop", None
     if seq.matcher is not None and not seq.matcher.consume_token(token):
         return "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
     if seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
-        return text + seq.stopper.flush(), "stop", None
+        return text + seq.stopper.flush(), done, None
     if len(seq.output_ids) >= seq.sampling.max_tokens or seq.num_computed + 1 >= limits.max_model_len:
         return text + seq.stopper.flush(), "length", None
     return text, None, None

@@ -1,0 +1,262 @@
+"""Promises a JSON grammar alone cannot keep: the document ends within the token budget, its numbers stay sane,
+and no object repeats a key.
+
+A grammar only says which tokens may come next; a small model can stay inside it forever (`"color":"black",`
+again and again, or digits without end) until `max_tokens` cuts the document and it no longer parses. So:
+
+* `bound_numbers(schema)` gives every integer without bounds the range +-9e18 (inside 64 bits; llguidance
+  cannot build the exact int64 range) and every number without bounds the range +-1e15 in steps of 1e-9 (at
+  most 16 integer and 9 decimal digits, no exponent): what JSON Schema leaves unbounded, bounded where a user
+  would hardly notice.
+* `DocumentMatcher` wraps a sequence's llguidance matcher. It follows the text with a `JsonCursor` (open
+  containers, string or not, the keys of each open object) and, each step, says which tokens it bans (those
+  that would close a key the object already has) and which token it forces (once the budget left is within
+  CLOSING_MARGIN of a short closing of the document found by `closing_tokens`, the sequence is held to it,
+  and `cut_short` tells the engine to report `length`).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import llguidance
+import numpy as np
+import torch
+
+INTEGER_BOUND = 9 * 10**18
+NUMBER_BOUND = 1e15
+NUMBER_STEP = 1e-9
+_NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
+
+CLOSING_MARGIN = 8
+"""Tokens of slack when a document starts closing: one sampled token can deepen the document by a few levels
+(`[{"a":[{"`), so the closing starts while there is still room for what that token could add."""
+CLOSING_HORIZON = 64
+CALM_WINDOW = 24
+"""The closing is only planned once this few tokens of budget are left (it costs a few mask computations)."""
+
+# What brings a JSON document to its end soonest from each place in it, best first (tried as single tokens of
+# the vocabulary; the grammar keeps only those the schema allows there)
+_VALUE_STARTS = ("0", '""', '"', "null", "false", "true", "[]", "{}", "[", "{")
+_CLOSING_TEXTS = {
+    "string": ('"}]}', '"}}', '"}]', '"]}', '"]]', '"}', '"]', '"', '",', '":'),
+    "colon": (":",),
+    "value": _VALUE_STARTS,
+    "key": ("}", '"'),
+    "{after": ("}}}", "}]}", "}}", "}]", "}", ","),
+    "[after": ("]}}", "]]}", "]}", "]]", "]", ","),
+    "[": ("]",) + _VALUE_STARTS,
+}
+
+
+def bound_numbers(schema):
+    """A copy of `schema` where integers and numbers without bounds get the module's bounds (see above)."""
+    if isinstance(schema, list):
+        return [bound_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else bound_numbers(value) for key, value in schema.items()}
+    kinds = out.get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if "number" in kinds:
+        _bound(out, NUMBER_BOUND)
+        if "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    elif "integer" in kinds:
+        _bound(out, INTEGER_BOUND)
+    return out
+
+
+def _bound(schema: dict, bound) -> None:
+    low = next((schema[k] for k in ("minimum", "exclusiveMinimum") if isinstance(schema.get(k), (int, float))), None)
+    high = next((schema[k] for k in ("maximum", "exclusiveMaximum") if isinstance(schema.get(k), (int, float))), None)
+    if low is None and (high is None or high > -bound):
+        schema["minimum"] = -bound
+    if high is None and (low is None or low < bound):
+        schema["maximum"] = bound
+
+
+class JsonVocabulary:
+    """The model's vocabulary as JSON sees it: token -> bytes, the tokens of `_CLOSING_TEXTS`, and the tokens
+    sorted by their bytes (to find every token that starts with given bytes)."""
+
+    def __init__(self, tokenizer, ll_tokenizer: llguidance.LLTokenizer):
+        self.decode = lambda token: ll_tokenizer.decode_bytes([token])
+        self.closers: dict[str, tuple[int, ...]] = {}
+        for place, texts in _CLOSING_TEXTS.items():
+            singles = (tokenizer.encode(text, add_special_tokens=False) for text in texts)
+            self.closers[place] = tuple(dict.fromkeys(ids[0] for ids in singles if len(ids) == 1))
+        pieces = sorted((ll_tokenizer.decode_bytes([t]), t) for t in range(ll_tokenizer.vocab_size))
+        self._sorted_bytes = [piece for piece, _ in pieces]
+        self._sorted_ids = [token for _, token in pieces]
+        structural = [token for piece, token in pieces if any(c in piece for c in b",{[")]
+        self.calm_mask = torch.full(((ll_tokenizer.vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        """A bitmask of the tokens without `,` `{` `[` (what a calm sequence may take)."""
+        for token in structural:
+            bit = token % 32
+            self.calm_mask[token // 32] &= 0x7FFFFFFF if bit == 31 else ~(1 << bit)
+
+    def starting_with(self, prefix: bytes) -> list[int]:
+        start = bisect.bisect_left(self._sorted_bytes, prefix)
+        end = start
+        while end < len(self._sorted_bytes) and self._sorted_bytes[end].startswith(prefix):
+            end += 1
+        return self._sorted_ids[start:end]
+
+
+class JsonCursor:
+    """Where a JSON text is, lexically: the open containers (with the keys each open object has), inside a
+    string or not, what comes next. Escapes are followed but not decoded (`"\\u0061"` and `"a"` differ here)."""
+
+    def __init__(self):
+        self.stack: list[set[bytes] | None] = []  # per open container: an object's keys, None for an array
+        self.expect = "value"  # value | key | colon | after | [
+        self.in_string = False
+        self.escape = False
+        self.key = bytearray()
+
+    def copy(self) -> "JsonCursor":
+        other = JsonCursor()
+        other.stack = [None if keys is None else set(keys) for keys in self.stack]
+        other.expect, other.in_string, other.escape, other.key = self.expect, self.in_string, self.escape, bytearray(self.key)
+        return other
+
+    def feed(self, data: bytes) -> None:
+        for byte in data:
+            char = chr(byte)
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif char == "\\":
+                    self.escape = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.expect == "key":
+                        if self.stack and self.stack[-1] is not None:
+                            self.stack[-1].add(bytes(self.key))
+                        self.expect = "colon"
+                        continue
+                    self.expect = "after"
+                    continue
+                if self.expect == "key":
+                    self.key.append(byte)
+            elif char == '"':
+                self.in_string = True
+                self.key.clear()
+                if self.expect != "key":
+                    self.expect = "value"
+            elif char in "{[":
+                self.stack.append(set() if char == "{" else None)
+                self.expect = "key" if char == "{" else "["
+            elif char in "}]":
+                if self.stack:
+                    self.stack.pop()
+                self.expect = "after"
+            elif char == ":":
+                self.expect = "value"
+            elif char == ",":
+                self.expect = "key" if self.stack and self.stack[-1] is not None else "value"
+            elif not char.isspace():
+                self.expect = "after"  # inside a number or a literal: it can end here
+
+    def place(self) -> str:
+        if self.in_string:
+            return "string"
+        if self.expect == "after":
+            return ("[" if self.stack and self.stack[-1] is None else "{") + "after"
+        return self.expect
+
+    def repeated_key_endings(self) -> list[bytes]:
+        """Inside a key: for each key its object already has that starts like this one, the rest of it and the
+        closing quote (a token starting with one of these would repeat that key)."""
+        if not (self.in_string and self.expect == "key" and self.stack and self.stack[-1]) or self.escape:
+            return []
+        typed = bytes(self.key)
+        return [key[len(typed):] + b'"' for key in self.stack[-1] if key.startswith(typed)]
+
+
+class DocumentMatcher:
+    """One sequence's place in its JSON grammar, with the module's promises (see the module docstring)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocabulary: JsonVocabulary | None, budget: int | None):
+        self.matcher = matcher
+        self.vocabulary = vocabulary
+        self.budget = budget if vocabulary is not None else None
+        self.cursor = JsonCursor()
+        self.plan: list[int] | None = None
+        self.cut_short = False
+        self._next_check = CLOSING_HORIZON  # plan again once the budget is down to this
+        self.calm = False
+        """Near the end: no token that opens more structure (`,` `{` `[`): one such token can add more to
+        the closing than the margin (`}},` then a whole object of required keys)."""
+
+    def consume_token(self, token: int) -> bool:
+        if self.vocabulary is not None:
+            self.cursor.feed(self.vocabulary.decode(token))
+        if self.budget is not None:
+            self.budget -= 1
+        if self.plan:
+            self.plan.pop(0) if self.plan[0] == token else self.plan.clear()
+        return self.matcher.consume_token(token)
+
+    def is_stopped(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def get_error(self) -> str:
+        return self.matcher.get_error()
+
+    def banned_tokens(self) -> list[int]:
+        """Tokens the grammar allows but that would close a key this object already has."""
+        if self.vocabulary is None:
+            return []
+        return [t for ending in self.cursor.repeated_key_endings() for t in self.vocabulary.starting_with(ending)]
+
+    def forced_token(self, eos_token: int) -> int | None:
+        """The token this sequence must take next to close its document in time, else None (free choice)."""
+        if self.plan is None and self.budget is not None and self.budget <= self._next_check:
+            plan = closing_tokens(self.matcher, self.cursor, self.vocabulary, limit=self.budget)
+            if plan is not None and len(plan) + CLOSING_MARGIN >= self.budget:
+                self.plan, self.cut_short = plan, True
+            elif plan is not None:  # plan again when half the gap is used up
+                gap = self.budget - len(plan) - CLOSING_MARGIN
+                self.calm = gap <= CALM_WINDOW
+                self.cut_short |= self.calm  # the budget now shapes the document: it ends as `length`
+                self._next_check = self.budget - max(1, gap // 2)
+            else:  # no closing fits the budget (the schema's shortest document is longer): retry now and then
+                self._next_check = self.budget - CLOSING_MARGIN
+        if self.plan is None:
+            return None
+        return self.plan[0] if self.plan else eos_token
+
+    def next_closing_token(self, eos_token: int) -> int:
+        """The first token of a closing planned now (when calm leaves the model no token), EOS if complete."""
+        plan = closing_tokens(self.matcher, self.cursor, self.vocabulary, limit=max(self.budget or 0, 1) * 4)
+        return plan[0] if plan else eos_token
+
+
+def closing_tokens(matcher: llguidance.LLMatcher, cursor: JsonCursor, vocabulary: JsonVocabulary, limit: int) -> list[int] | None:
+    """A short sequence of tokens that completes the document from `matcher`'s state (no model involved): at
+    each point the forced tokens, else the allowed token that closes soonest from the JSON place (`cursor`),
+    else the allowed token with the lowest id. None when it would take more than `limit` tokens."""
+    probe, cursor = matcher.deep_copy(), cursor.copy()
+    out: list[int] = []
+    while not probe.is_accepting():
+        if len(out) >= limit or probe.is_error():
+            return None
+        banned = {t for ending in cursor.repeated_key_endings() for t in vocabulary.starting_with(ending)}
+        step = probe.compute_ff_tokens() or [_best_allowed(probe, vocabulary.closers.get(cursor.place(), ()), banned)]
+        if step[0] < 0 or not probe.consume_tokens(step):
+            return None
+        for token in step:
+            cursor.feed(vocabulary.decode(token))
+        out.extend(step)
+    return out
+
+
+def _best_allowed(matcher: llguidance.LLMatcher, preferred: tuple[int, ...], banned: set[int]) -> int:
+    for token in preferred:
+        if token not in banned and matcher.validate_tokens([token]) == 1:
+            return token
+    allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little").nonzero()[0]
+    return next((int(token) for token in allowed if int(token) not in banned), -1)

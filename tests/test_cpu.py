@@ -1,0 +1,59 @@
+"""CPU threads and their wait policy (`engine.threads`, `engine.cpu_wait`), and `oai-gemma bench --cpu-hog`."""
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MODEL
+
+SCRIPT = """
+import json, os, sys
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # as `taskset -c N` or a container's cpuset would
+from oai_gemma.cpu import configure_cpu
+from oai_gemma.settings import load_settings
+settings = load_settings(None, json.loads(sys.argv[1]), environ={})
+threads = configure_cpu(settings.engine)
+import torch
+print(json.dumps({"threads": threads, "torch": torch.get_num_threads(), "omp": os.environ.get("OMP_WAIT_POLICY"),
+                  "kmp": os.environ.get("KMP_BLOCKTIME")}))
+"""
+
+
+def configured(overrides: dict, env: dict | None = None) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(overrides)], capture_output=True, text=True,
+                          timeout=300, env={**environ, **(env or {})})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_threads_default_to_the_cpus_the_process_may_use_and_wait_passively():
+    assert configured({}) == {"threads": 1, "torch": 1, "omp": "PASSIVE", "kmp": "0"}
+
+
+def test_threads_and_wait_policy_can_be_set_and_an_operators_env_is_kept():
+    assert configured({"engine": {"threads": 3, "cpu_wait": "active"}}) == {"threads": 3, "torch": 3, "omp": "ACTIVE", "kmp": None}
+    assert configured({}, env={"OMP_WAIT_POLICY": "ACTIVE"})["omp"] == "ACTIVE"
+
+
+def busy_loops() -> list[str]:
+    out = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout.split()
+    return [pid for pid in out if pid != str(os.getpid())]
+
+
+def test_cpu_hog_run_reports_both_levels_and_stops_its_busy_loop(server):
+    from oai_gemma.bench.cpu_hog import cpu_hog, report
+
+    before = set(busy_loops())
+    args = argparse.Namespace(num_requests=8, max_tokens=4, request_timeout=120, api_key=None)
+    result = asyncio.run(cpu_hog(server.url + "/v1", MODEL, args))
+    assert result["quiet"]["errors"] == 0 and result["with_busy_loop"]["errors"] == 0
+    assert result["quiet"]["output_tok_s"] > 0 and result["with_busy_loop"]["output_tok_s"] > 0
+    assert result["ratio"] == pytest.approx(result["with_busy_loop"]["output_tok_s"] / result["quiet"]["output_tok_s"])
+    assert "ratio" in report(result)
+    assert set(busy_loops()) <= before  # its busy loop is gone
