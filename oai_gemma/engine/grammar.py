@@ -161,6 +161,12 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(banned, float("-inf"))
 
 
+def _bit(token: int) -> int:
+    """`token`'s bit in its int32 bitmask word (two's complement: bit 31 is the sign)."""
+    bit = 1 << (token % 32)
+    return bit - (1 << 32) if bit >= 1 << 31 else bit
+
+
 class GrammarMasks:
     """Each step: the rows that have a grammar get -inf on every token their grammar forbids.
 
@@ -184,17 +190,15 @@ class GrammarMasks:
         llguidance.torch.fill_next_token_bitmask_par(self.executor, [(matchers[i].matcher, i) for i in rows], bitmask)
         for i in rows:  # json_document's promises: no repeated key; a document closing within its budget
             for token in matchers[i].banned_tokens():
-                bit = token % 32
-                bitmask[i, token // 32] &= 0x7FFFFFFF if bit == 31 else ~(1 << bit)  # int32 two's complement
+                bitmask[i, token // 32] &= ~_bit(token)
             forced = matchers[i].forced_token(self.eos_token)
             if forced is None and matchers[i].calm:
-                bitmask[i] &= matchers[i].vocabulary.calm_mask[: self.words]
+                self._calm(matchers[i], bitmask[i], logits[i])
                 if not bool(bitmask[i].any()):  # nothing calm is allowed here: close now
                     forced = matchers[i].next_closing_token(self.eos_token)
             if forced is not None and 0 <= forced < self.words * 32:
-                bit = 1 << (forced % 32)
                 bitmask[i] = 0
-                bitmask[i, forced // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 two's complement
+                bitmask[i, forced // 32] = _bit(forced)
         bitmask = bitmask.to(logits.device, non_blocking=True)
         if logits.device.type == "cuda" and xgrammar is not None:
             xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
@@ -206,3 +210,21 @@ class GrammarMasks:
             apply_bitmask_torch(picked, bitmask.index_select(0, index))
             logits.index_copy_(0, index, picked)
         return logits
+
+    def _calm(self, matcher: DocumentMatcher, bitmask: torch.Tensor, logits: torch.Tensor) -> None:
+        """Takes the structure-opening tokens out of one row's `bitmask`, but for the model's favourite when the
+        document still closes in time after it; where calm overrules the model, the budget shaped the document
+        (`cut_short`)."""
+        calm_mask = matcher.vocabulary.calm_mask[: self.words]
+        if not bool((bitmask & ~calm_mask).any()):
+            return
+        row = logits[None].clone()
+        apply_bitmask_torch(row, bitmask[None].to(logits.device))
+        favourite = int(row.argmax())
+        bitmask &= calm_mask
+        if bitmask[favourite // 32] & _bit(favourite):
+            return  # the favourite was never a structure opener
+        if matcher.closes_in_time_after(favourite):
+            bitmask[favourite // 32] |= _bit(favourite)
+        else:
+            matcher.cut_short = True

@@ -188,8 +188,9 @@ class DocumentMatcher:
         self.cut_short = False
         self._next_check = CLOSING_HORIZON  # plan again once the budget is down to this
         self.calm = False
-        """Near the end: no token that opens more structure (`,` `{` `[`): one such token can add more to
-        the closing than the margin (`}},` then a whole object of required keys)."""
+        """Near the end: no token that opens more structure (`,` `{` `[`) unless the document still closes in
+        time after it: one such token can add more to the closing than the margin (`}},` then a whole object of
+        required keys)."""
 
     def consume_token(self, token: int) -> bool:
         if self.vocabulary is not None:
@@ -220,14 +221,22 @@ class DocumentMatcher:
                 self.plan, self.cut_short = plan, True
             elif plan is not None:  # plan again when half the gap is used up
                 gap = self.budget - len(plan) - CLOSING_MARGIN
-                self.calm = gap <= CALM_WINDOW
-                self.cut_short |= self.calm  # the budget now shapes the document: it ends as `length`
+                self.calm = gap <= CALM_WINDOW  # `GrammarMasks` sets `cut_short` where calm overrules the model
                 self._next_check = self.budget - max(1, gap // 2)
             else:  # no closing fits the budget (the schema's shortest document is longer): retry now and then
                 self._next_check = self.budget - CLOSING_MARGIN
         if self.plan is None:
             return None
         return self.plan[0] if self.plan else eos_token
+
+    def closes_in_time_after(self, token: int) -> bool:
+        """Whether, once `token` is taken, a closing of the document still fits the budget with its margin."""
+        probe, cursor = self.matcher.deep_copy(), self.cursor.copy()
+        if not probe.consume_token(token):
+            return False
+        cursor.feed(self.vocabulary.decode(token))
+        limit = (self.budget or 0) - 1 - CLOSING_MARGIN
+        return limit >= 0 and closing_tokens(probe, cursor, self.vocabulary, limit=limit) is not None
 
     def next_closing_token(self, eos_token: int) -> int:
         """The first token of a closing planned now (when calm leaves the model no token), EOS if complete."""
