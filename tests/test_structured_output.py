@@ -44,7 +44,7 @@ def error_of(http, patch: dict) -> dict:
 
 
 def test_json_object_output_parses_as_an_object(client):
-    # a free-form object has no bound: this prompt's greedy object closes (another's repeats a key until max_tokens)
+    # this prompt's greedy object closes by itself (others are closed for it within max_tokens: finish `length`)
     choice = ask(client, {"type": "json_object"}, user("Give me a JSON object.")).choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(json.loads(choice.message.content), dict)
