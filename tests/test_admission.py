@@ -34,18 +34,18 @@ def body(max_tokens: int, stream: bool, **extra) -> dict:
             "stream": stream, "temperature": 0, **extra}
 
 
-async def one(client: httpx.AsyncClient, payload: dict) -> tuple[int, list[str]]:
+async def one(client: httpx.AsyncClient, payload: dict, path: str = "/v1/chat/completions") -> tuple[int, list[str]]:
     """(status, the SSE `data:` payloads or the JSON body) of one request, read to its end."""
-    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+    async with client.stream("POST", path, json=payload) as response:
         if not payload["stream"] or response.status_code != 200:
             return response.status_code, [(await response.aread()).decode()]
         return 200, [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
 
 
-async def burst(url: str, payloads: list[dict]) -> list[tuple[int, list[str]]]:
+async def burst(url: str, payloads: list[dict], path: str = "/v1/chat/completions") -> list[tuple[int, list[str]]]:
     limits = httpx.Limits(max_connections=len(payloads) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        return await asyncio.gather(*(one(client, p) for p in payloads))
+        return await asyncio.gather(*(one(client, p, path) for p in payloads))
 
 
 def counts_are_zero(url: str) -> None:
@@ -82,6 +82,20 @@ def test_overflow_of_a_burst_is_exactly_the_429s_and_every_admitted_request_comp
             assert not any('"error"' in d for d in data[:-1]), data
         else:
             assert json.loads(data[0])["choices"][0]["finish_reason"] == "length"
+    counts_are_zero(small.url)
+
+
+def test_a_responses_stream_past_capacity_is_a_429_before_its_status_line(small):
+    # as for chat: a full engine is a 429 answer, never a `response.failed` event inside a 200
+    overflow = 4
+    payload = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 8, "stream": True, "temperature": 0}
+    results = asyncio.run(burst(small.url, [payload] * (CAPACITY + overflow), "/v1/responses"))
+    assert sorted(status for status, _ in results) == [200] * CAPACITY + [429] * overflow
+    for status, data in results:
+        if status == 429:
+            assert json.loads(data[0])["error"]["code"] == "rate_limit_exceeded"
+        else:
+            assert json.loads(data[-1])["type"] in ("response.completed", "response.incomplete"), data[-1]
     counts_are_zero(small.url)
 
 

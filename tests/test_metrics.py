@@ -11,7 +11,8 @@ from litestar.testing import TestClient
 
 from conftest import MODEL, user
 from metrics_scrape import Scrape, delta, scrape
-from oai_gemma.api.access_log import AccessRecord, GenerationStats, access_log_middleware, set_finish_reason
+from oai_gemma.api.access_log import AccessRecord, GenerationStats, access_log_middleware
+from oai_gemma.api.exchange import exchange_of
 from oai_gemma.api.app import create_app
 from oai_gemma.api.metrics import ServerMetrics
 from oai_gemma.engine.types import GenerationRequest, SamplingParams, TokenEvent
@@ -202,7 +203,7 @@ def test_a_finish_reason_the_api_refines_is_counted_instead_of_the_engines():
     async def endpoint(scope, receive, send):  # what a route does: consume the engine's events, then answer
         metrics.on_event(request, TokenEvent("gen-1", 7, "{}", time.perf_counter(), "stop", 2, 1))
         metrics.on_close(request, cancelled=False)
-        set_finish_reason("gen-1", "tool_calls")
+        exchange_of(scope).refine("gen-1", "tool_calls")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -114,9 +114,17 @@ def test_unsupported_schema_feature_is_400_naming_it(http):
     assert "uniqueItems" in error["message"]
 
 
-def test_invalid_schema_is_400(http):
+FORCED_CALL = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
+    "tool_choice": "required",
+}
+
+
+@pytest.mark.parametrize("beside", [{}, FORCED_CALL], ids=["alone", "beside-a-forced-call"])
+def test_invalid_schema_is_400(http, beside):
+    # a forced call decides the answer's grammar, but a bad `response_format` is still the user's error
     schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
-    error = error_of(http, {"response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}}})
+    error = error_of(http, {"response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}}, **beside})
     assert error["param"] == "response_format"
     assert error["code"] == "invalid_json_schema"
 

@@ -99,13 +99,6 @@ def current_record() -> AccessRecord | None:
     return _current.get()
 
 
-def set_finish_reason(request_id: str, reason: str) -> None:
-    """`refine` on the current request's record (for code that has no handle on it)."""
-    record = _current.get()
-    if record is not None:
-        record.refine(request_id, reason)
-
-
 def record_of(scope) -> AccessRecord | None:
     """The record of the HTTP request whose ASGI `scope` this is (a route hands it to the service)."""
     return scope.get(SCOPE_KEY)

@@ -41,6 +41,7 @@ async def request_grammar(engine: Engine, tools: ToolPlan | None, response_forma
     """The one grammar an answer follows, decided once: a forced tool call's schema (the answer is the call),
     else `response_format`'s, else none."""
     schema = tools.forced_schema() if tools is not None else None
+    chosen = await response_format_grammar(engine, response_format)  # checked either way: a bad one is a 400
     if schema is not None:
         return await json_schema_grammar(engine, schema, "tools")
-    return await response_format_grammar(engine, response_format)
+    return chosen

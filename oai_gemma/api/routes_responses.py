@@ -10,6 +10,7 @@ import time
 from litestar import Request, Response, delete, get, post
 from litestar.response import Stream
 
+from .exchange import exchange_of
 from .openapi import documented
 from .protocol_responses import DeletedResponse, ItemList, ResponsesRequest
 from .protocol_responses import Response as ResponseObject
@@ -34,9 +35,10 @@ async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     service = _service(request)
     prepared = await service.prepare(await request.body(), arrival, _owner(request))
+    exchange = exchange_of(request.scope)
     if prepared.request.stream:
-        return Stream(service.stream(prepared), media_type="text/event-stream", headers=SSE_HEADERS)
-    return Response(content=await unless_disconnected(request, service.complete(prepared)), media_type=JSON)
+        return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
 
 
 @get("/v1/responses/{response_id:str}", operation_class=documented(ResponseObject, errors=(401, 404)))

@@ -27,9 +27,10 @@ import msgspec
 
 from ..chat import ChatInputError, parse_messages
 from ..chat.tools import ToolPlan
+from ..engine.engine import Submission
 from ..engine.types import GenerationRequest
-from .access_log import set_finish_reason
 from .choices import ChoiceAssembler, assemble, indexed
+from .exchange import Exchange
 from .errors import APIError, chat_input_error, generation_failure, invalid_request
 from .protocol import (
     FunctionDefinition,
@@ -161,7 +162,7 @@ class ResponsesService(OpenAIServing):
         entries = partial(logprob_entries, self.engine.token_text)
         return ResponseEvents(prepared.response, entries), ChoiceAssembler(0, prepared.tools, logprobs=True)
 
-    async def complete(self, prepared: PreparedResponse) -> bytes:
+    async def complete(self, prepared: PreparedResponse, exchange: Exchange) -> bytes:
         """The whole response: the same deltas and items as a stream, its events dropped."""
         builder, assembler = self._builders(prepared)
         async with self.submit(prepared.generation) as submission:
@@ -170,17 +171,24 @@ class ResponsesService(OpenAIServing):
                     builder.feed(delta)
         if not assembler.done:
             raise generation_failure(None)
-        builder.finish(self._end(prepared, assembler))
+        builder.finish(self._end(prepared, assembler, exchange))
         body = encoder.encode(builder.response)
         await self._keep(prepared, body)
         return body
 
-    async def stream(self, prepared: PreparedResponse) -> AsyncIterator[bytes]:
+    def stream(self, prepared: PreparedResponse, exchange: Exchange) -> AsyncIterator[bytes]:
+        """Takes the request's place in the engine now (a 429 or 503 before the status line, as chat does), held
+        by the exchange until the stream ends; then the stream's events."""
+        submission = self.submit(prepared.generation)
+        exchange.hold(submission)
+        return self._stream(prepared, submission, exchange)
+
+    async def _stream(self, prepared: PreparedResponse, submission: Submission, exchange: Exchange) -> AsyncIterator[bytes]:
         builder, assembler = self._builders(prepared)
         for event in builder.start():
             yield sse_event(event)
         try:
-            async with self.submit(prepared.generation) as submission:
+            async with submission:
                 async for _, deltas in assemble(indexed(submission), {0: assembler}):
                     for delta in deltas:
                         for event in builder.feed(delta):
@@ -190,15 +198,15 @@ class ResponsesService(OpenAIServing):
             for event in builder.finish("failed"):
                 yield sse_event(event)
             return
-        last = builder.finish(self._end(prepared, assembler))
+        last = builder.finish(self._end(prepared, assembler, exchange))
         await self._keep(prepared, encoder.encode(builder.response))
         for event in last:
             yield sse_event(event)
 
-    def _end(self, prepared: PreparedResponse, assembler: ChoiceAssembler) -> str:
+    def _end(self, prepared: PreparedResponse, assembler: ChoiceAssembler, exchange: Exchange) -> str:
         """Sets the usage and why it is incomplete; returns the final status."""
         if assembler.tool_calls is not None:  # the refined outcome (`tool_calls`) is the one the metrics count
-            set_finish_reason(prepared.generation.request_id, assembler.finish_reason)
+            exchange.refine(prepared.generation.request_id, assembler.finish_reason)
         last = assembler.last
         response = prepared.response
         response.usage = ResponseUsage(
