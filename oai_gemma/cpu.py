@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable
 
 from .settings import EngineSettings
 
@@ -40,3 +42,22 @@ def configure_cpu(settings: EngineSettings) -> int:
     log.info("CPU: %d compute threads (%d CPUs available), OMP_WAIT_POLICY=%s", threads, available_cpus(),
              os.environ.get("OMP_WAIT_POLICY"))
     return threads
+
+
+def compute_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread that runs torch work with the thread count configured now (`configure_cpu`).
+
+    OpenMP keeps the thread count per thread: a new thread starts from OMP_NUM_THREADS, not from what
+    `torch.set_num_threads` told the thread that configured the CPU. Ray sets OMP_NUM_THREADS=1 in its workers,
+    so an engine replica's step ran on one core of two (found measuring the Ray Serve proxy); the thread says it
+    again itself."""
+    import torch
+
+    threads = torch.get_num_threads()
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
+

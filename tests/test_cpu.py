@@ -46,6 +46,31 @@ def busy_loops() -> list[str]:
     return [pid for pid in out if pid != str(os.getpid())]
 
 
+OMP_IN_THREADS = """
+import ctypes, json, threading
+import torch
+from oai_gemma.cpu import compute_thread
+torch.set_num_threads(3)
+gomp = next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line)
+omp_max_threads = ctypes.CDLL(gomp).omp_get_max_threads
+seen = {}
+plain = threading.Thread(target=lambda: seen.update(plain=omp_max_threads()))
+compute = compute_thread(lambda: seen.update(compute=omp_max_threads()), "test")
+for t in (plain, compute):
+    t.start(); t.join()
+print(json.dumps(seen))
+"""
+
+
+def test_the_engine_thread_computes_with_the_configured_threads_whatever_omp_num_threads_says():
+    # Ray starts its workers with OMP_NUM_THREADS=1: a plain thread then computes on one core, whatever the
+    # process configured; the engine's thread must not
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", OMP_IN_THREADS], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"plain": 1, "compute": 3}
+
+
 def test_cpu_hog_run_reports_both_levels_and_stops_its_busy_loop(server):
     from oai_gemma.bench.cpu_hog import cpu_hog, report
 

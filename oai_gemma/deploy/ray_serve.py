@@ -294,6 +294,9 @@ def run(settings: Settings, options: ReplicaOptions, address: str | None = None)
         # with other processes that kills healthy replicas. Off for the local cluster (a node started with
         # `ray start` keeps Ray's default).
         os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+        # Ray runs its workers (the engine replicas, the proxy) at nice 15, below its own daemons and anything else
+        # on the host: the engine is the work here, so it runs at the priority a direct server has
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # a small object store: only requests and chunks travel through Ray here
         ray.init(include_dashboard=False, object_store_memory=128 * 2**20)
     stop = {"signal": None}

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..cpu import compute_thread
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .grammar import GrammarMasks
 from .loader import LoadedModel
@@ -61,7 +62,7 @@ class EngineCore:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="oai-gemma-engine", daemon=True)
+        self._thread = compute_thread(self._run, "oai-gemma-engine")
         self._thread.start()
 
     def shutdown(self) -> None:
