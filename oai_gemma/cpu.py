@@ -60,4 +60,3 @@ def compute_thread(target: Callable[[], None], name: str) -> threading.Thread:
         target()
 
     return threading.Thread(target=run, name=name, daemon=True)
-
