@@ -33,6 +33,8 @@ def map_embedding(text_model, lm_head, source_dir: str) -> bool:
     path, start = found
     with open(path, "rb") as file:
         memory = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes would never reach the file
+    if hasattr(mmap, "MADV_RANDOM"):  # rows are looked up one token at a time: no readahead of 128 KiB per fault
+        memory.madvise(mmap.MADV_RANDOM)
     mapped = torch.frombuffer(memory, dtype=weight.dtype, count=weight.numel(), offset=start).view(weight.shape)
     parameter = torch.nn.Parameter(mapped, requires_grad=False)
     text_model.embed_tokens.weight = parameter
