@@ -93,17 +93,18 @@ def _settings(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads
+    configure_cpu(settings.engine)
+    _log_access_as_json_lines()
+    if args.replicas or args.max_replicas:
+        return _serve_replicas(settings, args)
     import uvicorn
 
     from .api.app import create_app
     from .api.graceful import GracefulServer
 
-    settings = _settings(args)
-    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    configure_cpu(settings.engine)  # before torch loads: its OpenMP runtime reads the wait policy once
-    _log_access_as_json_lines()
-    if args.replicas or args.max_replicas:
-        return _serve_replicas(settings, args)
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,

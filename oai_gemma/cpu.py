@@ -1,10 +1,12 @@
 """CPU threads for the engine: how many, and how they wait (`engine.threads`, `engine.cpu_wait`).
 
-Measured on a quiet 2-core machine (issue 18): 61 tokens/s alone, 4.9 tokens/s while one `nice -n 10` busy loop
-ran beside the server. Every op of a decode step is a parallel region with a barrier at its end; by default
-OpenMP's threads spin at barriers, so when one is descheduled for the busy loop its partner burns its own time
-slice waiting (the likely cause). With OMP_WAIT_POLICY=PASSIVE (libgomp, which torch's CPU build uses) and
-KMP_BLOCKTIME=0 (Intel's runtime, where it is linked) an idle thread sleeps at once instead. The thread count defaults to the CPUs this process may run on (its
+Issue 18 reported 61 tokens/s alone and 4.9 beside one `nice -n 10` busy loop, and `passive` became the default
+for it. But `serve` imported torch (and with it libgomp, which reads OMP_WAIT_POLICY once, when it loads) before
+setting the variable, so every measurement since ran OpenMP's own default (spin briefly, then sleep). Measured
+2026-12-04 on a quiet 2-core Xeon, that default gives 179.0 tok/s alone and 142.6 beside the busy loop (0.80),
+while an effective PASSIVE costs 28% alone (c=1 18.8 vs 26.2 tok/s, c=8 126.8 vs 174.4): each of a step's many
+parallel regions then wakes a sleeping thread. So `auto` (the runtime's default) is the default; `passive` is
+there for hosts crowded with other work, `active` spins without end. The thread count defaults to the CPUs this process may run on (its
 affinity mask, which a container's cpuset or `taskset` narrows), not the machine's core count.
 """
 
@@ -33,7 +35,7 @@ def configure_cpu(settings: EngineSettings) -> int:
     if settings.cpu_wait == "passive":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         os.environ.setdefault("KMP_BLOCKTIME", "0")
-    else:
+    elif settings.cpu_wait == "active":
         os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
     import torch
 

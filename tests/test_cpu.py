@@ -32,8 +32,9 @@ def configured(overrides: dict, env: dict | None = None) -> dict:
     return json.loads(done.stdout)
 
 
-def test_threads_default_to_the_cpus_the_process_may_use_and_wait_passively():
-    assert configured({}) == {"threads": 1, "torch": 1, "omp": "PASSIVE", "kmp": "0"}
+def test_threads_default_to_the_cpus_the_process_may_use_and_the_runtimes_wait_policy():
+    assert configured({}) == {"threads": 1, "torch": 1, "omp": None, "kmp": None}
+    assert configured({"engine": {"cpu_wait": "passive"}}) == {"threads": 1, "torch": 1, "omp": "PASSIVE", "kmp": "0"}
 
 
 def test_threads_and_wait_policy_can_be_set_and_an_operators_env_is_kept():
@@ -44,6 +45,26 @@ def test_threads_and_wait_policy_can_be_set_and_an_operators_env_is_kept():
 def busy_loops() -> list[str]:
     out = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout.split()
     return [pid for pid in out if pid != str(os.getpid())]
+
+
+SERVE_ORDER = """
+import json, os, sys
+import oai_gemma.cli as cli
+
+def configure_cpu(settings):  # records what `serve` has loaded by the time it sets the wait policy, then stops
+    print(json.dumps({"torch_loaded": "torch" in sys.modules}))
+    raise SystemExit(0)
+
+cli.configure_cpu = configure_cpu
+cli.main(["serve", "--port", "1"])
+"""
+
+
+def test_serve_sets_the_wait_policy_before_torch_loads():
+    # libgomp reads OMP_WAIT_POLICY when it loads, with torch: set later, the policy would be silently ignored
+    done = subprocess.run([sys.executable, "-c", SERVE_ORDER], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch_loaded": False}
 
 
 OMP_IN_THREADS = """
