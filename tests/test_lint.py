@@ -16,3 +16,64 @@ def _ruff() -> list[str]:
 def test_the_package_passes_ruff_with_the_complexity_check():
     run = subprocess.run([*_ruff(), "check", "--no-cache", "oai_gemma"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+PACKAGE = ROOT / "oai_gemma"
+MAX_LINES = 400
+
+
+def test_no_file_in_the_request_path_or_engine_is_over_400_lines():
+    # issue 17: api/, chat/ and engine/ stay readable in one sitting
+    long = {str(p.relative_to(ROOT)): n for d in ("api", "chat", "engine") for p in (PACKAGE / d).glob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules `path` imports when it loads (module level; `if TYPE_CHECKING:` blocks left out)."""
+    import ast
+
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            body.extend([*node.body, *node.orelse])
+        elif isinstance(node, ast.Try):
+            body.extend([*node.body, *node.orelse, *node.finalbody])
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("oai_gemma")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [node.module])])
+            if base.startswith("oai_gemma"):
+                found.add(base)
+                found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def test_the_package_imports_have_no_circle():
+    # issue 17: no import circle (imports only for type checking do not count: they never run)
+    graph = {_module_of(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+    graph = {m: {i for i in imports if i in graph and i != m} for m, imports in graph.items()}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join([*path[path.index(module):], module]))
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
