@@ -28,6 +28,7 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("engine", "kv_cache_gib", None),
     ("engine", "threads", None),
     ("engine", "cpu_wait", None),
+    ("engine", "batch_invariant", None),
     ("server", "api_keys", "api-key"),
     ("server", "request_timeout", None),
     ("server", "idle_timeout", None),

@@ -62,6 +62,10 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     then sleep; measured the best alone and 0.80 of it beside a busy process); `passive` sleeps at once
     (OMP_WAIT_POLICY=PASSIVE, KMP_BLOCKTIME=0: ~28% slower alone, for hosts crowded with other work); `active`
     spins without end."""
+    batch_invariant: Literal["auto", "on", "off"] = "auto"
+    """Greedy and seeded outputs identical whatever runs beside a request, however its prompt was chunked
+    (engine/invariance.py; CPU only). `auto`: on where this CPU's kernels pass the start-up check; `on`: a start-up
+    error where they do not; `off`: the shapes' own kernels (a prefix-cache hit then also reuses generated tokens)."""
 
 
 class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .invariance import DECODE_SPAN_STEP, KEY_GRID, grouped_attention, pad_keys, round_up
 from .kv_cache import KVCache
 
 
@@ -33,28 +34,41 @@ def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
     return ids
 
 
-def prefill_attention(cache: KVCache, li: int, slot: int, start: int, image_spans, q, k, v, scaling: float) -> torch.Tensor:
+def prefill_attention(
+    cache: KVCache, li: int, slot: int, start: int, image_spans, q, k, v, scaling: float, invariant: bool = False,
+) -> torch.Tensor:
     """Attention of one chunk (positions start..start+n-1) of the sequence in `slot` over its cached past and
-    itself, writing the chunk's K/V into the cache; image blocks attend to themselves both ways."""
+    itself, writing the chunk's K/V into the cache; image blocks attend to themselves both ways. `invariant`:
+    keys from a position on the grid, padded (engine/invariance.py), so a row's result ignores the chunking."""
     kc, vc = cache.k[li], cache.v[li]
     n = q.shape[0]
     qpos = torch.arange(start, start + n, device=q.device)
     if cache.sliding[li]:
         window = cache.capacity[li]
-        past = torch.arange(max(0, start - window + 1), start, device=q.device)
+        first = max(0, start - window + 1)
+        if invariant:  # positions before the window read stale ring entries: masked below
+            first -= first % KEY_GRID
+        past = torch.arange(first, start, device=q.device)
         keys = torch.cat((kc[slot][:, past % window], k.transpose(0, 1)), dim=1)
         values = torch.cat((vc[slot][:, past % window], v.transpose(0, 1)), dim=1)
         kpos = torch.cat((past, qpos))
-        mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
         keep = qpos[-window:]
         kc[slot][:, keep % window] = k[-window:].transpose(0, 1)
         vc[slot][:, keep % window] = v[-window:].transpose(0, 1)
     else:
         kc[slot, :, start : start + n] = k.transpose(0, 1)
         vc[slot, :, start : start + n] = v.transpose(0, 1)
-        keys, values = kc[slot, :, : start + n], vc[slot, :, : start + n]
+        first = 0
+        span = round_up(start + n, KEY_GRID) if invariant else start + n
+        keys, values = kc[slot, :, :span], vc[slot, :, :span]
         kpos = torch.arange(start + n, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]
+    if invariant:
+        span = round_up(start + n - first, KEY_GRID)
+        keys, values = pad_keys(keys, values, span)
+        kpos = torch.cat((kpos, torch.full((span - kpos.shape[0],), start + n, device=q.device)))  # after every query
+    mask = kpos[None, :] <= qpos[:, None]
+    if cache.sliding[li]:
+        mask &= kpos[None, :] > qpos[:, None] - window
     if image_spans:
         q_blocks = _block_ids(qpos, image_spans)[:, None]
         same_image = (q_blocks == _block_ids(kpos, image_spans)[None, :]) & (q_blocks >= 0)
@@ -62,15 +76,20 @@ def prefill_attention(cache: KVCache, li: int, slot: int, start: int, image_span
             mask |= same_image & (kpos[None, :] > qpos[:, None] - window)
         else:
             mask |= same_image
+    if invariant:
+        return grouped_attention(q, keys, values, mask, scaling)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=True
     )
     return out[0].transpose(0, 1)
 
 
-def decode_attention(cache: KVCache, li: int, rows: DecodeRows, q, k, v, scaling: float) -> torch.Tensor:
-    """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache."""
+def decode_attention(cache: KVCache, li: int, rows: DecodeRows, q, k, v, scaling: float, invariant: bool = False) -> torch.Tensor:
+    """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache. `invariant`:
+    the span padded (engine/invariance.py), so a row's result ignores how long the batch's other rows are."""
     slots, pos, longest = rows.slots, rows.positions, rows.longest
+    if invariant:
+        longest = round_up(longest, DECODE_SPAN_STEP)
     kc, vc = cache.k[li], cache.v[li]
     bsz, heads, head_dim = q.shape
     kv_heads = kc.shape[1]
@@ -87,6 +106,8 @@ def decode_attention(cache: KVCache, li: int, rows: DecodeRows, q, k, v, scaling
         keys, values = kc[:bsz, :, :span], vc[:bsz, :, :span]
     else:
         keys, values = kc[slots, :, :span], vc[slots, :, :span]
+    if invariant:
+        keys, values = pad_keys(keys, values, span)
     mask = torch.arange(span, device=q.device)[None, :] <= pos[:, None]  # [B, span]
     # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]
     qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)

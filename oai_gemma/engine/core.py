@@ -34,6 +34,7 @@ class EngineCore:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False,
+        batch_invariant: str = "auto",
     ):
         self.tokenizer = loaded.tokenizer
         config = loaded.model.config
@@ -47,10 +48,13 @@ class EngineCore:
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
             loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
-            compile=compile, static_decode=static_decode, own_weights=own_weights,
+            compile=compile, static_decode=static_decode, own_weights=own_weights, batch_invariant=batch_invariant,
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
-        self.scheduler = Scheduler(num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity))
+        self.scheduler = Scheduler(
+            num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity),
+            reuse_decoded=not self.runner.batch_invariant,
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -37,12 +37,13 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
-        compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False,
+        compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False, batch_invariant: str = "auto",
     ):
         """`own_weights`: the engine may free the model's weights it keeps its own copy of (see ModelRunner)."""
         self.core = EngineCore(
             loaded, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             kv_cache_gib=kv_cache_gib, compile=compile, static_decode=static_decode, own_weights=own_weights,
+            batch_invariant=batch_invariant,
         )
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
@@ -90,6 +91,7 @@ class Engine:
             idle_timeout=settings.server.idle_timeout,
             compile=settings.model.compile,
             own_weights=own_weights,
+            batch_invariant=settings.engine.batch_invariant,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------

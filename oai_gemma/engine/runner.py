@@ -12,6 +12,7 @@ all decode tokens.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from dataclasses import dataclass
 
@@ -20,10 +21,13 @@ import torch
 from .attention import DecodeRows, decode_attention, prefill_attention
 from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention
+from .invariance import attention_problems, linear_problems, tiled, tiled_call_linear
 from .kv_cache import KVCache
 from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
 from .static_decode import StaticDecode, flash_kernel
+
+log = logging.getLogger("oai_gemma.engine")
 
 
 @dataclass
@@ -75,6 +79,7 @@ class ModelRunner:
     def __init__(
         self, model, num_slots: int, max_len: int, max_tokens_per_step: int,
         static_decode: bool | None = None, compile: str = "auto", own_weights: bool = False,
+        batch_invariant: str = "off",
     ):
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
@@ -119,10 +124,32 @@ class ModelRunner:
         """Seconds of the start-up phases this constructor runs (logged by engine/factory.py)."""
         self.row_buckets = buckets(num_slots)
         self.token_buckets = buckets(max_tokens_per_step)
+        self.batch_invariant = self._choose_invariance(batch_invariant, static)
+        """Batch-invariant mode on (engine/invariance.py): tiled linears, grid-aligned padded attention."""
         self.static = None
         if static:
             compiled = compile == "on" or (compile == "auto" and self.device.type == "cuda")
             self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=compiled, flash=flash)
+
+    def _choose_invariance(self, setting: str, static: bool) -> bool:
+        """`auto`: on where this CPU's kernels pass the check; `on`: an error where they do not."""
+        if setting == "off":
+            return False
+        if static or self.device.type != "cpu":
+            if setting == "on":
+                raise ValueError("engine.batch_invariant = \"on\" is implemented for the CPU path only; use auto or off")
+            return False
+        w = self.weights[0]
+        linears = {"q_proj": w.q, "o_proj": w.o, "gate_proj": w.gate, "down_proj": w.down, "lm_head": self.lm_head_linear}
+        sizes = {name: self.config.hidden_size for name in linears} | {
+            "o_proj": self.num_heads * self.head_dim, "down_proj": self.config.intermediate_size,
+        }
+        problems = linear_problems(linears, sizes, self.dtype) + attention_problems(*self.shape, self.dtype)
+        if problems and setting == "on":
+            raise ValueError(f"engine.batch_invariant = \"on\", but this CPU's kernels are not invariant: {'; '.join(problems)}")
+        if problems:
+            log.warning("batch-invariant mode off: this CPU's kernels are not invariant (%s)", "; ".join(problems))
+        return not problems
 
     def _projections(self) -> list[torch.Tensor]:
         return [
@@ -200,15 +227,16 @@ class ModelRunner:
         rope = {t: self.text_model.rotary_emb(hidden, batch.positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
         decode = batch.decode
+        linear = tiled_call_linear if self.batch_invariant else call_linear
         for li, w in enumerate(self.weights):
             device = self.layer_devices[li]
             if hidden.device != device:  # device_map="auto": the next layer is on another GPU
                 hidden, decode = hidden.to(device), decode.to(device)
                 rope = {t: (cos.to(device), sin.to(device)) for t, (cos, sin) in rope.items()}
             cos, sin = rope[self.layer_types[li]]
-            q, k, v = pre_attention(hidden, w, cos, sin, self.eps, *self.shape, linear=call_linear)
+            q, k, v = pre_attention(hidden, w, cos, sin, self.eps, *self.shape, linear=linear)
             out = self._attention(li, batch, decode, q, k, v)
-            hidden = post_attention(hidden, out, w, self.eps, linear=call_linear)
+            hidden = post_attention(hidden, out, w, self.eps, linear=linear)
         return hidden
 
     def _attention(self, li: int, batch: Batch, decode: DecodeRows, q, k, v) -> torch.Tensor:
@@ -216,11 +244,13 @@ class ModelRunner:
         outs, offset = [], 0
         for it in batch.prefills:
             sl = slice(offset, offset + len(it.token_ids))
-            outs.append(prefill_attention(self.cache, li, it.slot, it.start, it.image_spans, q[sl], k[sl], v[sl], self.scaling))
+            outs.append(prefill_attention(
+                self.cache, li, it.slot, it.start, it.image_spans, q[sl], k[sl], v[sl], self.scaling, self.batch_invariant,
+            ))
             offset += len(it.token_ids)
         if batch.decodes:
             sl = slice(offset, offset + len(batch.decodes))
-            outs.append(decode_attention(self.cache, li, decode, q[sl], k[sl], v[sl], self.scaling))
+            outs.append(decode_attention(self.cache, li, decode, q[sl], k[sl], v[sl], self.scaling, self.batch_invariant))
         if batch.pad:
             outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -245,7 +275,8 @@ class ModelRunner:
         padded = bucket(wanted, self.row_buckets)
         if padded > wanted:
             hidden = torch.cat((hidden, hidden[-1:].expand(padded - wanted, -1)))
-        logits = self.lm_head_linear(self.text_model.norm(hidden.to(self.device)))[:wanted]
+        normed = self.text_model.norm(hidden.to(self.device))
+        logits = (tiled(self.lm_head_linear, normed) if self.batch_invariant else self.lm_head_linear(normed))[:wanted]
         if self.final_softcap:
             logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
         return logits

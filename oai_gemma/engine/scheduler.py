@@ -153,7 +153,10 @@ class SlotPool:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_prefill_tokens: int, window: int = 1 << 30):
+    def __init__(self, num_slots: int, max_prefill_tokens: int, window: int = 1 << 30, reuse_decoded: bool = True):
+        """`reuse_decoded`: a freed slot offers the KV of its generated tokens too, not only its prompt's (off in
+        batch-invariant mode: a decoded token's KV differs in its last bits from the same token prefilled)."""
+        self.reuse_decoded = reuse_decoded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.slots = SlotPool(num_slots, window)
@@ -194,6 +197,9 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.slot is not None:
             cached = (seq.cache_keys + seq.output_ids)[: seq.num_computed] if cache_valid else []
+            if not self.reuse_decoded and len(cached) > len(seq.cache_keys):
+                # only the prompt's KV, and only while no decoded position has overwritten a sliding layer's ring
+                cached = seq.cache_keys if len(cached) <= self.slots.window else []
             self.slots.release(seq.slot, cached)
             seq.slot = None
 
