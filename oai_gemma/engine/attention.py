@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .invariance import DECODE_SPAN_STEP, KEY_GRID, grouped_attention, pad_keys, round_up
+from .invariance import KEY_GRID, grouped_attention, pad_keys, round_up
 from .kv_cache import KVCache
 
 
@@ -84,12 +84,13 @@ def prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def decode_attention(cache: KVCache, li: int, rows: DecodeRows, q, k, v, scaling: float, invariant: bool = False) -> torch.Tensor:
-    """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache. `invariant`:
-    the span padded (engine/invariance.py), so a row's result ignores how long the batch's other rows are."""
+def decode_attention(cache: KVCache, li: int, rows: DecodeRows, q, k, v, scaling: float, span_step: int = 0) -> torch.Tensor:
+    """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache. `span_step`
+    (batch-invariant mode, engine/invariance.py): the span padded to its multiple, so a row's result ignores how
+    long the batch's other rows are."""
     slots, pos, longest = rows.slots, rows.positions, rows.longest
-    if invariant:
-        longest = round_up(longest, DECODE_SPAN_STEP)
+    if span_step:
+        longest = round_up(longest, span_step)
     kc, vc = cache.k[li], cache.v[li]
     bsz, heads, head_dim = q.shape
     kv_heads = kc.shape[1]
@@ -106,7 +107,7 @@ def decode_attention(cache: KVCache, li: int, rows: DecodeRows, q, k, v, scaling
         keys, values = kc[:bsz, :, :span], vc[:bsz, :, :span]
     else:
         keys, values = kc[slots, :, :span], vc[slots, :, :span]
-    if invariant:
+    if span_step:
         keys, values = pad_keys(keys, values, span)
     mask = torch.arange(span, device=q.device)[None, :] <= pos[:, None]  # [B, span]
     # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]

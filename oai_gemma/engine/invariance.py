@@ -4,14 +4,17 @@ A matmul's kernel (oneDNN, MKL) is picked by its row count, and SDPA blocks its 
 lengths, so a token's last bits change with the step's shape: with the other requests decoding beside it, with
 how its prompt was chunked, with a prefix-cache hit. Measured on this project's CPUs (docs/engine.md,
 "Batch-invariant mode"): a linear's rows come out identical at 2 to 32 rows (one float32 row takes a GEMV path;
-bf16 from 64 rows another kernel); SDPA's rows come out identical when the keys start on a 512-position grid,
-their span is padded (decode: to 256, prefill: to 512) and a prefill's queries are at least 32 rows. So in this
-mode every linear runs in tiles of 2 to 32 rows and attention reads grid-aligned, padded keys. Another CPU's
-kernels may differ: `verify` checks these facts on the real weights at start-up, and the mode says off when
-they fail there.
+bf16 from 64 rows another kernel; float32 at any count from 2); SDPA's rows come out identical when the keys
+start on a 512-position grid, their span is padded (prefill: to 512; decode: to 256 in float32, 16 in bf16) and
+a prefill's queries are at least 32 rows. So in this mode every linear runs in tiles of 2 to 32 rows (or whole,
+where the kernels allow) and attention reads grid-aligned, padded keys. Another CPU's kernels may differ:
+`tile_rows` and `span_step` measure these facts on the real weights at start-up, and the mode is off where
+they fail.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,29 +22,41 @@ import torch.nn.functional as F
 TILE_ROWS = 32
 MIN_ROWS = 2
 KEY_GRID = 512
-DECODE_SPAN_STEP = 256
 MIN_QUERY_ROWS = 32
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """What start-up measured this CPU's kernels to need."""
+
+    tile: int
+    """Most rows per linear call."""
+    span_step: int
+    """Decode spans are padded to a multiple of this."""
 
 
 def round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def tiled(linear, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)` computed in tiles of MIN_ROWS..TILE_ROWS rows (a single row is doubled, the copy dropped)."""
+def tiled(linear, x: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
+    """`linear(x)` computed in tiles of MIN_ROWS..`tile` rows (a single row is doubled, the copy dropped)."""
     if x.shape[0] == 1:
         return linear(x.expand(MIN_ROWS, -1).contiguous())[:1]
-    if x.shape[0] <= TILE_ROWS:
+    if x.shape[0] <= tile:
         return linear(x)
-    tiles = list(x.split(TILE_ROWS))
-    if tiles[-1].shape[0] == 1:
-        return torch.cat([linear(t) for t in tiles[:-1]] + [tiled(linear, tiles[-1])])
-    return torch.cat([linear(t) for t in tiles])
+    tiles = list(x.split(tile))
+    return torch.cat([linear(t) for t in tiles[:-1]] + [tiled(linear, tiles[-1], tile)])
 
 
-def tiled_call_linear(x: torch.Tensor, linear) -> torch.Tensor:
-    """`linear` for engine/gemma3.py's layer functions in this mode."""
-    return tiled(linear, x)
+class TiledLinear:
+    """`linear` for engine/gemma3.py's layer functions in this mode: calls of at most `tile` rows."""
+
+    def __init__(self, tile: int):
+        self.tile = tile
+
+    def __call__(self, x: torch.Tensor, linear) -> torch.Tensor:
+        return tiled(linear, x, self.tile)
 
 
 def pad_keys(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,12 +69,13 @@ def pad_keys(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple[torch
 
 def grouped_attention(q, keys, values, mask, scaling: float) -> torch.Tensor:
     """Prefill attention with each kv head's query heads as rows of one query [kv_heads, tokens * group, D],
-    padded to at least MIN_QUERY_ROWS rows (the row count at which SDPA's blocking stops changing here).
+    padded to a multiple of MIN_QUERY_ROWS rows (SDPA's query block here: a shorter last block, of 4 or 8 rows
+    in float32, is computed differently).
     q [tokens, heads, D], keys/values [kv_heads, span, D], mask [tokens, span] -> [tokens, heads, D]."""
     n, heads, head_dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    tokens = max(n, -(-MIN_QUERY_ROWS // group))
+    tokens = round_up(n, -(-MIN_QUERY_ROWS // group))
     if tokens > n:  # repeat the last query (its output is dropped)
         q = torch.cat((q, q[-1:].expand(tokens - n, -1, -1)))
         mask = torch.cat((mask, mask[-1:].expand(tokens - n, -1)))
@@ -69,29 +85,47 @@ def grouped_attention(q, keys, values, mask, scaling: float) -> torch.Tensor:
     return out[0].view(kv_heads, tokens, group, head_dim).permute(1, 0, 2, 3).reshape(tokens, heads, head_dim)[:n]
 
 
-# ---- start-up check ---------------------------------------------------------------------------------
+# ---- start-up check: which tile and span step this CPU's kernels allow --------------------------------
 
-CHECK_ROWS = (2, 4, 8, 16, 32)
+SMALL_TILES = (2, 4, 8, 16, 32)
 """Row counts a tile can have: steps are padded to token buckets (1, 2, 4, ... 64, then multiples of 64)."""
+SAMPLE_ROWS = (0, 1, 2, 3, 7, 8, 15, 16, 31)
+"""Rows held against themselves computed alone: each place in a kernel's row blocks of 1 to 16."""
+SPAN_STEPS = (16, 64, 256)
 
 
-def linear_problems(linears: dict[str, object], in_features: dict[str, int], dtype: torch.dtype) -> list[str]:
-    """Each linear whose rows differ between tiles of CHECK_ROWS rows and the rows computed alone (random input)."""
-    problems = []
+def tile_rows(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype, whole_only: bool = False) -> int | None:
+    """Rows per linear call at which every row equals the row computed alone, for linears {name: (linear,
+    in_features, most rows it is called with)}: the most rows (no tiling) where the kernels allow it (measured:
+    float32), else TILE_ROWS (bf16), else None (also with `whole_only` when tiles would be needed). Random
+    inputs, at the token buckets' row counts."""
     generator = torch.Generator().manual_seed(0)
-    for name, linear in linears.items():
-        x = torch.randn(TILE_ROWS, in_features[name], generator=generator).to(dtype)
-        alone = torch.cat([tiled(linear, x[i : i + 1]) for i in range(TILE_ROWS)])
-        for rows in CHECK_ROWS:
-            if not torch.equal(tiled(linear, x[:rows]), alone[:rows]):
-                problems.append(f"{name} at {rows} rows")
-    return problems
+    whole = True
+    for linear, features, most in linears.values():
+        x = torch.randn(max(most, TILE_ROWS), features, generator=generator).to(dtype)
+        alone = torch.cat([tiled(linear, x[i : i + 1]) for i in SAMPLE_ROWS])
+
+        def agree(rows: int, out: torch.Tensor) -> bool:
+            sampled = [i for i, row in enumerate(SAMPLE_ROWS) if row < rows]
+            return torch.equal(out[[SAMPLE_ROWS[i] for i in sampled]], alone[sampled])
+
+        if whole and most > TILE_ROWS:
+            reference = tiled(linear, x)
+            whole = agree(TILE_ROWS, reference) and all(
+                torch.equal(linear(x[:rows]), reference[:rows]) for rows in range(64, most + 1, 64)
+            )
+            if not whole and whole_only:
+                return None
+        if not all(agree(rows, linear(x[:rows])) for rows in SMALL_TILES):
+            return None
+    return max(most for _, _, most in linears.values()) if whole else TILE_ROWS
 
 
-def attention_problems(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
-    """Prefill rows computed whole and in chunks, and decode rows alone and in a longer batch, must agree."""
+def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
+    """The finest padding of decode spans at which a decode row's result ignores the batch's longer rows, or
+    None; and None too when chunked prefill rows differ from whole ones (random inputs)."""
     generator = torch.Generator().manual_seed(1)
-    n, problems = 600, []
+    n = 600
     q = torch.randn(n, heads, head_dim, generator=generator).to(dtype)
     keys = torch.randn(kv_heads, 2 * KEY_GRID, head_dim, generator=generator).to(dtype)
     values = torch.randn(kv_heads, 2 * KEY_GRID, head_dim, generator=generator).to(dtype)
@@ -101,14 +135,12 @@ def attention_problems(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
         mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]
         return grouped_attention(q[start:end], keys[:, :span], values[:, :span], mask, 0.0625)
 
-    whole = prefill(0, n)
-    for cuts in ((1, 100), (37, 300, 599)):
-        parts = [prefill(a, b) for a, b in zip((0, *cuts), (*cuts, n))]
-        if not torch.equal(torch.cat(parts), whole):
-            problems.append(f"prefill chunked at {cuts}")
+    for end, cuts in [(80, (cut,)) for cut in range(1, 80)] + [(n, (37, 300, 599))]:  # every chunk size to 79
+        if not torch.equal(torch.cat([prefill(a, b) for a, b in zip((0, *cuts), (*cuts, end))]), prefill(0, end)):
+            return None
 
-    def decode(lengths: list[int]) -> torch.Tensor:
-        span = round_up(max(lengths), DECODE_SPAN_STEP)
+    def decode(lengths: list[int], step: int) -> torch.Tensor:
+        span = round_up(max(lengths), step)
         rows = len(lengths)
         qg = q[:rows].view(rows, kv_heads, heads // kv_heads, head_dim)
         k = keys[None, :, :span].expand(rows, -1, -1, -1)
@@ -116,7 +148,8 @@ def attention_problems(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
         mask = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=0.0625)[0]
 
-    alone = decode([300])
-    if not all(torch.equal(decode([300, *others]), alone) for others in ([900], [5, 700, 1000])):
-        problems.append("decode batched with longer rows")
-    return problems
+    for step in SPAN_STEPS:
+        alone = decode([300], step)
+        if all(torch.equal(decode([300, *others], step), alone) for others in ([330], [900], [5, 700, 1000])):
+            return step
+    return None

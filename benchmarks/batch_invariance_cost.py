@@ -1,0 +1,59 @@
+"""What batch-invariant mode costs the engine's steps on this CPU: a 512-token prefill chunk and decode steps
+of 1, 8 and 32 rows (at two context lengths), timed with `engine.batch_invariant` off and on, on the embedded
+model as the server loads it.
+
+    python benchmarks/batch_invariance_cost.py --dtype bfloat16
+
+Run it on a quiet machine (`uptime`): each cell is the median of several steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from oai_gemma.engine.loader import load
+from oai_gemma.engine.runner import ModelRunner, StepItem
+from oai_gemma.settings import ModelSettings
+
+
+def median_ms(fn, repeats: int = 7) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def step_times(loaded, mode: str) -> dict[str, float]:
+    runner = ModelRunner(loaded.model, num_slots=32, max_len=2048, max_tokens_per_step=544, batch_invariant=mode)
+    assert runner.batch_invariant == (mode == "on")
+    prompt = list(range(1000, 1512))
+    times = {"prefill 512 tokens": median_ms(lambda: runner.forward([StepItem(0, prompt, 0)], []), 5)}
+    for context in (100, 1000):
+        for rows in (1, 8, 32):
+            decodes = [StepItem(slot, [1234], context) for slot in range(rows)]
+            times[f"decode {rows} rows, context {context}"] = median_ms(lambda: runner.forward([], decodes))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    loaded = load(ModelSettings(dtype=args.dtype))
+    off, on = step_times(loaded, "off"), step_times(loaded, "on")
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {loaded.dtype}")
+    print("| step | off (ms) | on (ms) | on / off |\n|---|---:|---:|---:|")
+    for name in off:
+        print(f"| {name} | {off[name]:.1f} | {on[name]:.1f} | {on[name] / off[name]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
