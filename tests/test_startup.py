@@ -1,6 +1,8 @@
 """Start-up says where its time and memory went (issue 18 items 6 and 9); not timed: the numbers are only logged."""
 
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -39,3 +41,15 @@ def test_the_kv_cache_takes_memory_only_where_it_is_written():
     assert not cache.k[0][7, :, :10].any() and not cache.v[3][31, :, -10:].any()  # reads as zeros
     cache.k[2][5, :, :100] = 1.0  # one sequence's first 100 positions of one layer
     assert 100 * 256 * 4 <= cache.resident_bytes() < 2**20
+
+
+def test_importing_the_app_pulls_in_neither_dynamo_nor_xgrammar():
+    """1.8 s of every start-up went to `llguidance.torch` (a torch.compile kernel: dynamo and inductor) and
+    xgrammar, neither of which a CPU server uses."""
+    script = (
+        "import sys, oai_gemma.api.app\n"
+        "loaded = [m for m in ('torch._dynamo', 'torch._inductor', 'xgrammar', 'llguidance.torch') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr

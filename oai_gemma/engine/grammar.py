@@ -23,6 +23,7 @@ emit whitespace forever inside a JSON document.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -31,15 +32,21 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from .json_document import DocumentMatcher, JsonVocabulary, bound_numbers
 
-try:  # the `gpu` extra: its CUDA kernel applies masks on the device (it needs triton, ~1 GB: not for CPU installs)
-    import xgrammar
-except ImportError:
-    xgrammar = None
+
+
+@functools.cache
+def _xgrammar():
+    """The `gpu` extra's xgrammar, or None: its CUDA kernel applies masks on the device (it needs triton, ~1 GB:
+    not for CPU installs). Imported on a GPU's first mask only: 0.2 s of every CPU start-up otherwise."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 CACHE_SIZE = 256
@@ -77,12 +84,22 @@ class Grammar:
         return DocumentMatcher(self.template.deep_copy(), self.json, budget)
 
 
+def _ll_tokenizer(tokenizer, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer. `llguidance.hf.from_tokenizer` first copies the Rust tokenizer only to switch off
+    padding and truncation before serializing it (0.9 s of start-up holding the GIL, measured): skipped where
+    neither is on."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.padding is not None or backend.truncation is not None:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos_token_ids)
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=len(tokenizer), eos_token=eos_token_ids)
+
+
 class GrammarCompiler:
     """Schema -> Grammar for one tokenizer, with an LRU cache. Thread-safe."""
 
     def __init__(self, tokenizer, eos_token_ids: list[int]):
-        # the token trie of a 262k vocabulary: a few seconds, once per model
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=list(eos_token_ids))
+        # the token trie of a 262k vocabulary: two seconds holding the GIL, once per model
+        self.tokenizer = _ll_tokenizer(tokenizer, list(eos_token_ids))
         self.vocab_size = self.tokenizer.vocab_size
         self.json = JsonVocabulary(tokenizer, self.tokenizer)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
@@ -187,7 +204,11 @@ class GrammarMasks:
         if not logits.is_contiguous():
             logits = logits.contiguous()
         bitmask = torch.empty((len(matchers), self.words), dtype=torch.int32)  # rows without a grammar: unused
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(matchers[i].matcher, i) for i in rows], bitmask)
+        # llguidance.torch.fill_next_token_bitmask_par's one line: importing that module costs 1.6 s of start-up
+        # (its mask kernel is a torch.compile, which pulls in dynamo and inductor), and we apply masks ourselves
+        self.executor.unsafe_compute_mask_ptr(
+            [(matchers[i].matcher, i) for i in rows], bitmask.data_ptr(), self.words * 4, len(matchers)
+        )
         for i in rows:  # json_document's promises: no repeated key; a document closing within its budget
             for token in matchers[i].banned_tokens():
                 bitmask[i, token // 32] &= ~_bit(token)
@@ -200,8 +221,8 @@ class GrammarMasks:
                 bitmask[i] = 0
                 bitmask[i, forced // 32] = _bit(forced)
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        if logits.device.type == "cuda" and xgrammar is not None:
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        if logits.device.type == "cuda" and _xgrammar() is not None:
+            _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
         elif len(rows) == len(matchers):
             apply_bitmask_torch(logits, bitmask)
         else:  # only the rows with a grammar: the others keep their logits bit for bit
