@@ -41,6 +41,9 @@ def test_the_kv_cache_takes_memory_only_where_it_is_written():
     assert not cache.k[0][7, :, :10].any() and not cache.v[3][31, :, -10:].any()  # reads as zeros
     cache.k[2][5, :, :100] = 1.0  # one sequence's first 100 positions of one layer
     assert 100 * 256 * 4 <= cache.resident_bytes() < 2**20
+    before = rss()
+    assert float(cache.k[1][:, :, :4096].sum()) == 0.0  # reading 512 MiB never written (an attention span's padding)...
+    assert rss() - before < 64 * 2**20 and cache.resident_bytes() < 2**20  # ...takes no memory, and is not counted
 
 
 def test_importing_the_app_pulls_in_neither_dynamo_nor_xgrammar():

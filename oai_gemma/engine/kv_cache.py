@@ -1,14 +1,13 @@
 """The KV cache: one slot per running sequence, allocated once at start.
 
-On a CPU the cache is one anonymous memory map: allocating it is instant, and the OS backs a page with memory
-only when a sequence first writes there, so the resident size follows the positions traffic actually used
+On a CPU the cache is one private anonymous memory map: allocating it is instant, and the OS backs a page with
+memory only when a sequence first writes there (reading a page never written maps the shared zero page), so the resident size follows the positions traffic actually used
 (never more than the whole cache, and a freed slot's pages are reused, not added). A page never written reads
 as zeros, as `torch.zeros` would give. On a GPU it is plain `torch.zeros`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import torch
@@ -77,7 +76,8 @@ def _zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, devices: list[torc
     are views into one anonymous map (zero pages until written: no memory and no time spent at allocation)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [_round_up(itemsize * _numel(shape), mmap.PAGESIZE) for shape, d in zip(shapes, devices) if d.type == "cpu"]
-    memory = mmap.mmap(-1, sum(sizes)) if sizes else None
+    # private: a read of a position never written maps the shared zero page (a shared map would allocate it)
+    memory = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if sizes else None
     if memory is not None and hasattr(mmap, "MADV_NOHUGEPAGE"):
         memory.madvise(mmap.MADV_NOHUGEPAGE)  # a huge page would make one written position cost 2 MB
     base = torch.frombuffer(memory, dtype=torch.uint8) if memory is not None else None
@@ -93,15 +93,18 @@ def _zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, devices: list[torc
 
 
 def _resident_bytes(address: int, length: int) -> int:
-    """Bytes of [address, address + length) in memory now (mincore(2): one byte per page, bit 0 = resident)."""
-    pages = -(-length // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vector) != 0:
-        return length  # cannot tell: report it all
-    return sum(byte & 1 for byte in bytes(vector)) * mmap.PAGESIZE
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
+    """Bytes of [address, address + length) this process holds in memory now: pages present and mapped by it
+    alone (/proc/self/pagemap bits 63 and 56), so a never-written position that was read, which maps the
+    kernel's shared zero page, does not count. Where pagemap cannot be read: the whole range."""
+    first, pages = address // mmap.PAGESIZE, -(-length // mmap.PAGESIZE)
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            entries = torch.frombuffer(bytearray(pagemap.read(pages * 8)), dtype=torch.int64)
+    except (OSError, ValueError):
+        return length
+    present, exclusive = entries < 0, (entries >> 56) & 1 == 1  # bit 63 is the sign bit
+    return int((present & exclusive).sum()) * mmap.PAGESIZE
 
 
 def _numel(shape: tuple[int, ...]) -> int:
