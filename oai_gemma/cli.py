@@ -21,6 +21,7 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("model", "dtype", None),
     ("model", "device", None),
     ("model", "load_format", None),
+    ("model", "quantization", None),
     ("model", "max_model_len", None),
     ("engine", "max_num_seqs", None),
     ("engine", "max_prefill_tokens", None),

@@ -36,6 +36,10 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
+    quantization: Literal["none", "int8", "int4"] = "none"
+    """Weight-only quantization of every linear layer and the lm_head at load (CPU only; engine/quantized.py):
+    `int8` per output channel, `int4` in groups of 32. Faster for one stream on CPUs with bf16, slower for batches
+    (docs/engine.md, "Weight-only quantized weights"); quantized once into the model cache."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""

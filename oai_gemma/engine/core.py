@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ class EngineCore:
     def __init__(
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False,
-        batch_invariant: str = "auto",
+        batch_invariant: str = "auto", quantization: str = "none", quantization_cache: Path | None = None,
     ):
         self.tokenizer = loaded.tokenizer
         config = loaded.model.config
@@ -49,6 +50,7 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
             compile=compile, static_decode=static_decode, own_weights=own_weights, batch_invariant=batch_invariant,
+            quantization=quantization, quantization_cache=quantization_cache,
         )
         log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
         self.scheduler = Scheduler(

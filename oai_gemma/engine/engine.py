@@ -13,12 +13,13 @@ import asyncio
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 from ..settings import Settings
 from .core import EngineCore
 from .detokenizer import TokenBytes
 from .grammar import GrammarCompiler, StructuredOutputUnavailable
-from .loader import LoadedModel
+from .loader import LoadedModel, quantized_weights_file
 from .observer import RequestObserver
 from .submission import Submission
 from .types import GenerationRequest
@@ -38,12 +39,13 @@ class Engine:
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
         compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False, batch_invariant: str = "auto",
+        quantization: str = "none", quantization_cache: Path | None = None,
     ):
         """`own_weights`: the engine may free the model's weights it keeps its own copy of (see ModelRunner)."""
         self.core = EngineCore(
             loaded, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             kv_cache_gib=kv_cache_gib, compile=compile, static_decode=static_decode, own_weights=own_weights,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, quantization=quantization, quantization_cache=quantization_cache,
         )
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
@@ -92,6 +94,8 @@ class Engine:
             compile=settings.model.compile,
             own_weights=own_weights,
             batch_invariant=settings.engine.batch_invariant,
+            quantization=settings.model.quantization,
+            quantization_cache=quantized_weights_file(settings.model, loaded),
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------

@@ -129,6 +129,16 @@ class LoadedModel:
         return getattr(config, "text_config", config)
 
 
+def quantized_weights_file(settings: ModelSettings, loaded: LoadedModel) -> Path | None:
+    """Where `model.quantization`'s weights are kept between starts (None: nothing to keep): in the model cache,
+    named by the model, the setting, the dtype and torch's version (its int4 layout is torch's own)."""
+    if settings.quantization == "none" or settings.load_format == "dummy":
+        return None
+    model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(loaded.source_dir).resolve()).strip("/"))
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return cache_root(settings) / "quantized" / f"{model}-{settings.quantization}-{dtype}-torch{torch.__version__}.safetensors"
+
+
 def _eos_ids(tokenizer, source_dir: str) -> tuple[int, ...]:
     ids = {tokenizer.eos_token_id}
     end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)

@@ -21,21 +21,23 @@ log = logging.getLogger("oai_gemma.engine")
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def map_embedding(text_model, lm_head, source_dir: str) -> bool:
+def map_embedding(text_model, lm_head, source_dir: str, any_dtype: bool = False) -> bool:
     """Point the embedding (and the lm_head tied to it) at the checkpoint file, where it is stored there in the
-    model's dtype and shape; True if it was. The transformers modules keep working: the values are the same."""
+    model's dtype and shape; True if it was. The transformers modules keep working: the values are the same.
+    `any_dtype`: also where the file stores another dtype (the caller casts the looked-up rows: a quantized
+    model, whose lm_head no longer needs the matrix and whose embedding then needs no copy at all)."""
     weight = text_model.embed_tokens.weight
     if weight.device.type != "cpu" or lm_head.weight is not weight:
         return False
-    found = _find(Path(source_dir), weight)
+    found = _find(Path(source_dir), weight, any_dtype)
     if found is None:
         return False
-    path, start = found
+    path, start, dtype = found
     with open(path, "rb") as file:
         memory = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes would never reach the file
     if hasattr(mmap, "MADV_RANDOM"):  # rows are looked up one token at a time: no readahead of 128 KiB per fault
         memory.madvise(mmap.MADV_RANDOM)
-    mapped = torch.frombuffer(memory, dtype=weight.dtype, count=weight.numel(), offset=start).view(weight.shape)
+    mapped = torch.frombuffer(memory, dtype=dtype, count=weight.numel(), offset=start).view(weight.shape)
     parameter = torch.nn.Parameter(mapped, requires_grad=False)
     text_model.embed_tokens.weight = parameter
     lm_head.weight = parameter
@@ -43,8 +45,9 @@ def map_embedding(text_model, lm_head, source_dir: str) -> bool:
     return True
 
 
-def _find(source: Path, weight: torch.Tensor) -> tuple[Path, int] | None:
-    """(file, byte offset) of the embedding in a safetensors checkpoint, if stored as `weight` is."""
+def _find(source: Path, weight: torch.Tensor, any_dtype: bool = False) -> tuple[Path, int, torch.dtype] | None:
+    """(file, byte offset, dtype) of the embedding in a safetensors checkpoint, if stored as `weight` is (in
+    its shape; in its dtype too unless `any_dtype`)."""
     index = source / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     for name in files:
@@ -56,8 +59,9 @@ def _find(source: Path, weight: torch.Tensor) -> tuple[Path, int] | None:
             header = json.loads(file.read(size))
         for key, entry in header.items():
             if key.endswith("embed_tokens.weight") and "vision" not in key:
-                same = DTYPES.get(entry["dtype"]) == weight.dtype and entry["shape"] == list(weight.shape)
-                return (path, 8 + size + entry["data_offsets"][0]) if same else None
+                dtype = DTYPES.get(entry["dtype"])
+                same = (dtype == weight.dtype or (any_dtype and dtype is not None)) and entry["shape"] == list(weight.shape)
+                return (path, 8 + size + entry["data_offsets"][0], dtype) if same else None
     return None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from .attention import DecodeRows, decode_attention, prefill_attention
 from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention
+from .quantized import quantize_all
 from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
 from .kv_cache import KVCache
 from .linear import FrozenLinear, call_linear
@@ -79,7 +81,7 @@ class ModelRunner:
     def __init__(
         self, model, num_slots: int, max_len: int, max_tokens_per_step: int,
         static_decode: bool | None = None, compile: str = "auto", own_weights: bool = False,
-        batch_invariant: str = "off",
+        batch_invariant: str = "off", quantization: str = "none", quantization_cache: Path | None = None,
     ):
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
@@ -112,13 +114,18 @@ class ModelRunner:
         """The token embedding is read from the checkpoint file on demand (engine/mapped.py), not held in memory."""
         if own_weights and not static:  # all but what is re-laid out below: then the checkpoint's map can close
             copy_out_of_checkpoint(model, {id(t) for t in self._projections()} | {id(self.lm_head.weight)})
-        self.weights = [LayerWeights.of(layer, FrozenLinear) for layer in self.text_model.layers]
-        """Each layer's weights, its projections pre-packed for oneDNN on a CPU (engine/linear.py)."""
-        self.lm_head_linear = FrozenLinear(self.lm_head.weight)
+        make = self._quantized(quantization, quantization_cache, static) if quantization != "none" else FrozenLinear
+        self.weights = [LayerWeights.of(layer, make) for layer in self.text_model.layers]
+        """Each layer's weights, its projections pre-packed for oneDNN on a CPU (engine/linear.py), or quantized
+        (engine/quantized.py)."""
+        self.lm_head_linear = make(self.lm_head.weight)
+        self.quantization = quantization
         if own_weights and not static:  # the static path reads the module weights (F.linear)
             self._release_packed()
             if self.lm_head_linear.packed is not None:
-                self.mapped_embedding = map_embedding(self.text_model, self.lm_head, getattr(model.config, "_name_or_path", ""))
+                self.mapped_embedding = map_embedding(
+                    self.text_model, self.lm_head, getattr(model.config, "_name_or_path", ""), any_dtype=quantization != "none",
+                )
             gc.collect()
         self.timings = {"relayout": time.monotonic() - allocated, "KV cache": allocated - started}
         """Seconds of the start-up phases this constructor runs (logged by engine/factory.py)."""
@@ -163,6 +170,19 @@ class ModelRunner:
         log.info("batch-invariant mode: linears in calls of at most %d rows, decode spans padded to %d", tile, step)
         return Invariance(tile, step)
 
+    def _quantized(self, quantization: str, cache_file: Path | None, static: bool):
+        """weight -> its quantized linear (`model.quantization`; CPU only), all quantized at once, or read back
+        from `cache_file`."""
+        if static or self.device.type != "cpu":
+            raise ValueError(
+                f"model.quantization = {quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
+            )
+        weights = dict(zip((f"projection.{i}" for i in range(len(self._projections()))), self._projections()))
+        weights["lm_head"] = self.lm_head.weight
+        linears = quantize_all({name: w.detach() for name, w in weights.items()}, quantization, cache_file)
+        by_tensor = {id(weights[name]): linear for name, linear in linears.items()}
+        return lambda weight: by_tensor[id(weight)]
+
     def _projections(self) -> list[torch.Tensor]:
         return [
             module.weight for layer in self.text_model.layers for module in (
@@ -184,7 +204,7 @@ class ModelRunner:
         """Bytes of every weight the runner and the model hold in memory (packed copies included)."""
         mapped = self.text_model.embed_tokens.weight if self.mapped_embedding else None
         return sum(t.numel() * t.element_size() for t in self.model.parameters() if t is not mapped) + sum(
-            linear.packed_bytes for w in [*self.weights, [self.lm_head_linear]] for linear in w if isinstance(linear, FrozenLinear)
+            linear.packed_bytes for w in [*self.weights, [self.lm_head_linear]] for linear in w if hasattr(linear, "packed_bytes")
         )
 
     def capture_decode_graphs(self) -> None:
@@ -224,7 +244,7 @@ class ModelRunner:
 
     def _embed(self, batch: Batch) -> torch.Tensor:
         """Token embeddings, with the vision tower's output in place of each image soft token."""
-        hidden = self.text_model.embed_tokens(batch.ids)
+        hidden = self.text_model.embed_tokens(batch.ids).to(self.dtype)  # a mapped embedding may be stored wider
         offset = 0
         for it in batch.prefills:
             if it.image_embeds is not None:

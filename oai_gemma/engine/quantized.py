@@ -1,0 +1,100 @@
+"""Weight-only quantized linear layers for the CPU (`model.quantization`: int8, int4).
+
+A CPU decode step streams every weight once, so fewer bytes per weight is a faster single stream. These use
+PyTorch's own CPU kernels: `torch._weight_int8pack_mm` (int8, one scale per output channel) and
+`_weight_int4pack_mm_for_cpu` (int4 in groups of 32 along the input, a scale and a zero per group). Measured on
+gemma-3-270m's shapes (docs/engine.md, "Weight-only quantized weights"): with bf16 activations int4 cuts the
+one-row step's matmuls 2.5x (the 262k-row lm_head 3.4x), but both kernels dequantize per call, so from 8 rows
+on they are slower than oneDNN's packed bf16; with float32 activations they are slower at every size. The
+layers keep the interface of engine/linear.py's FrozenLinear (`__call__`, `packed`, `packed_bytes`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+INT4_GROUP = 32
+"""Input columns per int4 scale/zero: the GGUF Q4_K sub-block size; 128 measured no faster (docs/engine.md)."""
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+class Int8Linear:
+    """Symmetric int8 per output channel."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        self.packed = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(weight.dtype)
+        self.packed_bytes = self.packed.numel() + self.scale.numel() * self.scale.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.packed, self.scale)
+
+
+class Int4Linear:
+    """Asymmetric int4 in groups of INT4_GROUP input columns (min/max per group, 16 levels)."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        n, k = w.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"int4 needs input sizes divisible by {INT4_GROUP}; this layer has {k}")
+        grouped = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        low, high = grouped.amin(dim=2), grouped.amax(dim=2)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        levels = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+        # the kernel computes (q - 8) * scale + zero per group: zero = low + 8 * scale
+        self.scales_and_zeros = torch.stack((scale, low + 8 * scale), dim=2).transpose(0, 1).contiguous().to(weight.dtype)
+        self.packed_bytes = self.packed.numel() * self.packed.element_size() + (
+            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+
+def quantized_linear(quantization: str):
+    """The linear class for a `model.quantization` value (None: the engine's FrozenLinear)."""
+    return {"int8": Int8Linear, "int4": Int4Linear}.get(quantization)
+
+
+def _tensors(linear) -> dict[str, torch.Tensor]:
+    if isinstance(linear, Int8Linear):
+        return {"packed": linear.packed, "scale": linear.scale}
+    return {"packed": linear.packed, "scales_and_zeros": linear.scales_and_zeros}
+
+
+def _restore(cls, tensors: dict[str, torch.Tensor]):
+    linear = cls.__new__(cls)
+    for name, tensor in tensors.items():
+        setattr(linear, name, tensor)
+    linear.packed_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return linear
+
+
+def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file: Path | None) -> dict[str, object]:
+    """{name: weight} -> {name: quantized linear}. Quantizing the 262k-row lm_head to int4 takes ~5 s, so the
+    result is kept in `cache_file` (safetensors) and read back on later starts, as the GGUF conversion is."""
+    from safetensors.torch import load_file, save_file
+
+    cls = quantized_linear(quantization)
+    if cache_file is not None and cache_file.exists():
+        stored = load_file(str(cache_file))
+        grouped: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in stored.items():
+            name, part = key.rsplit(".", 1)
+            grouped.setdefault(name, {})[part] = tensor
+        if set(grouped) == set(weights):
+            return {name: _restore(cls, grouped[name]) for name in weights}
+    linears = {name: cls(weight) for name, weight in weights.items()}
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        save_file({f"{name}.{part}": t.contiguous() for name, linear in linears.items() for part, t in _tensors(linear).items()}, str(partial))
+        partial.replace(cache_file)  # atomic: a concurrent start reads a whole file or none
+    return linears
