@@ -37,9 +37,10 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
     quantization: Literal["none", "int8", "int4"] = "none"
-    """Weight-only quantization of every linear layer and the lm_head at load (CPU only; engine/quantized.py):
-    `int8` per output channel, `int4` in groups of 32. Faster for one stream on CPUs with bf16, slower for batches
-    (docs/engine.md, "Weight-only quantized weights"); quantized once into the model cache."""
+    """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/quantized.py):
+    `int8` all of them per output channel; `int4` the lm_head in groups of 32 and the rest int8 (all-int4 cost
+    +41% perplexity). Faster for one stream on CPUs with bf16, slower for batches (docs/engine.md, "Weight-only
+    quantized weights"); quantized once into the model cache."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""

@@ -3,10 +3,12 @@
 A CPU decode step streams every weight once, so fewer bytes per weight is a faster single stream. These use
 PyTorch's own CPU kernels: `torch._weight_int8pack_mm` (int8, one scale per output channel) and
 `_weight_int4pack_mm_for_cpu` (int4 in groups of 32 along the input, a scale and a zero per group). Measured on
-gemma-3-270m's shapes (docs/engine.md, "Weight-only quantized weights"): with bf16 activations int4 cuts the
-one-row step's matmuls 2.5x (the 262k-row lm_head 3.4x), but both kernels dequantize per call, so from 8 rows
-on they are slower than oneDNN's packed bf16; with float32 activations they are slower at every size. The
-layers keep the interface of engine/linear.py's FrozenLinear (`__call__`, `packed`, `packed_bytes`).
+gemma-3-270m (docs/engine.md, "Weight-only quantized weights"): with bf16 activations the int4 lm_head is 3.4x
+faster than packed bf16 at one row, but both kernels dequantize per call, so from 8 rows on they are slower
+than oneDNN's packed bf16; with float32 activations they are slower at every size. Quality decides the int4
+mix: every layer in int4 cost +41% perplexity (this model's GGUF keeps most tensors at 5-8 bits), the lm_head
+alone in int4 with int8 projections +5.0%, so `int4` is that mix, as Q4_K_M keeps its sensitive tensors wider.
+The layers keep the interface of engine/linear.py's FrozenLinear (`__call__`, `packed`, `packed_bytes`).
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ class Int4Linear:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 
-def quantized_linear(quantization: str):
-    """The linear class for a `model.quantization` value (None: the engine's FrozenLinear)."""
-    return {"int8": Int8Linear, "int4": Int4Linear}.get(quantization)
+def quantized_linear(quantization: str, name: str):
+    """The linear class for weight `name` (`lm_head` or a projection) under a `model.quantization` value."""
+    if quantization == "int4" and name == "lm_head":
+        return Int4Linear
+    return Int8Linear
 
 
 def _tensors(linear) -> dict[str, torch.Tensor]:
@@ -82,16 +86,15 @@ def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file
     result is kept in `cache_file` (safetensors) and read back on later starts, as the GGUF conversion is."""
     from safetensors.torch import load_file, save_file
 
-    cls = quantized_linear(quantization)
     if cache_file is not None and cache_file.exists():
         stored = load_file(str(cache_file))
         grouped: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in stored.items():
             name, part = key.rsplit(".", 1)
-            grouped.setdefault(name, {})[part] = tensor
+            grouped.setdefault(name, {})[part] = tensor.clone()  # aligned: the kernels crash on the file's offsets
         if set(grouped) == set(weights):
-            return {name: _restore(cls, grouped[name]) for name in weights}
-    linears = {name: cls(weight) for name, weight in weights.items()}
+            return {name: _restore(quantized_linear(quantization, name), grouped[name]) for name in weights}
+    linears = {name: quantized_linear(quantization, name)(weight) for name, weight in weights.items()}
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
