@@ -83,8 +83,7 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.ready and not state.draining:
-        stats = state.engine.stats()
-        return _json({"status": "ok", "model": state.served_name, **stats})
+        return _json({"status": "ok", "model": state.served_name, **state.engine.stats(), **state.engine.weights_report()})
     reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
     return _json({"status": "unavailable", "reason": reason}, status=503)
 

@@ -66,6 +66,8 @@ class Engine:
         self.in_flight = 0
         """Requests between submit and their last event (touched on the event loop only)."""
         self.observer = RequestObserver()
+        self.weight_bytes = self.core.runner.weight_bytes()
+        """Bytes of the weights held in memory (counted once: they do not change)."""
         self.description = f"{loaded.source_dir}, {str(loaded.dtype).removeprefix('torch.')} on {loaded.device}"
         self._grammars = _in_background(
             build_grammars, loaded.tokenizer, sorted(self.eos_token_ids), self.core.grammar_masks, self.vocab_limit, loaded.device
@@ -159,6 +161,11 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """How busy the engine is right now: running, waiting, steps, kv_cache_usage (the share of KV slots held)."""
         return self.core.stats()
+
+    def weights_report(self) -> dict[str, object]:
+        """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on."""
+        runner = self.core.runner
+        return {"weight_bytes": self.weight_bytes, "quantization": runner.quantization, "batch_invariant": runner.batch_invariant}
 
     def cache_config(self) -> dict[str, object]:
         """The KV cache's shape, as vLLM's `cache_config_info` names it: one block (slot) of max_model_len tokens per sequence."""

@@ -31,9 +31,10 @@ def load_engine(settings: Settings) -> Engine:
     runner = engine.core.runner
     phases = {"load": loaded_at - started, **runner.timings, "warm-up": time.monotonic() - built_at}
     log.info("start-up phases: %s", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
-    total, weights, kv = resident_bytes(), runner.weight_bytes(), runner.cache.resident_bytes()
+    total, weights, kv = resident_bytes(), engine.weight_bytes, runner.cache.resident_bytes()
     log.info(
         "resident memory: %.0f MB (weights %.0f, KV cache %.0f of %.0f allocated, other %.0f: runtime, tokenizer, "
-        "grammar, activations)", total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB, (total - weights - kv) / MB,
+        "grammar, activations); weights quantized: %s", total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB,
+        (total - weights - kv) / MB, runner.quantization,
     )
     return engine
