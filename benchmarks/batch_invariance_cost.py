@@ -11,35 +11,24 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import torch
 
 from oai_gemma.engine.loader import load
 from oai_gemma.engine.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
-
-
-def median_ms(fn, repeats: int = 7) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+from weight_only_kernels import timed  # this folder's: median ms after warm-up calls
 
 
 def step_times(loaded, mode: str) -> dict[str, float]:
     runner = ModelRunner(loaded.model, num_slots=32, max_len=2048, max_tokens_per_step=544, batch_invariant=mode)
     assert runner.batch_invariant == (mode == "on")
     prompt = list(range(1000, 1512))
-    times = {"prefill 512 tokens": median_ms(lambda: runner.forward([StepItem(0, prompt, 0)], []), 5)}
+    times = {"prefill 512 tokens": timed(lambda: runner.forward([StepItem(0, prompt, 0)], []), 5)}
     for context in (100, 1000):
         for rows in (1, 8, 32):
             decodes = [StepItem(slot, [1234], context) for slot in range(rows)]
-            times[f"decode {rows} rows, context {context}"] = median_ms(lambda: runner.forward([], decodes))
+            times[f"decode {rows} rows, context {context}"] = timed(lambda: runner.forward([], decodes), 7)
     return times
 
 
