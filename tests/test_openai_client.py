@@ -131,7 +131,8 @@ def test_client_disconnect_cancels_the_stream(http, server):
     while _engine_load(http)["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     idle = {"status": "ok", "model": MODEL, "running": 0, "waiting": 0, "kv_cache_usage": 0}
-    assert {key: _engine_load(http)[key] for key in idle} == idle
+    load = _engine_load(http)
+    assert {key: load[key] for key in idle} == idle
 
 
 def test_health_was_503_while_loading_then_200(server, http):
