@@ -1,9 +1,10 @@
 """The KV cache: one slot per running sequence, allocated once at start.
 
 On a CPU the cache is one private anonymous memory map: allocating it is instant, and the OS backs a page with
-memory only when a sequence first writes there (reading a page never written maps the shared zero page), so the resident size follows the positions traffic actually used
-(never more than the whole cache, and a freed slot's pages are reused, not added). A page never written reads
-as zeros, as `torch.zeros` would give. On a GPU it is plain `torch.zeros`.
+memory only when a sequence first writes there (reading a page never written maps the shared zero page), so the
+resident size follows the positions traffic actually wrote (never more than the whole cache, and a freed slot's
+pages are reused, not added). A page never written reads as zeros, as `torch.zeros` would give. On a GPU it is
+plain `torch.zeros`.
 """
 
 from __future__ import annotations

@@ -14,19 +14,19 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .attention import DecodeRows, decode_attention, prefill_attention
 from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention
-from .quantized import quantize_all
 from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
 from .kv_cache import KVCache
 from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
+from .quantized import quantize_all
 from .static_decode import StaticDecode, flash_kernel
 
 log = logging.getLogger("oai_gemma.engine")
