@@ -31,12 +31,14 @@ def burst(server, count: int, offset: int) -> None:
     asyncio.run(main())
 
 
-def test_memory_after_200_requests_equals_memory_after_20(server):
-    burst(server, 20, 0)
-    after_20 = rss_mib(server.proc.pid)
-    burst(server, 180, 20)
+def test_memory_after_200_requests_equals_memory_after_64(server):
+    # 64 requests use every KV slot at least once (freed slots are reused oldest first), so from then on a KV
+    # page is written only where one was before: what grows after that is a leak
+    burst(server, 64, 0)
+    after_64 = rss_mib(server.proc.pid)
+    burst(server, 136, 64)
     after_200 = rss_mib(server.proc.pid)
-    assert after_200 - after_20 < 0.02 * after_20 + 16, (after_20, after_200)
+    assert after_200 - after_64 < 0.02 * after_64 + 16, (after_64, after_200)
 
 
 def test_multi_turn_conversation_reports_cached_prompt_tokens(client):
