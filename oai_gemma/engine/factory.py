@@ -1,7 +1,7 @@
 """`load_engine(settings)`: the model loaded, the engine built from the settings and warmed up, ready to start.
 
-It logs the start-up phases (load, relayout, KV cache, invariance check, warm-up) and the resident memory by part, so that a
-regression in either shows in the first lines of a server's log.
+It logs the start-up phases (load, relayout, KV cache, invariance check, warm-up) and the resident memory by
+part, so that a regression in either shows in the first lines of a server's log.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ import torch
 from .json_document import DocumentMatcher, JsonVocabulary, bound_numbers
 
 
-
 @functools.cache
 def _xgrammar():
     """The `gpu` extra's xgrammar, or None: its CUDA kernel applies masks on the device (it needs triton, ~1 GB:

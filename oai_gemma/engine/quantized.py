@@ -26,15 +26,36 @@ DEQUANTIZE_FROM_ROWS = 32
 2048 x 640 gate, 8.3 ms through the int8 kernel, 1.1 ms dequantized; equal at 32)."""
 
 
-class Int8Linear:
+class QuantizedLinear:
+    """What both layers share: their tensors (`FIELDS`, kept in the model cache) and the bytes they hold."""
+
+    FIELDS: tuple[str, ...] = ()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]):
+        linear = cls.__new__(cls)
+        for name in cls.FIELDS:
+            setattr(linear, name, tensors[name])
+        return linear
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class Int8Linear(QuantizedLinear):
     """Symmetric int8 per output channel."""
+
+    FIELDS = ("packed", "scale")
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
         self.packed = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.scale = scale.to(weight.dtype)
-        self.packed_bytes = self.packed.numel() + self.scale.numel() * self.scale.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= DEQUANTIZE_FROM_ROWS:  # a prefill chunk: the weight dequantized once beats the kernel
@@ -42,8 +63,10 @@ class Int8Linear:
         return torch._weight_int8pack_mm(x, self.packed, self.scale)
 
 
-class Int4Linear:
+class Int4Linear(QuantizedLinear):
     """Asymmetric int4 in groups of INT4_GROUP input columns (min/max per group, 16 levels)."""
+
+    FIELDS = ("packed", "scales_and_zeros")
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()
@@ -57,9 +80,6 @@ class Int4Linear:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
         # the kernel computes (q - 8) * scale + zero per group: zero = low + 8 * scale
         self.scales_and_zeros = torch.stack((scale, low + 8 * scale), dim=2).transpose(0, 1).contiguous().to(weight.dtype)
-        self.packed_bytes = self.packed.numel() * self.packed.element_size() + (
-            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
-        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
@@ -70,20 +90,6 @@ def quantized_linear(quantization: str, name: str):
     if quantization == "int4" and name == "lm_head":
         return Int4Linear
     return Int8Linear
-
-
-def _tensors(linear) -> dict[str, torch.Tensor]:
-    if isinstance(linear, Int8Linear):
-        return {"packed": linear.packed, "scale": linear.scale}
-    return {"packed": linear.packed, "scales_and_zeros": linear.scales_and_zeros}
-
-
-def _restore(cls, tensors: dict[str, torch.Tensor]):
-    linear = cls.__new__(cls)
-    for name, tensor in tensors.items():
-        setattr(linear, name, tensor)
-    linear.packed_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return linear
 
 
 def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file: Path | None) -> dict[str, object]:
@@ -98,11 +104,12 @@ def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file
             name, part = key.rsplit(".", 1)
             grouped.setdefault(name, {})[part] = tensor.clone()  # aligned: the kernels crash on the file's offsets
         if set(grouped) == set(weights):
-            return {name: _restore(quantized_linear(quantization, name), grouped[name]) for name in weights}
+            return {name: quantized_linear(quantization, name).from_tensors(grouped[name]) for name in weights}
     linears = {name: quantized_linear(quantization, name)(weight) for name, weight in weights.items()}
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        save_file({f"{name}.{part}": t.contiguous() for name, linear in linears.items() for part, t in _tensors(linear).items()}, str(partial))
+        stored = {f"{name}.{part}": t.contiguous() for name, linear in linears.items() for part, t in linear.tensors().items()}
+        save_file(stored, str(partial))
         partial.replace(cache_file)  # atomic: a concurrent start reads a whole file or none
     return linears
