@@ -58,10 +58,10 @@ class LevelRun:
     results: list[RequestResult]
 
 
-def request_body(model: str, index: int, max_tokens: int) -> dict:
+def request_body(model: str, index: int, max_tokens: int, prompts: str = "short") -> dict:
     return {
         "model": model,
-        "messages": messages_for(index),
+        "messages": messages_for(index, prompts),
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -117,8 +117,10 @@ async def run_level(
     max_tokens: int,
     timeout_s: float = 600.0,
     api_key: str | None = None,
+    prompts: str = "short",
+    first: int = 0,
 ) -> LevelRun:
-    """Send `num_requests` requests (request i uses prompt i) with at most `concurrency` in flight."""
+    """Send `num_requests` requests (request i uses prompt i, from `first` on) with at most `concurrency` in flight."""
     url = base_url.rstrip("/") + "/chat/completions"
     gate = asyncio.Semaphore(concurrency)
 
@@ -126,16 +128,17 @@ async def run_level(
 
         async def one(index: int) -> RequestResult:
             async with gate:
-                return await stream_one(client, url, request_body(model, index, max_tokens))
+                return await stream_one(client, url, request_body(model, index, max_tokens, prompts))
 
         started = time.perf_counter()
-        results = await asyncio.gather(*(one(i) for i in range(num_requests)))
+        results = await asyncio.gather(*(one(i) for i in range(first, first + num_requests)))
         wall = time.perf_counter() - started
     return LevelRun(concurrency, wall, list(results))
 
 
-async def warm_up(base_url: str, model: str, max_tokens: int, timeout_s: float, api_key: str | None) -> RequestResult:
+async def warm_up(base_url: str, model: str, max_tokens: int, timeout_s: float, api_key: str | None,
+                  prompts: str = "short") -> RequestResult:
     """One untimed request, so lazy first-request work (CB init, caches) is not counted in the sweep."""
     url = base_url.rstrip("/") + "/chat/completions"
     async with make_client(1, timeout_s, api_key) as client:
-        return await stream_one(client, url, request_body(model, 0, max_tokens))
+        return await stream_one(client, url, request_body(model, 0, max_tokens, prompts))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .client import run_level, warm_up
 from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
-from .prompts import PROMPTS
+from .prompts import PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
 
@@ -47,15 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_levels, default=[1, 8, 32], help="comma-separated levels, e.g. 1,8,32")
     parser.add_argument("--num-requests", type=int, default=8, help="requests per level (raised to the concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", choices=PROMPT_SETS, default="short",
+                        help="the prompt set of oai_gemma/bench/prompts.py: "
+                             + "; ".join(f"{name}: {what}" for name, what in PROMPT_SETS.items()))
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may wait for its next byte")
-    parser.add_argument("--bare", action="store_true", help="also time the bare model, loaded as the server loads it (in a child process, before the sweep)")
+    parser.add_argument("--bare", action="store_true", help="also time the bare model, loaded as the server loads it (in a child process, before the sweep; short prompt set only)")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare-model reference in --compare mode")
     parser.add_argument("--compare", action="store_true", help="start each of --servers in turn and sweep each")
     parser.add_argument("--cpu-hog", action="store_true",
                         help="instead of the sweep: c=8 quiet, then beside one `nice -n 10` busy loop, and the throughput ratio (server at --base-url)")
-    parser.add_argument("--servers", type=_servers, default=default_servers(),
-                        help=f"with --compare: which, in order, of {','.join(SERVER_NAMES)} (default: all; "
+    parser.add_argument("--servers", type=_servers,
+                        help=f"with --compare: which, in order, of {','.join(SERVER_NAMES)} (default: all but "
+                             "ours-no-prefix-cache, or with --prompts shared ours,ours-no-prefix-cache,llama-server; "
                              "llama-server only where its binary is found)")
     parser.add_argument("--ours-args", default="", help="with --compare: extra flags for `oai-gemma serve` as one string, e.g. --ours-args='--max-num-seqs 16'")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
@@ -118,7 +122,7 @@ def _command_line() -> str:
 async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str) -> dict:
     server: dict = {"base_url": base_url, "model": model, "levels": []}
     for _ in range(args.warmup):
-        result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key)
+        result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key, args.prompts)
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
@@ -126,9 +130,15 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
     if busy is not None and busy > BUSY_WARNING:
         print(f"[{label}] warning: {busy:.0%} of the CPU is busy while the server idles: other load skews the "
               "numbers", file=sys.stderr)
+    # the shared set numbers its requests on across the sweep: a level that repeated an earlier level's prompts
+    # would hit the prefix cache beyond the system prompt (the short set restarts at prompt 0, as it always did)
+    sent = args.warmup
     for concurrency in args.concurrency:
         num = max(args.num_requests, concurrency)
-        run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key)
+        first = sent if args.prompts == "shared" else 0
+        run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key,
+                              args.prompts, first)
+        sent += num
         level = summarize_level(run)
         server["levels"].append(level)
         print(f"[{label}] c={concurrency:<3} n={num:<3} {level['output_tok_s']:7.1f} tok/s  "
@@ -171,12 +181,13 @@ def run(args: argparse.Namespace) -> int:
             "num_requests": args.num_requests,
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
-            "num_prompts": len(PROMPTS),
+            "prompts": args.prompts,
+            "num_prompts": len(QUESTIONS if args.prompts == "shared" else PROMPTS),
         },
         "bare": None,
         "servers": {},
     }
-    if args.bare or (args.compare and not args.no_bare):
+    if args.prompts == "short" and (args.bare or (args.compare and not args.no_bare)):
         from .bare import measure_bare
 
         if not args.compare:
@@ -185,9 +196,10 @@ def run(args: argparse.Namespace) -> int:
         payload["bare"] = measure_bare()
         payload["bare"]["cpu_busy_idle"] = busy
     if args.compare:
-        for name in args.servers:
+        for name in args.servers or default_servers(args.prompts):
             try:
-                spec = build_spec(name, free_port(), model_dir, dtype, str(device), shlex.split(args.ours_args))
+                spec = build_spec(name, free_port(), model_dir, dtype, str(device), shlex.split(args.ours_args),
+                                  max(args.concurrency))
                 print(f"[{name}] starting: {shlex.join(spec.argv)}", file=sys.stderr, flush=True)
                 with running(spec, Path(args.log_dir), args.ready_timeout) as model:
                     server = asyncio.run(_sweep(spec.base_url, model, args, name))

