@@ -27,6 +27,7 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("engine", "max_prefill_tokens", None),
     ("engine", "max_waiting", None),
     ("engine", "kv_cache_gib", None),
+    ("engine", "prefix_caching", None),
     ("engine", "threads", None),
     ("engine", "cpu_wait", None),
     ("engine", "batch_invariant", None),

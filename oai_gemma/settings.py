@@ -50,10 +50,14 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
 
 class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 32
-    """Sequences decoded together in one batch (KV-cache slots)."""
+    """Sequences decoded together in one batch (batch slots)."""
     kv_cache_gib: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    """KV-cache budget in GiB; fewer slots than max_num_seqs are made if it is smaller than
-    max_num_seqs full-length sequences. 0 means exactly enough for max_num_seqs."""
+    """KV-cache budget in GiB: blocks of 16 tokens shared by running sequences and cached prefixes (it must hold one
+    max_model_len sequence; a request is admitted once the blocks its prompt and max_tokens may need are free).
+    0: the memory max_num_seqs sequences of max_model_len took before the cache was paged."""
+    prefix_caching: bool = True
+    """A prompt starts from the longest prefix any earlier or running request computed (automatic prefix caching,
+    in 16-token blocks); off for A/B runs (`--no-prefix-caching`)."""
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024

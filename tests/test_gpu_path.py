@@ -17,6 +17,7 @@ from oai_gemma.engine.buckets import span_buckets
 from oai_gemma.engine.gemma3 import post_attention, pre_attention
 from oai_gemma.engine.static_decode import DecodeGraph
 from oai_gemma.settings import ModelSettings
+from slots import slot
 
 MAX_LEN = 1024
 SLOTS = 6
@@ -48,9 +49,9 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def fill(runners, slots_and_lengths) -> dict[int, int]:
     """Prefill the same prompts into the same slots of both runners; returns slot -> next position."""
-    for slot, length in slots_and_lengths:
+    for index, length in slots_and_lengths:
         for runner in runners:
-            runner.forward([StepItem(slot, prompt(length, seed=slot), 0)], [])
+            runner.forward([StepItem(slot(runner, index), prompt(length, seed=index), 0)], [])
     return dict(slots_and_lengths)
 
 
@@ -63,10 +64,10 @@ def assert_same_logits(static, dynamic):
 def decode_both(runners, order: list[int], positions: dict[int, int], steps: int):
     """Decode `steps` tokens for the slots in `order` on both runners; yields both runners' logits each step."""
     for step in range(steps):
-        items = [StepItem(slot, [100 + slot + step], positions[slot]) for slot in order]
+        items = [StepItem(slot(runners[0], index), [100 + index + step], positions[index]) for index in order]
         yield tuple(runner.forward([], items) for runner in runners)
-        for slot in order:
-            positions[slot] += 1
+        for index in order:
+            positions[index] += 1
 
 
 def test_static_decode_matches_dynamic_for_mixed_slots_and_positions_out_of_slot_order(runners):
@@ -76,8 +77,8 @@ def test_static_decode_matches_dynamic_for_mixed_slots_and_positions_out_of_slot
         assert_same_logits(static, dynamic)
 
 
-def test_static_decode_matches_dynamic_across_the_sliding_window_ring_wrap(runners):
-    # slot 1 decodes positions 511, 512, 513: its sliding layers' ring buffer (512) wraps to index 0, then 1
+def test_static_decode_matches_dynamic_as_the_sliding_window_moves_on(runners):
+    # sequence 1 decodes positions 511, 512, 513: its sliding layers' window (512) starts to leave position 0, then 1
     positions = fill(runners, [(1, WINDOW - 1), (4, 9)])
     for dynamic, static in decode_both(runners, [4, 1], positions, steps=3):
         assert_same_logits(static, dynamic)
@@ -94,22 +95,23 @@ def static_runner(runners):
         tensor.copy_(old)
 
 
-def test_padded_rows_leave_every_real_slots_cache_untouched(static_runner):
+def test_padded_rows_leave_every_real_block_untouched(static_runner):
     runner = static_runner
     cache = runner.cache
     generator = torch.Generator().manual_seed(0)
     for tensor in cache.k + cache.v:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
     before = [t.clone() for t in cache.k + cache.v]
-    items = [StepItem(2, [7], 30), StepItem(0, [8], 600), StepItem(5, [9], 3)]  # 3 rows: bucket 4, one padded row
-    assert runner.static.shape_for(items)[0] == 4
+    items = [StepItem(slot(runner, 2), [7], 30), StepItem(slot(runner, 0), [8], 600), StepItem(slot(runner, 5), [9], 3)]
+    assert runner.static.shape_for(items)[0] == 4  # 3 rows: bucket 4, one padded row
     runner.forward([], items)
-    for layer, (old, new) in enumerate(zip(before, cache.k + cache.v)):
-        capacity = cache.capacity[layer % len(cache.capacity)]
+    size = cache.block_size
+    for old, new in zip(before, cache.k + cache.v):
         expected = old.clone()
-        for it in items:  # the only real-slot entries a step may change: each row's own position
-            expected[it.slot, :, it.start % capacity] = new[it.slot, :, it.start % capacity]
-        torch.testing.assert_close(new[:SLOTS], expected[:SLOTS], atol=0, rtol=0)
+        for it in items:  # the only entries a step may change: each row's own position
+            block, row = it.blocks[it.start // size], it.start % size
+            expected[block, row] = new[block, row]
+        torch.testing.assert_close(new[: cache.scratch], expected[: cache.scratch], atol=0, rtol=0)
     assert not torch.equal(before[0][cache.scratch], cache.k[0][cache.scratch]), "the padded row wrote nowhere"
 
 
@@ -117,14 +119,14 @@ def test_row_bucket_is_the_smallest_that_holds_the_batch(runners):
     static = runners[1].static
     assert static.row_buckets == [1, 2, 4, 8]
     for n, rows in [(1, 1), (2, 2), (3, 4), (5, 8), (6, 8)]:
-        assert static.shape_for([StepItem(s % SLOTS, [0], 0) for s in range(n)])[0] == rows
+        assert static.shape_for([StepItem(slot(runners[1], s % SLOTS), [0], 0) for s in range(n)])[0] == rows
 
 
 def test_span_bucket_covers_the_longest_row(runners):
     static = runners[1].static
     assert span_buckets(MAX_LEN) == [256, 512, 1024]
     for longest_start, span in [(0, 256), (255, 256), (256, 512), (600, 1024), (MAX_LEN - 1, MAX_LEN)]:
-        items = [StepItem(0, [0], 3), StepItem(1, [0], longest_start)]
+        items = [StepItem(slot(runners[1], 0), [0], 3), StepItem(slot(runners[1], 1), [0], longest_start)]
         assert static.shape_for(items)[1] == span
 
 

@@ -16,7 +16,7 @@ from oai_gemma.api.exchange import exchange_of
 from oai_gemma.api.app import create_app
 from oai_gemma.api.metrics import ServerMetrics
 from oai_gemma.engine.types import GenerationRequest, SamplingParams, TokenEvent
-from oai_gemma.settings import EngineSettings, load_settings
+from oai_gemma.settings import load_settings
 
 M = "oai_gemma:"
 LOG_FIELDS = {
@@ -118,8 +118,7 @@ def test_a_stream_closed_early_counts_as_cancelled(server):
     eventually(counted)
 
 
-def test_gauges_show_a_running_request_and_its_kv_cache_slot(server):
-    slots = EngineSettings().max_num_seqs  # the session server keeps the default
+def test_gauges_show_a_running_request_and_its_kv_cache_blocks(server):
     with httpx.Client(base_url=server.url, timeout=60) as own:
         with long_stream(own) as stream:
             lines = read_to_first_token(stream)
@@ -127,7 +126,7 @@ def test_gauges_show_a_running_request_and_its_kv_cache_slot(server):
             assert next(lines)  # still streaming when scraped
     assert during.value(M + "num_requests_running") == 1
     assert during.value(M + "num_requests_waiting") == 0
-    assert during.value(M + "kv_cache_usage_perc") == 1 / slots
+    assert 0 < during.value(M + "kv_cache_usage_perc") < 0.01  # a few 16-token blocks of the pool
 
     def freed():
         after = scrape(server.url)

@@ -1,69 +1,109 @@
-"""The scheduler and its slot pool on their own: no model, no tensors beyond the image-row bookkeeping."""
+"""The scheduler and its block pool on their own: no model, no tensors beyond the image-row bookkeeping."""
 
+import pytest
 import torch
 
-from oai_gemma.engine.scheduler import Scheduler, Sequence, SlotPool, reusable_prefix
+from oai_gemma.engine.block_pool import BlockPool, block_hashes
+from oai_gemma.engine.scheduler import Scheduler, Sequence
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 
+SIZE = 4  # tokens per block in these tests
 
-def seq(prompt: list[int], request_id: str = "r", prompt_logprobs: int | None = None, **fields) -> Sequence:
-    request = GenerationRequest(request_id, prompt, SamplingParams(max_tokens=8, prompt_logprobs=prompt_logprobs))
+
+def seq(prompt: list[int], request_id: str = "r", prompt_logprobs: int | None = None, max_tokens: int = 8, **fields) -> Sequence:
+    request = GenerationRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs))
     return Sequence(request=request, sink=None, random=None, detokenizer=None, stopper=None, cache_keys=list(prompt), **fields)
+
+
+def scheduler_of(max_seqs: int = 2, max_prefill_tokens: int = 100, blocks: int = 64, caching: bool = True, **kwargs) -> Scheduler:
+    return Scheduler(BlockPool(blocks, SIZE, caching), max_seqs, max_prefill_tokens, max_len=1000, **kwargs)
 
 
 def run_prefill(scheduler: Scheduler, now: float = 0.0):
     """Schedule one step and count its tokens as computed (what the engine does after a forward)."""
     step = scheduler.schedule(now)
-    step.advance()
+    scheduler.advance(step)
     return step
 
 
-# ---- the slot pool -------------------------------------------------------------------------------
+def prefilled(scheduler: Scheduler, *seqs: Sequence) -> None:
+    """Admit and prefill these sequences to the end of their prompts; each then holds a sampled token."""
+    for s in seqs:
+        scheduler.add(s)
+    while any(s.in_prefill for s in seqs):
+        run_prefill(scheduler)
+    for s in seqs:
+        s.output_ids.append(100)
 
 
-def test_reusable_prefix_always_leaves_one_prompt_token_to_compute():
-    assert reusable_prefix([1, 2, 3], [1, 2, 3], window=100) == 2
-    assert reusable_prefix([1, 2, 3, 4, 5], [1, 2, 3], window=100) == 2
+# ---- the block pool ------------------------------------------------------------------------------
 
 
-def test_reusable_prefix_stops_at_the_first_difference():
-    assert reusable_prefix([1, 2, 9, 4], [1, 2, 3, 4, 5], window=100) == 2
-    assert reusable_prefix([], [1, 2, 3], window=100) == 0
+def test_block_hashes_are_equal_exactly_as_far_as_the_prefixes_are():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    b = block_hashes([1, 2, 3, 4, 5, 6, 7, 0, 9, 9, 9, 9], 4)
+    assert len(a) == 2 and len(b) == 3  # full blocks only
+    assert a[0] == b[0] and a[1] != b[1]
+    assert block_hashes([5, 6, 7, 8], 4, parent=a[0]) == [a[1]]  # the chain continues from a parent
+    assert block_hashes([5, 6, 7, 8], 4) != [a[1]]  # the same tokens after another prefix are another block
 
 
-def test_a_slot_that_outgrew_the_sliding_window_serves_only_a_prefix_covering_all_of_it():
-    cached = list(range(10))
-    assert reusable_prefix(cached, cached[:6] + [99, 98], window=8) == 0  # its ring lost positions 0 and 1
-    assert reusable_prefix(cached, cached + [10, 11], window=8) == 10  # the whole of it: the ring holds the end
+def test_lookup_finds_the_longest_written_prefix_and_says_when_the_next_block_is_being_written():
+    pool = BlockPool(8, SIZE)
+    hashes = block_hashes(list(range(12)), SIZE)
+    blocks = pool.allocate(3)
+    for block, h in zip(blocks, hashes):
+        pool.index(block, h, pending=True)
+    pool.written(blocks[0])
+    assert pool.lookup(hashes) == ([blocks[0]], True)
+    pool.written(blocks[1])
+    pool.written(blocks[2])
+    assert pool.lookup(hashes + [123]) == (blocks, False)
+    assert pool.lookup([hashes[1]]) == ([blocks[1]], False)  # (the caller only ever asks for chains from the start)
 
 
-def test_acquire_takes_the_slot_with_the_longest_shared_prefix():
-    pool = SlotPool(3, window=1 << 30)
-    for slot in range(3):
-        pool.acquire([])
-    pool.release(0, [5, 6, 7])
-    pool.release(1, [1, 2, 3, 4])
-    pool.release(2, [1, 2])
-    assert pool.acquire([1, 2, 3, 4, 8]) == (1, 4)
-    assert len(pool) == 2
+def test_released_indexed_blocks_stay_cached_until_their_memory_is_needed_oldest_first():
+    pool = BlockPool(4, SIZE)
+    first, second = pool.allocate(2), pool.allocate(2)
+    for block, h in zip(first + second, (11, 12, 21, 22)):
+        pool.index(block, h, pending=False)
+    pool.release(first)
+    pool.release(second)
+    assert pool.available == 4 and not pool.free
+    assert pool.lookup([11, 12]) == (first, False)
+    pool.take(pool.lookup([21, 22])[0])  # in use again: out of the eviction order
+    pool.release(second)  # ... and back in, as the most recently used
+    new = pool.allocate(2)
+    assert sorted(new) == sorted(first)  # the least recently used went first
+    assert pool.lookup([11]) == ([], False) and pool.lookup([21, 22]) == (second, False)
+    with pytest.raises(MemoryError):
+        pool.allocate(3)
 
 
-def test_acquire_without_a_shared_prefix_takes_the_oldest_freed_slot():
-    pool = SlotPool(2, window=1 << 30)
-    pool.acquire([])
-    pool.acquire([])
-    pool.release(1, [7, 7])
-    pool.release(0, [8, 8])
-    assert pool.acquire([1, 2, 3]) == (1, 0)
-    assert pool.acquire([1, 2, 3]) == (0, 0)
-    assert len(pool) == 0
+def test_a_pending_block_let_go_before_it_was_written_is_forgotten_and_so_is_an_invalid_one():
+    pool = BlockPool(4, SIZE)
+    a, b = pool.allocate(2)
+    pool.index(a, 1, pending=True)
+    pool.index(b, 2, pending=False)
+    pool.release([a])
+    pool.release([b], valid=False)
+    assert pool.lookup([1]) == ([], False) and pool.lookup([2]) == ([], False)
+    assert len(pool.free) == 4
+
+
+def test_with_caching_off_nothing_is_indexed_and_released_blocks_are_free():
+    pool = BlockPool(4, SIZE, caching=False)
+    (a,) = pool.allocate(1)
+    pool.index(a, 1, pending=False)
+    pool.release([a])
+    assert pool.lookup([1]) == ([], False) and len(pool.free) == 4 and not pool.cached
 
 
 # ---- the scheduler -------------------------------------------------------------------------------
 
 
-def test_requests_beyond_the_free_slots_wait_and_join_when_one_finishes():
-    scheduler = Scheduler(num_slots=2, max_prefill_tokens=100)
+def test_requests_beyond_the_batch_rows_wait_and_join_when_one_finishes():
+    scheduler = scheduler_of(max_seqs=2)
     a, b, c = seq([1, 2], "a"), seq([3, 4], "b"), seq([5, 6], "c")
     for s in (a, b, c):
         scheduler.add(s)
@@ -71,14 +111,14 @@ def test_requests_beyond_the_free_slots_wait_and_join_when_one_finishes():
     assert step.prefill_owners == [a, b] and list(scheduler.waiting) == [c]
     b.output_ids.append(42)  # sampled at the end of its prefill
     scheduler.finish(a)
-    assert a.finished and a.slot is None and a not in scheduler.running
+    assert a.finished and a.blocks == [] and a not in scheduler.running
     step = scheduler.schedule(1.0)
     assert c in scheduler.running and c.scheduled_time == 1.0
     assert step.prefill_owners == [c] and step.decode_owners == [b]
 
 
 def test_prefill_is_chunked_under_the_per_step_budget_beside_running_decodes():
-    scheduler = Scheduler(num_slots=2, max_prefill_tokens=4)
+    scheduler = scheduler_of(max_seqs=2, max_prefill_tokens=4)
     short, long = seq([1, 2], "short"), seq(list(range(10, 20)), "long")
     scheduler.add(short)
     run_prefill(scheduler)
@@ -95,7 +135,7 @@ def test_prefill_is_chunked_under_the_per_step_budget_beside_running_decodes():
 
 
 def test_an_image_block_is_never_split_across_prefill_chunks():
-    scheduler = Scheduler(num_slots=1, max_prefill_tokens=4)
+    scheduler = scheduler_of(max_seqs=1, max_prefill_tokens=4)
     s = seq([1, 2, 3, 9, 9, 9, 9, 9, 4], image_spans=((3, 8),), image_embeds=torch.zeros(5, 2))
     scheduler.add(s)
     starts_and_lengths = []
@@ -107,55 +147,160 @@ def test_an_image_block_is_never_split_across_prefill_chunks():
     assert starts_and_lengths == [(0, 3), (3, 5), (8, 1)]
 
 
-def test_a_finished_sequence_leaves_its_kv_for_a_follow_up_that_resends_the_conversation():
-    scheduler = Scheduler(num_slots=2, max_prefill_tokens=100)
-    first = seq([1, 2, 3], "first")
-    scheduler.add(first)
-    run_prefill(scheduler)
-    first.output_ids += [4, 5]
-    first.num_computed += 1  # token 4's KV was written by the decode step that sampled 5
-    slot = first.slot
+def test_any_earlier_or_running_sequence_donates_its_prompt_in_whole_blocks():
+    scheduler = scheduler_of(max_seqs=4)
+    system = list(range(1, 11))  # 10 tokens: two full blocks and a partial one
+    first = seq(system + [50, 51], "first")
+    prefilled(scheduler, first)
+    second = seq(system + [60], "second")  # while `first` still runs
+    scheduler.add(second)
+    step = scheduler.schedule(0.0)
+    assert second.num_cached == 8 and second.blocks[:2] == first.blocks[:2]
+    assert step.prefills[0].start == 8 and step.prefills[0].token_ids == [9, 10, 60]
+    scheduler.advance(step)
     scheduler.finish(first)
-    follow_up = seq([1, 2, 3, 4, 6, 7], "follow-up")
+    scheduler.finish(second)
+    third = seq(system + [50, 51, 52], "third")  # both finished: their blocks are cached
+    scheduler.add(third)
+    scheduler.schedule(0.0)
+    assert third.num_cached == 12
+
+
+def test_a_conversation_that_resends_its_history_reuses_the_blocks_of_the_reply_too():
+    scheduler = scheduler_of()
+    first = seq([1, 2, 3], "first")
+    prefilled(scheduler, first)
+    for token in (4, 5, 6, 7, 8):  # five decode steps: positions 3..7 written; blocks [1 2 3 100] [4 5 6 7]
+        run_prefill(scheduler)
+        first.output_ids.append(token)
+    scheduler.finish(first)
+    follow_up = seq([1, 2, 3, 100, 4, 5, 6, 7, 8, 9], "follow-up")
     scheduler.add(follow_up)
     step = scheduler.schedule(0.0)
-    assert follow_up.slot == slot and follow_up.num_cached == 4
-    assert step.prefills[0].start == 4 and step.prefills[0].token_ids == [6, 7]
+    assert follow_up.num_cached == 8 and step.prefills[0].token_ids == [8, 9]
 
 
-def test_a_failed_step_frees_the_slot_without_offering_its_kv_again():
-    scheduler = Scheduler(num_slots=1, max_prefill_tokens=100)
-    broken = seq([1, 2, 3], "broken")
+def test_in_batch_invariant_mode_only_prompt_blocks_are_reused():
+    scheduler = scheduler_of(reuse_decoded=False)
+    first = seq([1, 2, 3, 4, 5], "first")
+    prefilled(scheduler, first)
+    for token in (6, 7, 8, 9):
+        run_prefill(scheduler)
+        first.output_ids.append(token)
+    scheduler.finish(first)
+    follow_up = seq([1, 2, 3, 4, 5, 100, 6, 7, 8, 9], "follow-up")
+    scheduler.add(follow_up)
+    scheduler.schedule(0.0)
+    assert follow_up.num_cached == 4
+
+
+def test_at_least_one_prompt_token_is_computed_even_when_all_of_it_is_cached():
+    scheduler = scheduler_of()
+    prefilled(scheduler, seq([1, 2, 3, 4, 5, 6, 7, 8], "first"))
+    again = seq([1, 2, 3, 4, 5, 6, 7, 8], "again")
+    scheduler.add(again)
+    step = scheduler.schedule(0.0)
+    assert again.num_cached == 4 and step.prefills[0].token_ids == [5, 6, 7, 8]
+
+
+def test_concurrent_arrivals_with_one_prefix_prefill_it_once():
+    scheduler = scheduler_of(max_seqs=4, max_prefill_tokens=8)
+    system = list(range(1, 21))  # five blocks
+    users = [seq(system + [90 + i], f"user{i}") for i in range(3)]
+    for s in users:
+        scheduler.add(s)
+    step = run_prefill(scheduler)
+    assert step.prefill_owners == [users[0]] and users[1] in scheduler.waiting  # they wait for its blocks
+    while users[0].in_prefill:
+        step = run_prefill(scheduler)
+    assert step.prefill_owners == [users[0]]  # its last chunk: the others were still waiting for it
+    users[0].output_ids.append(100)
+    step = run_prefill(scheduler)
+    assert [s.num_cached for s in users[1:]] == [20, 20]
+    assert [item.token_ids for item in step.prefills] == [[91], [92]]
+
+
+def test_a_waiting_request_computes_the_prefix_itself_if_its_writer_goes_away():
+    scheduler = scheduler_of(max_seqs=4, max_prefill_tokens=4)
+    writer, reader = seq(list(range(1, 13)), "writer"), seq(list(range(1, 13)) + [7], "reader")
+    scheduler.add(writer)
+    scheduler.add(reader)
+    run_prefill(scheduler)  # the writer wrote its first block; the reader waits for the second
+    assert reader in scheduler.waiting
+    scheduler.finish(writer)  # cancelled
+    step = scheduler.schedule(0.0)
+    assert reader.num_cached == 4 and step.prefills[0].start == 4
+
+
+def test_a_request_waits_for_kv_memory_and_a_running_one_always_gets_its_next_block():
+    scheduler = scheduler_of(max_seqs=4, blocks=6, caching=False)
+    a = seq([1, 2, 3, 4, 5], "a", max_tokens=7)  # may reach 12 tokens: 3 blocks, kept for it
+    b = seq([6, 7, 8, 9, 10], "b", max_tokens=8)  # 13 tokens: 4 blocks do not fit beside a's 3
+    prefilled(scheduler, a)
+    scheduler.add(b)
+    for _ in range(5):
+        step = run_prefill(scheduler)
+        a.output_ids.append(1)
+        assert b in scheduler.waiting and step.decode_owners == [a]
+    assert len(a.blocks) == 3
+    scheduler.finish(a)
+    scheduler.schedule(0.0)
+    assert b in scheduler.running
+
+
+def test_cached_prefixes_give_way_to_new_requests():
+    scheduler = scheduler_of(max_seqs=1, blocks=4)
+    old = seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "old", max_tokens=1)
+    prefilled(scheduler, old)
+    scheduler.finish(old)
+    assert len(scheduler.pool.cached) == 2
+    new = seq([9] * 15, "new", max_tokens=1)  # all 4 blocks
+    scheduler.add(new)
+    scheduler.schedule(0.0)
+    assert new in scheduler.running and not scheduler.pool.cached
+
+
+def test_with_prefix_caching_off_nothing_is_reused():
+    scheduler = scheduler_of(caching=False)
+    prefilled(scheduler, seq([1, 2, 3, 4, 5, 6], "first"))
+    again = seq([1, 2, 3, 4, 5, 6], "again")
+    scheduler.add(again)
+    scheduler.schedule(0.0)
+    assert again.num_cached == 0
+
+
+def test_a_failed_step_frees_the_blocks_without_offering_their_kv_again():
+    scheduler = scheduler_of(max_seqs=1)
+    broken = seq([1, 2, 3, 4, 5], "broken")
     scheduler.add(broken)
     run_prefill(scheduler)
     scheduler.finish(broken, cache_valid=False)
-    again = seq([1, 2, 3], "again")
+    again = seq([1, 2, 3, 4, 5], "again")
     scheduler.add(again)
     scheduler.schedule(0.0)
     assert again.num_cached == 0
 
 
 def test_a_request_for_prompt_logprobs_recomputes_its_whole_prompt():
-    scheduler = Scheduler(num_slots=1, max_prefill_tokens=100)
-    first = seq([1, 2, 3, 4], "first")
-    scheduler.add(first)
-    run_prefill(scheduler)
+    scheduler = scheduler_of(max_seqs=1)
+    first = seq([1, 2, 3, 4, 5], "first")
+    prefilled(scheduler, first)
     scheduler.finish(first)
-    scored = seq([1, 2, 3, 4], "scored", prompt_logprobs=0)
+    scored = seq([1, 2, 3, 4, 5], "scored", prompt_logprobs=0)
     scheduler.add(scored)
     step = scheduler.schedule(0.0)
     assert scored.num_cached == 0 and step.prefills[0].start == 0 and step.prefills[0].keep_hidden
 
 
-def test_forks_take_free_slots_and_the_rest_wait_to_prefill_themselves():
-    scheduler = Scheduler(num_slots=2, max_prefill_tokens=100)
-    parent = seq([1, 2, 3], "n3")
-    children = [seq([1, 2, 3], "n3", index=i) for i in (1, 2)]
+def test_forks_share_the_full_prompt_blocks_and_copy_the_last_one_and_the_rest_wait():
+    scheduler = scheduler_of(max_seqs=2)
+    parent = seq([1, 2, 3, 4, 5, 6], "n3")
+    children = [seq([1, 2, 3, 4, 5, 6], "n3", index=i) for i in (1, 2)]
     parent.forks = list(children)
-    scheduler.add(parent)
-    run_prefill(scheduler)
+    prefilled(scheduler, parent)
     started = scheduler.fork(parent, 2.0)
-    assert started == [children[0]] and parent.forks == []
-    assert children[0].num_computed == 3 and children[0].slot not in (None, parent.slot)
+    assert [child for child, _ in started] == [children[0]] and parent.forks == []
+    (child, copy), = started
+    assert child.num_computed == 6 and child.blocks == [parent.blocks[0], copy] and copy != parent.blocks[1]
     assert list(scheduler.waiting) == [children[1]]
     assert [s.request_id for s in scheduler.find("n3")] == ["n3"] * 3

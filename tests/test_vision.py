@@ -19,6 +19,7 @@ from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
+from slots import slot
 from openai_schema import validate
 
 MODEL = "tiny-vision"
@@ -273,7 +274,7 @@ def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vis
     runner = ModelRunner(loaded.model, num_slots=1, max_len=1024, max_tokens_per_step=512)
     spans = tuple(token_runs(ids, vocab))
     rows = torch.tensor([i for start, end in spans for i in range(start, end)])
-    ours = runner.forward([StepItem(0, ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]
+    ours = runner.forward([StepItem(slot(runner, 0), ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]
     assert (reference - causal_only).abs().max() > 0.1  # the bidirectional image mask matters for this prompt
     assert (ours - reference).abs().max() < 1e-3
 

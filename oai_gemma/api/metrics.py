@@ -160,7 +160,7 @@ class _StatsCollector:
         for name, doc, key in (
             ("oai_gemma:num_requests_running", "Requests in the running batch.", "running"),
             ("oai_gemma:num_requests_waiting", "Requests waiting for a batch slot.", "waiting"),
-            ("oai_gemma:kv_cache_usage_perc", "KV-cache usage (share of slots held). 1 means 100 percent.", "kv_cache_usage"),
+            ("oai_gemma:kv_cache_usage_perc", "KV-cache usage (share of blocks running requests hold). 1 means 100 percent.", "kv_cache_usage"),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], stats.get(key, 0))

@@ -118,6 +118,8 @@ HEALTH = {
         "model": {"type": "string"},
         "running": {"type": "integer", "minimum": 0},
         "waiting": {"type": "integer", "minimum": 0},
+        "kv_cache_usage": {"type": "number", "minimum": 0, "maximum": 1},
+        "prefix_cache_usage": {"type": "number", "minimum": 0, "maximum": 1},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "quantization": {"enum": ["none", "int8", "int4"]},
         "batch_invariant": {"type": "boolean"},

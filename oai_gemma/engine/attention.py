@@ -1,5 +1,6 @@
-"""Attention over the KV cache for the dynamic path: each prefill chunk over its past and itself, and every
-decode token of a step batched, each row masked to its own length. Sliding layers read and write their ring."""
+"""Attention over the paged KV cache for the dynamic path: each prefill chunk over its past and itself, and
+every decode token of a step batched, each row over its own blocks, masked to its own positions. Sliding layers
+read only the blocks that hold their window."""
 
 from __future__ import annotations
 
@@ -13,17 +14,34 @@ from .kv_cache import KVCache
 
 
 @dataclass
-class DecodeRows:
-    """Where the step's decode tokens go: each row's slot and position (device tensors), and from the host the
-    longest row's length and whether the slots are 0..B-1 in order (then the cache is sliced, not gathered)."""
+class DecodeKeys:
+    """Which blocks each decode row reads in one kind of layer, and which of their positions it may attend."""
 
-    slots: torch.Tensor
-    positions: torch.Tensor
-    longest: int
-    contiguous: bool
+    tables: torch.Tensor
+    """[rows, blocks] block ids (padding: the scratch block)."""
+    mask: torch.Tensor
+    """[rows, blocks * block_size]."""
 
-    def to(self, device: torch.device) -> DecodeRows:
-        return DecodeRows(self.slots.to(device), self.positions.to(device), self.longest, self.contiguous)
+    def to(self, device: torch.device) -> DecodeKeys:
+        return DecodeKeys(self.tables.to(device), self.mask.to(device))
+
+
+def decode_keys(tables: list[list[int]], positions: list[int], window: int | None, cache: KVCache, span_step: int = 0) -> DecodeKeys:
+    """The blocks rows at `positions` read: all of theirs up to the position, or (sliding layers, `window`) those
+    from the window's first position on. `span_step` (batch-invariant mode): the span padded to its multiple."""
+    size = cache.block_size
+    firsts = [max(0, p - window + 1) // size if window else 0 for p in positions]
+    count = max(p // size - first + 1 for p, first in zip(positions, firsts))
+    if span_step:
+        count = round_up(count * size, span_step) // size
+    rows = [table[first : first + count] for table, first in zip(tables, firsts)]
+    blocks = torch.tensor([row + [cache.scratch] * (count - len(row)) for row in rows], dtype=torch.long)
+    pos = torch.tensor(positions)[:, None]
+    kpos = torch.tensor(firsts)[:, None] * size + torch.arange(count * size)[None, :]
+    mask = kpos <= pos
+    if window:
+        mask &= kpos > pos - window
+    return DecodeKeys(blocks, mask)
 
 
 def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
@@ -35,47 +53,32 @@ def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
 
 
 def prefill_attention(
-    cache: KVCache, li: int, slot: int, start: int, image_spans, q, k, v, scaling: float, invariant: bool = False,
+    cache: KVCache, li: int, table: torch.Tensor, start: int, image_spans, q, scaling: float, invariant: bool = False,
 ) -> torch.Tensor:
-    """Attention of one chunk (positions start..start+n-1) of the sequence in `slot` over its cached past and
-    itself, writing the chunk's K/V into the cache; image blocks attend to themselves both ways. `invariant`:
-    keys from a position on the grid, padded (engine/invariance.py), so a row's result ignores the chunking."""
-    kc, vc = cache.k[li], cache.v[li]
+    """Attention of one chunk (positions start..start+n-1, its K/V already written) of the sequence whose blocks
+    are `table` over its past and itself; image blocks attend to themselves both ways. `invariant`: keys from a
+    position on the grid, padded (engine/invariance.py), so a row's result ignores the chunking."""
     n = q.shape[0]
-    qpos = torch.arange(start, start + n, device=q.device)
-    if cache.sliding[li]:
-        window = cache.capacity[li]
-        first = max(0, start - window + 1)
-        if invariant:  # positions before the window read stale ring entries: masked below
-            first -= first % KEY_GRID
-        past = torch.arange(first, start, device=q.device)
-        keys = torch.cat((kc[slot][:, past % window], k.transpose(0, 1)), dim=1)
-        values = torch.cat((vc[slot][:, past % window], v.transpose(0, 1)), dim=1)
-        kpos = torch.cat((past, qpos))
-        keep = qpos[-window:]
-        kc[slot][:, keep % window] = k[-window:].transpose(0, 1)
-        vc[slot][:, keep % window] = v[-window:].transpose(0, 1)
-    else:
-        kc[slot, :, start : start + n] = k.transpose(0, 1)
-        vc[slot, :, start : start + n] = v.transpose(0, 1)
-        first = 0
-        span = round_up(start + n, KEY_GRID) if invariant else start + n
-        keys, values = kc[slot, :, :span], vc[slot, :, :span]
-        kpos = torch.arange(start + n, device=q.device)
+    end = start + n
+    qpos = torch.arange(start, end, device=q.device)
+    sliding = cache.sliding[li]
+    first = max(0, start - cache.window + 1) if sliding else 0
+    if invariant:  # positions before the window are masked below
+        first -= first % KEY_GRID
+    keys, values = cache.positions(li, table, first, end)
+    kpos = torch.arange(first, end, device=q.device)
     if invariant:
-        span = round_up(start + n - first, KEY_GRID)
+        span = round_up(end - first, KEY_GRID)
         keys, values = pad_keys(keys, values, span)
-        kpos = torch.cat((kpos, torch.full((span - kpos.shape[0],), start + n, device=q.device)))  # after every query
+        kpos = torch.cat((kpos, torch.full((span - kpos.shape[0],), end, device=q.device)))  # after every query
     mask = kpos[None, :] <= qpos[:, None]
-    if cache.sliding[li]:
-        mask &= kpos[None, :] > qpos[:, None] - window
+    in_window = kpos[None, :] > qpos[:, None] - cache.window
+    if sliding:
+        mask &= in_window
     if image_spans:
         q_blocks = _block_ids(qpos, image_spans)[:, None]
         same_image = (q_blocks == _block_ids(kpos, image_spans)[None, :]) & (q_blocks >= 0)
-        if cache.sliding[li]:
-            mask |= same_image & (kpos[None, :] > qpos[:, None] - window)
-        else:
-            mask |= same_image
+        mask |= same_image & in_window if sliding else same_image
     if invariant:
         return grouped_attention(q, keys, values, mask, scaling)
     out = F.scaled_dot_product_attention(
@@ -84,34 +87,13 @@ def prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def decode_attention(cache: KVCache, li: int, rows: DecodeRows, q, k, v, scaling: float, span_step: int = 0) -> torch.Tensor:
-    """One new token for each of B sequences, batched: q [B, heads, D] over each row's own cache. `span_step`
-    (batch-invariant mode, engine/invariance.py): the span padded to its multiple, so a row's result ignores how
-    long the batch's other rows are."""
-    slots, pos, longest = rows.slots, rows.positions, rows.longest
-    if span_step:
-        longest = round_up(longest, span_step)
-    kc, vc = cache.k[li], cache.v[li]
+def decode_attention(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> torch.Tensor:
+    """One new token for each of B sequences (K/V already written), batched: q [B, heads, D] over each row's
+    blocks."""
+    keys, values = cache.blocks(li, rows.tables)  # [B, kv_heads, span, D]
     bsz, heads, head_dim = q.shape
-    kv_heads = kc.shape[1]
-    if cache.sliding[li]:
-        window = cache.capacity[li]
-        kc[slots, :, pos % window] = k
-        vc[slots, :, pos % window] = v
-        span = min(window, longest)  # before the window fills, entries >= longest are still empty
-    else:
-        kc[slots, :, pos] = k
-        vc[slots, :, pos] = v
-        span = longest
-    if rows.contiguous:
-        keys, values = kc[:bsz, :, :span], vc[:bsz, :, :span]
-    else:
-        keys, values = kc[slots, :, :span], vc[slots, :, :span]
-    if span_step:
-        keys, values = pad_keys(keys, values, span)
-    mask = torch.arange(span, device=q.device)[None, :] <= pos[:, None]  # [B, span]
+    kv_heads = keys.shape[1]
     # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]
     qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=scaling)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=rows.mask[:, None, None, :], scale=scaling)
     return out.reshape(bsz, heads, head_dim)
-

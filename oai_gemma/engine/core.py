@@ -21,7 +21,8 @@ from ..cpu import compute_thread
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .grammar import GrammarMasks
 from .loader import LoadedModel
-from .memory import release_free_memory, slots_within_budget
+from .block_pool import BlockPool
+from .memory import blocks_within_budget, release_free_memory
 from .postprocess import Events, Limits, finish, postprocess
 from .runner import ModelRunner
 from .sampler import RowRandom, sample_with_logprobs, token_logprobs
@@ -36,6 +37,7 @@ class EngineCore:
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False,
         batch_invariant: str = "auto", quantization: str = "none", quantization_cache: Path | None = None,
+        prefix_caching: bool = True,
     ):
         self.tokenizer = loaded.tokenizer
         config = loaded.model.config
@@ -44,18 +46,20 @@ class EngineCore:
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.limits = Limits(frozenset(loaded.eos_token_ids), max_model_len)
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
-        num_slots = slots_within_budget(loaded.text_config, loaded.dtype, max_num_seqs, max_model_len, kv_cache_gib)
+        num_blocks = blocks_within_budget(loaded.text_config, loaded.dtype, max_num_seqs, max_model_len, kv_cache_gib)
         # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
-            loaded.model, num_slots=num_slots, max_len=max_model_len, max_tokens_per_step=longest_chunk + num_slots,
-            compile=compile, static_decode=static_decode, own_weights=own_weights, batch_invariant=batch_invariant,
+            loaded.model, num_slots=max_num_seqs, max_len=max_model_len, max_tokens_per_step=longest_chunk + max_num_seqs,
+            num_blocks=num_blocks,            compile=compile, static_decode=static_decode, own_weights=own_weights, batch_invariant=batch_invariant,
             quantization=quantization, quantization_cache=quantization_cache,
         )
-        log.info("KV cache: %d slots x %d tokens, %.2f GiB", num_slots, max_model_len, self.runner.cache.nbytes / 2**30)
+        cache = self.runner.cache
+        log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", num_blocks, cache.block_size,
+                 cache.nbytes / 2**30, "on" if prefix_caching else "off")
         self.scheduler = Scheduler(
-            num_slots, max_prefill_tokens, window=min(self.runner.cache.capacity),
-            reuse_decoded=not self.runner.batch_invariant,
+            BlockPool(num_blocks, cache.block_size, caching=prefix_caching), max_num_seqs, max_prefill_tokens,
+            max_model_len, reuse_decoded=not self.runner.batch_invariant,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -91,11 +95,12 @@ class EngineCore:
         self._inbox.put(("abort_all", reason, None))
 
     def stats(self) -> dict[str, float]:
-        """A snapshot read from the event loop, not a lock. `kv_cache_usage`: the share of slots held (0..1)."""
-        slots = self.runner.cache.num_slots
+        """A snapshot read from the event loop, not a lock. `kv_cache_usage`: the share of KV blocks running
+        sequences hold (0..1); `prefix_cache_usage`: the share only cached prefixes hold."""
+        pool = self.scheduler.pool
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps,
-            "kv_cache_usage": (slots - len(self.scheduler.slots)) / slots,
+            "kv_cache_usage": 1 - pool.available / pool.num_blocks, "prefix_cache_usage": len(pool.cached) / pool.num_blocks,
         }
 
     # ---- the engine thread ----------------------------------------------------------------------
@@ -199,7 +204,7 @@ class EngineCore:
                 finish(self.scheduler, seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
             self._deliver(events)
             return
-        step.advance()
+        self.scheduler.advance(step)
         self.steps += 1
         self._deliver(postprocess(self.scheduler, self.limits, sampled, tokens, logprobs, time.perf_counter()))
 
@@ -222,13 +227,14 @@ class EngineCore:
             item.hidden = None
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Choices 1..n-1 of a request whose prompt just finished prefilling: copy its KV into their slots
-        and give them its logits row to sample from, each with its own randomness."""
+        """Choices 1..n-1 of a request whose prompt just finished prefilling: they share its prompt's KV (a copy
+        of its last, partial block) and sample from its logits row, each with its own randomness."""
         rows, children = [], []
         for row, seq in enumerate(sampled):
             if seq.forks:
-                for child in self.scheduler.fork(seq, time.perf_counter()):
-                    self.runner.cache.copy_slot(seq.slot, child.slot)
+                for child, copy in self.scheduler.fork(seq, time.perf_counter()):
+                    if copy is not None:
+                        self.runner.cache.copy_block(seq.blocks[-1], copy)
                     child.prompt_logprobs = seq.prompt_logprobs
                     rows.append(row)
                     children.append(child)

@@ -39,13 +39,14 @@ class Engine:
         self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
         kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
         compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False, batch_invariant: str = "auto",
-        quantization: str = "none", quantization_cache: Path | None = None,
+        quantization: str = "none", quantization_cache: Path | None = None, prefix_caching: bool = True,
     ):
         """`own_weights`: the engine may free the model's weights it keeps its own copy of (see ModelRunner)."""
         self.core = EngineCore(
             loaded, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             kv_cache_gib=kv_cache_gib, compile=compile, static_decode=static_decode, own_weights=own_weights,
             batch_invariant=batch_invariant, quantization=quantization, quantization_cache=quantization_cache,
+            prefix_caching=prefix_caching,
         )
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
@@ -55,7 +56,7 @@ class Engine:
         self.vocab_limit = self.core.vocab_limit
         """Token ids a request may use or be given: [0, vocab_limit)."""
         self.max_model_len = max_model_len
-        self.num_slots = self.core.runner.cache.num_slots
+        self.num_slots = max_num_seqs
         """Sequences decoded together: also the most choices (`n`) one request may ask for."""
         self.capacity = self.num_slots + max_waiting
         self.request_timeout = request_timeout
@@ -98,6 +99,7 @@ class Engine:
             batch_invariant=settings.engine.batch_invariant,
             quantization=settings.model.quantization,
             quantization_cache=quantized_weights_file(settings.model, loaded),
+            prefix_caching=settings.engine.prefix_caching,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -159,7 +161,8 @@ class Engine:
         self.core.cancel(request_id)
 
     def stats(self) -> dict[str, float]:
-        """How busy the engine is right now: running, waiting, steps, kv_cache_usage (the share of KV slots held)."""
+        """How busy the engine is right now: running, waiting, steps, kv_cache_usage (the share of KV blocks held by
+        running requests), prefix_cache_usage (the share holding only cached prefixes)."""
         return self.core.stats()
 
     def weights_report(self) -> dict[str, object]:
@@ -168,11 +171,11 @@ class Engine:
         return {"weight_bytes": self.weight_bytes, "quantization": runner.quantization, "batch_invariant": runner.batch_invariant}
 
     def cache_config(self) -> dict[str, object]:
-        """The KV cache's shape, as vLLM's `cache_config_info` names it: one block (slot) of max_model_len tokens per sequence."""
-        runner = self.core.runner
+        """The KV cache's shape, as vLLM's `cache_config_info` names it."""
+        runner, pool = self.core.runner, self.core.scheduler.pool
         return {
-            "block_size": self.max_model_len, "num_gpu_blocks": runner.cache.num_slots, "num_cpu_blocks": 0,
-            "cache_dtype": str(runner.dtype).removeprefix("torch."), "enable_prefix_caching": True,
+            "block_size": pool.block_size, "num_gpu_blocks": pool.num_blocks, "num_cpu_blocks": 0,
+            "cache_dtype": str(runner.dtype).removeprefix("torch."), "enable_prefix_caching": pool.caching,
         }
 
     def encode(self, text: str) -> list[int]:

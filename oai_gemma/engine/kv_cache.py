@@ -1,10 +1,13 @@
-"""The KV cache: one slot per running sequence, allocated once at start.
+"""The KV cache: a pool of fixed-size blocks that sequences' block tables point into (paged, as vLLM's).
 
-On a CPU the cache is one private anonymous memory map: allocating it is instant, and the OS backs a page with
-memory only when a sequence first writes there (reading a page never written maps the shared zero page), so the
-resident size follows the positions traffic actually wrote (never more than the whole cache, and a freed slot's
-pages are reused, not added). A page never written reads as zeros, as `torch.zeros` would give. On a GPU it is
-plain `torch.zeros`.
+Every layer's K and V is one tensor [blocks, block_size, kv_heads, head_dim]; a sequence's position p lives in
+block `table[p // block_size]` at row `p % block_size` of every layer, sliding-window layers included (they read
+only the last `window` positions, so a prefix shared by many requests gives each the exact attention a full
+computation gives, whatever its length). Blocks are handed out and shared by engine/block_pool.py.
+
+On a CPU the pool is one private anonymous memory map: allocating it is instant, and the OS backs a page with
+memory only when a block is first written (reading a page never written maps the shared zero page), so the
+resident size follows the blocks traffic actually used. On a GPU it is plain `torch.zeros`.
 """
 
 from __future__ import annotations
@@ -15,40 +18,52 @@ import torch
 
 from .gemma3 import SLIDING
 
+BLOCK_SIZE = 16
+"""Tokens per block: the granularity at which prompts share KV (vLLM's default)."""
+
 
 class KVCache:
-    """Per layer K and V of shape [slots, kv_heads, capacity, head_dim].
+    """Per layer K and V of shape [num_blocks + 1, block_size, kv_heads, head_dim] (flash-attn's paged layout).
 
-    Full-attention layers hold `max_len` positions; sliding layers hold their window, position p at p % window.
+    The last block, `scratch`, belongs to no sequence: padded rows of a static-shape decode step write there.
     Each layer's tensors live on that layer's device (`layer_devices`, for a model spread over several GPUs).
-    `scratch_slot` adds one slot past the served ones that no sequence owns: padded rows of a static-shape decode
-    step write there. `positions_first` stores [slots, capacity, kv_heads, head_dim] (flash-attn's layout; `k`/`v`
-    are then transposed views of `k_store`/`v_store`, so every other reader sees the same shape).
     """
 
     def __init__(
-        self, text_config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-        layer_devices: list[torch.device] | None = None, scratch_slot: bool = False, positions_first: bool = False,
+        self, text_config, num_blocks: int, dtype: torch.dtype, device: torch.device,
+        layer_devices: list[torch.device] | None = None, block_size: int = BLOCK_SIZE,
     ):
         kv_heads, head_dim = text_config.num_key_value_heads, text_config.head_dim
         self.sliding = [t == SLIDING for t in text_config.layer_types]
-        self.capacity = [min(text_config.sliding_window, max_len) if s else max_len for s in self.sliding]
-        devices = layer_devices or [device] * len(self.capacity)
-        allocated = num_slots + 1 if scratch_slot else num_slots
-        shapes = [(allocated, c, kv_heads, head_dim) if positions_first else (allocated, kv_heads, c, head_dim) for c in self.capacity]
+        self.window = text_config.sliding_window
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.scratch = num_blocks
+        devices = layer_devices or [device] * len(self.sliding)
+        shapes = [(num_blocks + 1, block_size, kv_heads, head_dim)] * len(self.sliding)
         tensors, self._memory, self._base = _zeros([*shapes, *shapes], dtype, [*devices, *devices])
-        self.k_store, self.v_store = tensors[: len(shapes)], tensors[len(shapes) :]
-        if positions_first:
-            self.k = [k.transpose(1, 2) for k in self.k_store]
-            self.v = [v.transpose(1, 2) for v in self.v_store]
-        else:
-            self.k, self.v = self.k_store, self.v_store
-        self.num_slots = num_slots
-        self.scratch = num_slots if scratch_slot else None
-        """The slot padded rows write to, or None."""
+        self.k, self.v = tensors[: len(shapes)], tensors[len(shapes) :]
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Give slot `dst` the KV of slot `src` (a choice forked from a shared prompt)."""
+    def write(self, li: int, blocks: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store tokens' K/V [tokens, kv_heads, D] at (block, row) each."""
+        self.k[li][blocks, rows] = k
+        self.v[li][blocks, rows] = v
+
+    def positions(self, li: int, table: torch.Tensor, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's keys and values [kv_heads, end - first, D] at positions first..end-1."""
+        pos = torch.arange(first, end, device=table.device)
+        blocks, rows = table[pos // self.block_size], pos % self.block_size
+        return self.k[li][blocks, rows].transpose(0, 1), self.v[li][blocks, rows].transpose(0, 1)
+
+    def blocks(self, li: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [rows, kv_heads, blocks * block_size, D] of each row's blocks `tables` [rows, blocks]."""
+        rows, count = tables.shape
+        k, v = self.k[li][tables], self.v[li][tables]  # [rows, blocks, block_size, kv_heads, D]
+        shape = (rows, count * self.block_size, *k.shape[-2:])
+        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Give block `dst` the KV of block `src` (a choice forked from a shared prompt's last, partial block)."""
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
@@ -64,12 +79,10 @@ class KVCache:
         return sum(k.numel() * k.element_size() * 2 for k in self.k)
 
     @staticmethod
-    def bytes_per_slot(text_config, max_len: int, dtype: torch.dtype) -> int:
-        per_position = text_config.num_key_value_heads * text_config.head_dim * 2 * torch.finfo(dtype).bits // 8
-        return sum(
-            per_position * (min(text_config.sliding_window, max_len) if t == SLIDING else max_len)
-            for t in text_config.layer_types
-        )
+    def bytes_per_token(text_config, dtype: torch.dtype) -> int:
+        """Every layer's K and V of one position."""
+        per_layer = text_config.num_key_value_heads * text_config.head_dim * 2 * torch.finfo(dtype).bits // 8
+        return per_layer * len(text_config.layer_types)
 
 
 def _zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, devices: list[torch.device]):

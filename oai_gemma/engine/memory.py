@@ -1,24 +1,33 @@
-"""Memory budgeting: how many KV slots fit, and giving freed heap back to the OS when idle."""
+"""Memory budgeting: how many KV blocks fit, and giving freed heap back to the OS when idle."""
 
 from __future__ import annotations
 
 import ctypes
 
-from .kv_cache import KVCache
+from .gemma3 import SLIDING
+from .kv_cache import BLOCK_SIZE, KVCache
 
 
-def slots_within_budget(text_config, dtype, max_num_seqs: int, max_model_len: int, kv_cache_gib: float) -> int:
-    """All of the KV cache is allocated once at start, so memory never grows with traffic."""
-    if not kv_cache_gib:
-        return max_num_seqs
-    per_slot = KVCache.bytes_per_slot(text_config, max_model_len, dtype)
-    slots = int(kv_cache_gib * 2**30 // per_slot)
-    if slots < 1:
+def blocks_within_budget(text_config, dtype, max_num_seqs: int, max_model_len: int, kv_cache_gib: float) -> int:
+    """KV blocks in `kv_cache_gib` (0: what a ring-buffer cache of max_num_seqs sequences of max_model_len would
+    take, where sliding layers keep only their window: the budget this engine had before it was paged). They
+    must hold at least one sequence of max_model_len."""
+    per_token = KVCache.bytes_per_token(text_config, dtype)
+    budget = kv_cache_gib * 2**30 or max_num_seqs * _ring_bytes(text_config, max_model_len, per_token)
+    blocks = int(budget // (per_token * BLOCK_SIZE))
+    least = -(-max_model_len // BLOCK_SIZE)
+    if blocks < least:
         raise ValueError(
             f"kv_cache_gib={kv_cache_gib} cannot hold one sequence of max_model_len={max_model_len} "
-            f"({per_slot / 2**30:.3f} GiB); raise it or lower max_model_len"
+            f"({least * BLOCK_SIZE * per_token / 2**30:.3f} GiB); raise it or lower max_model_len"
         )
-    return min(slots, max_num_seqs)
+    return blocks
+
+
+def _ring_bytes(text_config, max_len: int, per_token: int) -> int:
+    layers = text_config.layer_types
+    per_layer = per_token // len(layers)
+    return sum(per_layer * (min(text_config.sliding_window, max_len) if t == SLIDING else max_len) for t in layers)
 
 
 def _malloc_trim():

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .attention import DecodeRows, decode_attention, prefill_attention
+from .attention import DecodeKeys, decode_attention, decode_keys, prefill_attention
 from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention
 from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
-from .kv_cache import KVCache
+from .kv_cache import BLOCK_SIZE, KVCache
 from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
 from .quantized import quantize_all
@@ -34,9 +34,10 @@ log = logging.getLogger("oai_gemma.engine")
 
 @dataclass
 class StepItem:
-    """One sequence's share of a step: `token_ids` written at positions `start`, `start + 1`, ..."""
+    """One sequence's share of a step: `token_ids` written at positions `start`, `start + 1`, ... of the sequence
+    whose KV lives in `blocks` (its block table: position p in blocks[p // block_size])."""
 
-    slot: int
+    blocks: list[int]
     token_ids: list[int]
     start: int
     want_logits: bool = True
@@ -58,7 +59,12 @@ class Batch:
     ids: torch.Tensor
     positions: torch.Tensor
     pad: int
-    decode: DecodeRows
+    writes: tuple[torch.Tensor, torch.Tensor]
+    """(block, row in it) where each real token's K/V goes."""
+    tables: list[torch.Tensor]
+    """Each prefill's block table."""
+    decode: dict[bool, DecodeKeys]
+    """The decode rows' keys in full (False) and sliding (True) layers."""
 
     @property
     def items(self) -> list[StepItem]:
@@ -79,7 +85,7 @@ class ModelRunner:
     own forward (the server's case; tests that hold the engine against transformers keep it whole)."""
 
     def __init__(
-        self, model, num_slots: int, max_len: int, max_tokens_per_step: int,
+        self, model, num_slots: int, max_len: int, max_tokens_per_step: int, num_blocks: int | None = None,
         static_decode: bool | None = None, compile: str = "auto", own_weights: bool = False,
         batch_invariant: str = "off", quantization: str = "none", quantization_cache: Path | None = None,
     ):
@@ -105,10 +111,9 @@ class ModelRunner:
         static = self.device.type == "cuda" if static_decode is None else static_decode
         flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
         started = time.monotonic()
-        self.cache = KVCache(
-            config, num_slots, max_len, self.dtype, self.device, self.layer_devices,
-            scratch_slot=static, positions_first=flash is not None,
-        )
+        if num_blocks is None:  # room for num_slots sequences of max_len
+            num_blocks = num_slots * -(-max_len // BLOCK_SIZE)
+        self.cache = KVCache(config, num_blocks, self.dtype, self.device, self.layer_devices)
         allocated = time.monotonic()
         self.mapped_embedding = False
         """The token embedding is read from the checkpoint file on demand (engine/mapped.py), not held in memory."""
@@ -230,17 +235,22 @@ class ModelRunner:
         items = prefills + decodes
         token_ids = [t for it in items for t in it.token_ids]
         positions = [it.start + i for it in items for i in range(len(it.token_ids))]
+        size = self.cache.block_size
+        blocks = [it.blocks[p // size] for it in items for p in range(it.start, it.start + len(it.token_ids))]
+        writes = (torch.tensor(blocks, dtype=torch.long), torch.tensor(positions, dtype=torch.long) % size)
         pad = bucket(len(token_ids), self.token_buckets) - len(token_ids)
         ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.input_device)
-        positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.input_device)
-        n_prefill = sum(len(it.token_ids) for it in prefills)
-        decode = DecodeRows(
-            torch.tensor([it.slot for it in decodes], dtype=torch.long, device=self.input_device),
-            positions[n_prefill : len(token_ids)],
-            max((it.start for it in decodes), default=0) + 1,  # from the host: no device sync
-            [it.slot for it in decodes] == list(range(len(decodes))),
-        )
-        return Batch(prefills, decodes, ids, positions, pad, decode)
+        tensor_positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.input_device)
+        decode = {}
+        if decodes:
+            step = self.invariance.span_step if self.invariance else 0
+            tables, starts = [it.blocks for it in decodes], [it.start for it in decodes]
+            for sliding in set(self.cache.sliding):
+                keys = decode_keys(tables, starts, self.cache.window if sliding else None, self.cache, step)
+                decode[sliding] = keys.to(self.input_device)
+        tables = [torch.tensor(it.blocks, dtype=torch.long, device=self.input_device) for it in prefills]
+        writes = tuple(t.to(self.input_device) for t in writes)
+        return Batch(prefills, decodes, ids, tensor_positions, pad, writes, tables, decode)
 
     def _embed(self, batch: Batch) -> torch.Tensor:
         """Token embeddings, with the vision tower's output in place of each image soft token."""
@@ -258,32 +268,36 @@ class ModelRunner:
         hidden = self._embed(batch)
         rope = {t: self.text_model.rotary_emb(hidden, batch.positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
-        decode = batch.decode
+        decode, writes = batch.decode, batch.writes
         linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
         for li, w in enumerate(self.weights):
             device = self.layer_devices[li]
             if hidden.device != device:  # device_map="auto": the next layer is on another GPU
-                hidden, decode = hidden.to(device), decode.to(device)
+                hidden = hidden.to(device)
+                decode = {kind: keys.to(device) for kind, keys in decode.items()}
+                writes = tuple(t.to(device) for t in writes)
                 rope = {t: (cos.to(device), sin.to(device)) for t, (cos, sin) in rope.items()}
             cos, sin = rope[self.layer_types[li]]
             q, k, v = pre_attention(hidden, w, cos, sin, self.eps, *self.shape, linear=linear)
-            out = self._attention(li, batch, decode, q, k, v)
+            out = self._attention(li, batch, writes, decode, q, k, v)
             hidden = post_attention(hidden, out, w, self.eps, linear=linear)
         return hidden
 
-    def _attention(self, li: int, batch: Batch, decode: DecodeRows, q, k, v) -> torch.Tensor:
-        """Each prefill chunk over its past and itself, then every decode token batched; zeros for the padding."""
+    def _attention(self, li: int, batch: Batch, writes, decode: dict[bool, DecodeKeys], q, k, v) -> torch.Tensor:
+        """Write the step's K/V, then each prefill chunk over its past and itself and every decode token batched;
+        zeros for the padding."""
+        real = k.shape[0] - batch.pad
+        self.cache.write(li, *writes, k[:real], v[:real])
         outs, offset = [], 0
-        for it in batch.prefills:
+        for it, table in zip(batch.prefills, batch.tables):
             sl = slice(offset, offset + len(it.token_ids))
             outs.append(prefill_attention(
-                self.cache, li, it.slot, it.start, it.image_spans, q[sl], k[sl], v[sl], self.scaling, self.batch_invariant,
+                self.cache, li, table.to(q.device), it.start, it.image_spans, q[sl], self.scaling, self.batch_invariant,
             ))
             offset += len(it.token_ids)
         if batch.decodes:
             sl = slice(offset, offset + len(batch.decodes))
-            span_step = self.invariance.span_step if self.invariance else 0
-            outs.append(decode_attention(self.cache, li, decode, q[sl], k[sl], v[sl], self.scaling, span_step))
+            outs.append(decode_attention(self.cache, li, decode[self.cache.sliding[li]], q[sl], self.scaling))
         if batch.pad:
             outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run in the next step.
 
-Between any two steps waiting requests are admitted into free KV-cache slots; their prompts are
-prefilled in chunks under a per-step token budget, in the same step as every running sequence's
-decode token, so a long prompt never stalls running streams for more than one chunk.
+Between any two steps waiting requests are admitted while there is a batch row and KV memory for them; their
+prompts are prefilled in chunks under a per-step token budget, in the same step as every running sequence's
+decode token, so a long prompt never stalls running streams for more than one chunk. An admitted prompt starts
+from the longest prefix any earlier or running request has written into the KV cache (engine/block_pool.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .block_pool import BlockPool, block_hashes
 from .runner import StepItem
 from .sampler import RowRandom
 from .types import GenerationRequest
@@ -25,7 +27,12 @@ class Sequence:
     random: RowRandom
     detokenizer: object
     stopper: object
-    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    """Its KV blocks, position p in blocks[p // block_size] (engine/block_pool.py)."""
+    hashes: list[int] = field(default_factory=list)
+    """The prefix hash of each of its full blocks whose tokens are known (engine/block_pool.py)."""
+    most_blocks: int = 0
+    """The blocks it may come to hold (prompt and max_tokens): kept free for it from admission on."""
     num_computed: int = 0
     """Prompt + output tokens whose KV is in the cache."""
     num_cached: int = 0
@@ -45,8 +52,8 @@ class Sequence:
     index: int = 0
     """Which choice of its request this sequence generates (n > 1)."""
     forks: list["Sequence"] = field(default_factory=list)
-    """The request's other choices, waiting for this sequence's prefill to finish: they then take a copy
-    of its KV cache and sample from its last logits instead of prefilling the same prompt again."""
+    """The request's other choices, waiting for this sequence's prefill to finish: they then share its prompt's
+    KV blocks and sample from its last logits instead of prefilling the same prompt again."""
 
     @property
     def sampling(self):
@@ -83,27 +90,6 @@ class Step:
         done = [seq for seq, item in zip(self.prefill_owners, self.prefills) if item.want_logits]
         return done + self.decode_owners
 
-    def advance(self) -> None:
-        """Count the tokens this step wrote into the cache."""
-        for seq, item in zip(self.prefill_owners + self.decode_owners, self.prefills + self.decodes):
-            seq.num_computed += len(item.token_ids)
-
-
-def reusable_prefix(cached: list[int], prompt: list[int], window: int) -> int:
-    """How many leading prompt tokens can take their KV from a slot that holds `cached`.
-
-    Full-attention layers keep every position; a sliding layer's ring keeps only the last `window` of
-    `cached`, so the prefix counts only if the window before it is still there. At least one prompt token
-    is always left to compute, for the logits.
-    """
-    limit = min(len(cached), len(prompt) - 1)
-    n = 0
-    while n < limit and cached[n] == prompt[n]:
-        n += 1
-    if len(cached) > window and n < len(cached) - 1:
-        return 0
-    return n
-
 
 def _chunk_end(start: int, end: int, spans) -> int:
     """Never cut an image block: its tokens attend to each other both ways, so they prefill together."""
@@ -127,39 +113,18 @@ def _chunk_embeds(seq: Sequence, start: int, end: int):
     return (torch.tensor(rows), torch.cat(parts)) if rows else None
 
 
-class SlotPool:
-    """The KV-cache slots. A freed slot keeps its tokens' KV: a follow-up request that resends the same
-    conversation (multi-turn) lands in that slot and skips recomputing the shared prefix."""
-
-    def __init__(self, num_slots: int, window: int):
-        self.window = window
-        self.free: dict[int, list[int]] = {slot: [] for slot in range(num_slots)}  # oldest freed first
-
-    def __len__(self) -> int:
-        return len(self.free)
-
-    def acquire(self, prompt: list[int]) -> tuple[int, int]:
-        """(slot, number of prompt tokens already cached there)."""
-        best, best_len = next(iter(self.free)), 0
-        for slot, cached in self.free.items():
-            n = reusable_prefix(cached, prompt, self.window)
-            if n > best_len:
-                best, best_len = slot, n
-        del self.free[best]
-        return best, best_len
-
-    def release(self, slot: int, cached: list[int]) -> None:
-        self.free[slot] = cached
-
-
 class Scheduler:
-    def __init__(self, num_slots: int, max_prefill_tokens: int, window: int = 1 << 30, reuse_decoded: bool = True):
-        """`reuse_decoded`: a freed slot offers the KV of its generated tokens too, not only its prompt's (off in
+    def __init__(
+        self, pool: BlockPool, max_seqs: int, max_prefill_tokens: int, max_len: int, reuse_decoded: bool = True,
+    ):
+        """`reuse_decoded`: generated tokens' blocks are offered to later requests too, not only prompts' (off in
         batch-invariant mode: a decoded token's KV differs in its last bits from the same token prefilled)."""
+        self.pool = pool
+        self.max_seqs = max_seqs
+        self.max_len = max_len
         self.reuse_decoded = reuse_decoded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.slots = SlotPool(num_slots, window)
         self.max_prefill_tokens = max_prefill_tokens
 
     def add(self, seq: Sequence) -> None:
@@ -172,52 +137,103 @@ class Scheduler:
         """Every running or waiting sequence of a request (one per choice)."""
         return [seq for seq in (*self.running, *self.waiting) if seq.request_id == request_id]
 
-    def fork(self, seq: Sequence, now: float) -> list[Sequence]:
-        """Start `seq`'s forks now that its prompt is in the cache: each that gets a free slot is returned
-        (the caller copies the KV and samples it from `seq`'s logits); the others wait and prefill themselves."""
+    @property
+    def size(self) -> int:
+        return self.pool.block_size
+
+    def _most_blocks(self, seq: Sequence) -> int:
+        return -(-min(len(seq.prompt_ids) + seq.sampling.max_tokens, self.max_len) // self.size)
+
+    def _room(self) -> int:
+        """Blocks that can be handed out beyond what running sequences may still claim."""
+        return self.pool.available - sum(seq.most_blocks - len(seq.blocks) for seq in self.running)
+
+    def _admit(self, seq: Sequence, now: float) -> bool | None:
+        """Start `seq` from its longest cached prefix (True); False: no room now; None: part of that prefix is
+        being written by a running step, so `seq` waits for it rather than computing it again."""
+        if len(self.running) >= self.max_seqs:
+            return False
+        hashes = block_hashes(seq.cache_keys, self.size)
+        usable = (len(seq.prompt_ids) - 1) // self.size  # at least one prompt token is computed, for the logits
+        hit, wait = ([], False) if seq.scores_prompt else self.pool.lookup(hashes[:usable])
+        if wait:
+            return None
+        seq.most_blocks = self._most_blocks(seq)
+        if self._room() - sum(self.pool.refs[b] == 0 for b in hit) < seq.most_blocks - len(hit):
+            return False
+        self.pool.take(hit)
+        seq.blocks = hit + self.pool.allocate(-(-len(seq.prompt_ids) // self.size) - len(hit))
+        seq.hashes = hashes
+        for block, block_hash in zip(seq.blocks[len(hit) :], hashes[len(hit) :]):
+            self.pool.index(block, block_hash, pending=True)
+        seq.num_computed = seq.num_cached = len(hit) * self.size
+        seq.scheduled_time = now
+        self.running.append(seq)
+        return True
+
+    def fork(self, seq: Sequence, now: float) -> list[tuple[Sequence, int | None]]:
+        """Start `seq`'s forks now that its prompt is in the cache: each that gets room shares its full prompt
+        blocks and is returned with the block to which the caller copies `seq`'s last, partial one (or None);
+        the others wait and start like any request (from the cached prompt)."""
         started = []
+        full = len(seq.prompt_ids) // self.size
         for child in seq.forks:
-            if self.slots:
-                child.slot, _ = self.slots.acquire(child.cache_keys)
-                child.num_computed, child.num_cached = len(child.prompt_ids), seq.num_cached
-                child.scheduled_time = now
-                self.running.append(child)
-                started.append(child)
-            else:
+            child.most_blocks = self._most_blocks(child)
+            if len(self.running) >= self.max_seqs or self._room() < child.most_blocks - full:
                 self.waiting.append(child)
+                continue
+            self.pool.take(seq.blocks[:full])
+            copy = self.pool.allocate(1)[0] if len(seq.blocks) > full else None
+            child.blocks = seq.blocks[:full] + ([copy] if copy is not None else [])
+            child.hashes = list(seq.hashes)
+            child.num_computed, child.num_cached = len(child.prompt_ids), seq.num_cached
+            child.scheduled_time = now
+            self.running.append(child)
+            started.append((child, copy))
         seq.forks = []
         return started
 
     def finish(self, seq: Sequence, cache_valid: bool = True) -> None:
-        """Remove a sequence at once and free its slot, which keeps the KV of the tokens it computed."""
+        """Remove a sequence at once and let go of its blocks (cached ones stay for later requests)."""
         seq.finished = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.slot is not None:
-            cached = (seq.cache_keys + seq.output_ids)[: seq.num_computed] if cache_valid else []
-            if not self.reuse_decoded and len(cached) > len(seq.cache_keys):
-                # only the prompt's KV, and only while no decoded position has overwritten a sliding layer's ring
-                cached = seq.cache_keys if len(cached) <= self.slots.window else []
-            self.slots.release(seq.slot, cached)
-            seq.slot = None
+        self.pool.release(seq.blocks, valid=cache_valid)
+        seq.blocks = []
+
+    def advance(self, step: Step) -> None:
+        """Count the tokens the step wrote into the cache; the blocks it filled become reusable."""
+        for seq, item in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes):
+            before = seq.num_computed // self.size
+            seq.num_computed += len(item.token_ids)
+            for index in range(before, seq.num_computed // self.size):
+                self.pool.written(seq.blocks[index])
+                if index == len(seq.hashes) and self.reuse_decoded:  # a block of generated tokens filled up
+                    self._index_generated(seq, index)
+
+    def _index_generated(self, seq: Sequence, index: int) -> None:
+        tokens = (seq.cache_keys + seq.output_ids)[index * self.size : (index + 1) * self.size]
+        hashes = block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else None)
+        if hashes:  # (always, but for a sequence whose tokens were not all appended: tests of the bookkeeping)
+            seq.hashes += hashes
+            self.pool.index(seq.blocks[index], hashes[0], pending=False)
 
     def schedule(self, now: float) -> Step:
-        while self.waiting and self.slots:
-            seq = self.waiting.popleft()
-            seq.slot, seq.num_cached = self.slots.acquire(seq.cache_keys)
-            if seq.scores_prompt:
-                seq.num_cached = 0
-            seq.num_computed = seq.num_cached
-            seq.scheduled_time = now
-            self.running.append(seq)
+        for seq in list(self.waiting):
+            admitted = self._admit(seq, now)
+            if admitted is False:
+                break
+            if admitted:
+                self.waiting.remove(seq)
         prefills, decodes, prefill_seqs, decode_seqs = [], [], [], []
         budget = self.max_prefill_tokens
         for seq in self.running:
             if not seq.in_prefill:
-                last = seq.output_ids[-1]
-                decodes.append(StepItem(seq.slot, [last], seq.num_computed))
+                if seq.num_computed == len(seq.blocks) * self.size:
+                    seq.blocks += self.pool.allocate(1)  # kept free for it since admission
+                decodes.append(StepItem(seq.blocks, [seq.output_ids[-1]], seq.num_computed))
                 decode_seqs.append(seq)
             elif budget > 0:
                 start = seq.num_computed
@@ -225,7 +241,7 @@ class Scheduler:
                 chunk = seq.prompt_ids[start:end]
                 done = end == len(seq.prompt_ids)
                 prefills.append(StepItem(
-                    seq.slot, chunk, start, done, seq.image_spans, _chunk_embeds(seq, start, end),
+                    seq.blocks, chunk, start, done, seq.image_spans, _chunk_embeds(seq, start, end),
                     keep_hidden=seq.scores_prompt,
                 ))
                 prefill_seqs.append(seq)

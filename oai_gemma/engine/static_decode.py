@@ -3,12 +3,12 @@
 Why: a decode step of gemma-3-12b is ~1,300 small kernels. Launched one by one from Python, the launches and
 not the weights' memory bandwidth bound the step at small batches. Captured into a CUDA graph, a step is one
 replay. A graph replays fixed memory at fixed shapes, so everything a step varies lives in a static input
-buffer (token ids, positions, slots); the attention mask is computed on the device from the positions (no
-host sync); padded rows write their K/V into a scratch slot that no sequence owns.
+buffer (token ids, positions, block tables); the attention mask is computed on the device from the positions
+(no host sync); padded rows write their K/V into the scratch block that no sequence owns.
 
-Attention is flash-attn's `flash_attn_with_kvcache` when it is installed (it reads each row's cache in place
-through `cache_batch_idx`, up to `cache_seqlens`), else SDPA over a gathered span of the cache; the span is
-bucketed too, so a short context does not pay for `max_len`. The projections, norms and MLP of a layer are
+Each row's blocks up to a bucketed span are gathered from the paged cache (engine/kv_cache.py), so a short
+context does not pay for `max_len`; attention over them is flash-attn's `flash_attn_with_kvcache` when it is
+installed (up to `cache_seqlens`, sliding layers through `window_size`), else SDPA with a mask. The projections, norms and MLP of a layer are
 two plain functions of tensors (engine/gemma3.py's `pre_attention`, `post_attention`): `torch.compile` compiles each once for
 every layer (the weights are arguments, not constants), instead of one huge graph per shape.
 
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .buckets import bucket, span_buckets
+from .invariance import round_up
 from .gemma3 import LayerWeights, post_attention, pre_attention
 
 log = logging.getLogger("oai_gemma.static_decode")
@@ -42,7 +43,7 @@ def flash_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
 
 
 class DecodeGraph:
-    """One bucket: a static input buffer [3, rows] (token ids, positions, slots) and the step captured over it
+    """One bucket: a static input buffer [rows, 2 + blocks] (token id, position, block table) and the step captured over it
     as a CUDA graph (`pool` shared by every bucket), or the same step run eagerly where there is no graph."""
 
     def __init__(self, step, inputs: torch.Tensor, use_graph: bool, pool=None):
@@ -83,17 +84,17 @@ class StaticDecode:
 
     def __init__(self, runner, *, use_graphs: bool, compiled: bool, flash=None):
         self.runner = runner
-        if runner.cache.scratch is None:
-            raise ValueError("static decode needs a KV cache with a scratch slot for its padded rows")
         self.weights = [LayerWeights.of(layer) for layer in runner.text_model.layers]
         self.eps = runner.eps
         self.shape = runner.shape
         self.flash = flash
         self.devices = sorted(set(runner.layer_devices) | {runner.input_device, runner.device}, key=str)
         self.rope = self._rope_tables()
-        self.positions = {d: torch.arange(runner.max_len, device=d) for d in self.devices}
         self.row_buckets = runner.row_buckets
-        self.span_buckets = [runner.max_len] if flash else span_buckets(runner.max_len)
+        self.block_size = runner.cache.block_size
+        self.span_buckets = [round_up(span, self.block_size) for span in span_buckets(runner.max_len)]
+        self.table_width = self.span_buckets[-1] // self.block_size
+        self.positions = {d: torch.arange(self.span_buckets[-1], device=d) for d in self.devices}
         self.use_graphs = use_graphs and len(self.devices) == 1 and self.devices[0].type == "cuda"
         self.pool = None
         if self.use_graphs:
@@ -120,15 +121,15 @@ class StaticDecode:
     # ---- the step at one static shape ------------------------------------------------------------
 
     def step(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
-        """inputs [3, rows] (token ids, positions, slots) on the input device -> logits [rows, vocab]."""
+        """inputs [rows, 2 + blocks] (token id, position, block table) on the input device -> logits [rows, vocab]."""
         r = self.runner
-        ids, pos, slots = inputs
+        ids, pos, tables = inputs[:, 0], inputs[:, 1], inputs[:, 2 : 2 + span // self.block_size]
         hidden = r.text_model.embed_tokens(ids)
         per_device = {}
         for li, w in enumerate(self.weights):
             device = r.layer_devices[li]
-            if device not in per_device:  # a model spread over several GPUs: positions and slots follow the layers
-                p, s = pos.to(device), slots.to(device)
+            if device not in per_device:  # a model spread over several GPUs: positions and tables follow the layers
+                p, s = pos.to(device), tables.to(device)
                 rope = {t: (cos[p][:, None, :], sin[p][:, None, :]) for (t, d), (cos, sin) in self.rope.items() if d == device}
                 per_device[device] = (p, s, rope)
             p, s, rope = per_device[device]
@@ -138,24 +139,25 @@ class StaticDecode:
             hidden = self.post(hidden, self._attend(li, q, k, v, p, s, span), w, self.eps)
         return r.logits_of(hidden)  # the rows are a bucket already: no padding
 
-    def _attend(self, li: int, q, k, v, pos, slots, span: int) -> torch.Tensor:
-        """Write this step's K/V at each row's position, then attend each row over its own cache entries."""
+    def _attend(self, li: int, q, k, v, pos, tables, span: int) -> torch.Tensor:
+        """Write this step's K/V at each row's position, then attend each row over its blocks up to `span`."""
         cache = self.runner.cache
-        capacity = cache.capacity[li]
-        where = pos % capacity  # sliding layers: a ring buffer; full layers: pos < max_len == capacity
-        cache.k[li][slots, :, where] = k
-        cache.v[li][slots, :, where] = v
-        # entries [0, seqlen) hold this row's keys: its positions so far, or the whole ring once it wrapped
-        seqlens = torch.clamp(pos + 1, max=capacity)
+        size = self.block_size
+        cache.write(li, tables.gather(1, (pos // size)[:, None])[:, 0], pos % size, k, v)
+        sliding = cache.sliding[li]
         if self.flash is not None:
+            keys, values = cache.k[li][tables], cache.v[li][tables]  # [rows, blocks, block_size, kv_heads, D]
+            shape = (keys.shape[0], span, *keys.shape[-2:])
             out = self.flash(
-                q[:, None], cache.k_store[li], cache.v_store[li], cache_seqlens=seqlens.to(torch.int32),
-                cache_batch_idx=slots.to(torch.int32), softmax_scale=self.runner.scaling,
+                q[:, None], keys.view(shape), values.view(shape), cache_seqlens=(pos + 1).to(torch.int32),
+                softmax_scale=self.runner.scaling, window_size=(cache.window - 1, 0) if sliding else (-1, -1),
             )
             return out[:, 0]
-        n = min(span, capacity)
-        keys, values = cache.k[li][slots, :, :n], cache.v[li][slots, :, :n]
-        mask = self.positions[q.device][:n][None, :] < seqlens[:, None]
+        keys, values = cache.blocks(li, tables)
+        kpos = self.positions[q.device][:span][None, :]
+        mask = kpos <= pos[:, None]
+        if sliding:
+            mask &= kpos > pos[:, None] - cache.window
         heads, kv_heads, head_dim = self.shape
         qg = q.view(q.shape[0], kv_heads, heads // kv_heads, head_dim)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.runner.scaling)
@@ -164,17 +166,15 @@ class StaticDecode:
     # ---- buckets ----------------------------------------------------------------------------------
 
     def host_inputs(self, decodes, rows: int) -> torch.Tensor:
-        """[3, rows] on the host: real rows first, then padding (token 0 at position 0 of the scratch slot)."""
-        pad = rows - len(decodes)
-        scratch = self.runner.cache.scratch
-        return torch.tensor(
-            [
-                [it.token_ids[0] for it in decodes] + [0] * pad,
-                [it.start for it in decodes] + [0] * pad,
-                [it.slot for it in decodes] + [scratch] * pad,
-            ],
-            dtype=torch.long,
-        )
+        """[rows, 2 + blocks] on the host: real rows first, then padding (token 0 at position 0 of the scratch
+        block); tables padded with the scratch block."""
+        inputs = torch.full((rows, 2 + self.table_width), self.runner.cache.scratch, dtype=torch.long)
+        inputs[:, :2] = 0
+        for row, it in enumerate(decodes):
+            blocks = it.blocks[: self.table_width]
+            inputs[row, 0], inputs[row, 1] = it.token_ids[0], it.start
+            inputs[row, 2 : 2 + len(blocks)] = torch.tensor(blocks)
+        return inputs
 
     def shape_for(self, decodes) -> tuple[int, int]:
         """(rows, span) bucket of a decode step, chosen on the host from the items (no device read)."""

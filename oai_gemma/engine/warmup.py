@@ -23,10 +23,11 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
     """Each token-count bucket, each logits-row bucket, both sampling paths, on a GPU every static decode
     bucket's CUDA graph and the grammar mask kernel (`grammars()` waits for the compiler's build)."""
     runner = core.runner
+    scratch = [runner.cache.scratch] * -(-core.limits.max_model_len // runner.cache.block_size)  # no real block is touched
     for size in runner.token_buckets:
-        runner.forward([StepItem(0, [0] * min(size, core.limits.max_model_len), 0)], [])
+        runner.forward([StepItem(scratch, [0] * min(size, core.limits.max_model_len), 0)], [])
     for rows in runner.row_buckets:
-        logits = runner.forward([], [StepItem(slot % runner.cache.num_slots, [0], 0) for slot in range(rows)])
+        logits = runner.forward([], [StepItem(scratch, [0], 0) for _ in range(rows)])
     runner.capture_decode_graphs()
     rows = [
         PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),
