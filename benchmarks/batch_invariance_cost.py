@@ -24,10 +24,10 @@ def step_times(loaded, mode: str) -> dict[str, float]:
     runner = ModelRunner(loaded.model, num_slots=32, max_len=2048, max_tokens_per_step=544, batch_invariant=mode)
     assert runner.batch_invariant == (mode == "on")
     prompt = list(range(1000, 1512))
-    times = {"prefill 512 tokens": timed(lambda: runner.forward([StepItem(0, prompt, 0)], []), 5)}
+    times = {"prefill 512 tokens": timed(lambda: runner.forward([StepItem(runner.sequence_blocks(0), prompt, 0)], []), 5)}
     for context in (100, 1000):
         for rows in (1, 8, 32):
-            decodes = [StepItem(slot, [1234], context) for slot in range(rows)]
+            decodes = [StepItem(runner.sequence_blocks(row), [1234], context) for row in range(rows)]
             times[f"decode {rows} rows, context {context}"] = timed(lambda: runner.forward([], decodes), 7)
     return times
 

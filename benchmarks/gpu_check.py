@@ -141,8 +141,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def step_ms(runner, batch: int, position: int, repeats: int = 20) -> float:
-    """Median wall time of one decode-only `runner.forward` at this batch (slots 0..batch-1)."""
-    items = [StepItem(slot % runner.cache.num_slots, [5], position) for slot in range(batch)]
+    """Median wall time of one decode-only `runner.forward` at this batch (sequences 0..batch-1)."""
+    fit = runner.cache.num_blocks // -(-(position + 1) // runner.cache.block_size)  # rows beyond share blocks: same work
+    items = [StepItem(runner.sequence_blocks(row % fit, position + 1), [5], position) for row in range(batch)]
     times = []
     for _ in range(repeats + 3):
         start = time.perf_counter()

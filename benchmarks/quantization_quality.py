@@ -39,7 +39,7 @@ def measure(dtype: str, quantization: str) -> tuple[float, list[list[int]], int,
     steps = []
     for position in range(100, 120):
         started = time.perf_counter()
-        runner.forward([], [StepItem(0, [1234], position)])
+        runner.forward([], [StepItem(runner.sequence_blocks(0), [1234], position)])
         steps.append((time.perf_counter() - started) * 1e3)
     return ppl, greedy, runner.weight_bytes(), statistics.median(steps)
 

@@ -15,7 +15,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 # (name, out_features, in_features) of gemma-3-270m: 18 layers of q/k/v/o and gate/up/down, one lm_head
 SHAPES = [

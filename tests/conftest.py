@@ -53,10 +53,13 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                status = httpx.get(self.url + "/health", timeout=2).status_code
-                self.health_seen.append(status)
-                if status == 200:
+                health = httpx.get(self.url + "/health", timeout=2)
+                self.health_seen.append(health.status_code)
+                if health.status_code == 200:
                     return
+                reason = _reason(health)
+                if reason not in (None, "loading"):  # loading failed: no use waiting
+                    raise RuntimeError(f"server not ready: {reason}; see {self.log_path}")
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
@@ -128,3 +131,11 @@ def tiny_vision_dir(tmp_path_factory):
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+def _reason(health: httpx.Response) -> str | None:
+    """The `reason` of our /health's 503, None for another body (a proxy's, while its replicas start)."""
+    try:
+        return health.json().get("reason")
+    except (ValueError, AttributeError):
+        return None

@@ -16,7 +16,6 @@ from oai_gemma.engine.loader import load
 from oai_gemma.engine.runner import ModelRunner, StepItem
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
-from slots import slot
 
 SEEDS = range(20)
 TOKENS = 24
@@ -93,21 +92,21 @@ def logits_under(runner: ModelRunner, splits: list[int], beside: list[int], rng:
     lengths = {}
     for row in range(1, 8):
         lengths[row] = rng.choice((5, 40, 300))
-        runner.forward([StepItem(slot(runner, row), list(range(100, 100 + lengths[row])), 0)], [])
+        runner.forward([StepItem(runner.sequence_blocks(row), list(range(100, 100 + lengths[row])), 0)], [])
 
     def others(count: int) -> list[StepItem]:
-        items = [StepItem(slot(runner, row), [7], lengths[row]) for row in range(1, 1 + count)]
+        items = [StepItem(runner.sequence_blocks(row), [7], lengths[row]) for row in range(1, 1 + count)]
         for row in range(1, 1 + count):
             lengths[row] += 1
         return items
 
     prompt, start, out = list(range(2000, 2023)), 0, []
     for size, count in zip(splits, beside):
-        logits = runner.forward([StepItem(slot(runner, 0), prompt[start : start + size], start, start + size == len(prompt))], others(count))
+        logits = runner.forward([StepItem(runner.sequence_blocks(0), prompt[start : start + size], start, start + size == len(prompt))], others(count))
         start += size
     out.append(logits[0].clone())
     for position, token in enumerate(range(3000, 3006), start=len(prompt)):
-        out.append(runner.forward([], [StepItem(slot(runner, 0), [token], position)] + others(rng.randint(0, 7)))[0].clone())
+        out.append(runner.forward([], [StepItem(runner.sequence_blocks(0), [token], position)] + others(rng.randint(0, 7)))[0].clone())
     return out
 
 

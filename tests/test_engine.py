@@ -80,14 +80,14 @@ def test_multi_turn_resend_reuses_the_cached_prefix_and_keeps_the_output(harness
     (reply, _), = harness.run(first, max_tokens=10)
     follow_up = first + reply + harness.engine.encode("<end_of_turn>\n<start_of_turn>user\nAnd then?<end_of_turn>\n<start_of_turn>model\n")
     (tokens, last), = harness.run(follow_up, max_tokens=8)
-    assert last.num_cached_tokens >= len(first)
+    assert last.num_cached_tokens >= len(first) // 16 * 16  # every full block of it
     assert tokens == harness.reference(follow_up, max_tokens=8)[: len(tokens)]
 
 
 def test_unrelated_prompt_gets_no_cache_hit(harness):
     (_, last), = harness.run(harness.prompt("Completely different request about trains."), max_tokens=2)
-    # only the shared template head (<bos><start_of_turn>user\n) can match
-    assert last.num_cached_tokens <= 4
+    # only the shared template head (<bos><start_of_turn>user\n) matches: less than one 16-token block
+    assert last.num_cached_tokens == 0
 
 
 def test_a_stop_token_ends_generation_with_stop_and_no_text(harness):

@@ -17,7 +17,6 @@ from oai_gemma.engine.buckets import span_buckets
 from oai_gemma.engine.gemma3 import post_attention, pre_attention
 from oai_gemma.engine.static_decode import DecodeGraph
 from oai_gemma.settings import ModelSettings
-from slots import slot
 
 MAX_LEN = 1024
 SLOTS = 6
@@ -51,7 +50,7 @@ def fill(runners, slots_and_lengths) -> dict[int, int]:
     """Prefill the same prompts into the same slots of both runners; returns slot -> next position."""
     for index, length in slots_and_lengths:
         for runner in runners:
-            runner.forward([StepItem(slot(runner, index), prompt(length, seed=index), 0)], [])
+            runner.forward([StepItem(runner.sequence_blocks(index), prompt(length, seed=index), 0)], [])
     return dict(slots_and_lengths)
 
 
@@ -64,7 +63,7 @@ def assert_same_logits(static, dynamic):
 def decode_both(runners, order: list[int], positions: dict[int, int], steps: int):
     """Decode `steps` tokens for the slots in `order` on both runners; yields both runners' logits each step."""
     for step in range(steps):
-        items = [StepItem(slot(runners[0], index), [100 + index + step], positions[index]) for index in order]
+        items = [StepItem(runners[0].sequence_blocks(index), [100 + index + step], positions[index]) for index in order]
         yield tuple(runner.forward([], items) for runner in runners)
         for index in order:
             positions[index] += 1
@@ -102,7 +101,7 @@ def test_padded_rows_leave_every_real_block_untouched(static_runner):
     for tensor in cache.k + cache.v:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
     before = [t.clone() for t in cache.k + cache.v]
-    items = [StepItem(slot(runner, 2), [7], 30), StepItem(slot(runner, 0), [8], 600), StepItem(slot(runner, 5), [9], 3)]
+    items = [StepItem(runner.sequence_blocks(2), [7], 30), StepItem(runner.sequence_blocks(0), [8], 600), StepItem(runner.sequence_blocks(5), [9], 3)]
     assert runner.static.shape_for(items)[0] == 4  # 3 rows: bucket 4, one padded row
     runner.forward([], items)
     size = cache.block_size
@@ -119,14 +118,14 @@ def test_row_bucket_is_the_smallest_that_holds_the_batch(runners):
     static = runners[1].static
     assert static.row_buckets == [1, 2, 4, 8]
     for n, rows in [(1, 1), (2, 2), (3, 4), (5, 8), (6, 8)]:
-        assert static.shape_for([StepItem(slot(runners[1], s % SLOTS), [0], 0) for s in range(n)])[0] == rows
+        assert static.shape_for([StepItem(runners[1].sequence_blocks(s % SLOTS), [0], 0) for s in range(n)])[0] == rows
 
 
 def test_span_bucket_covers_the_longest_row(runners):
     static = runners[1].static
     assert span_buckets(MAX_LEN) == [256, 512, 1024]
     for longest_start, span in [(0, 256), (255, 256), (256, 512), (600, 1024), (MAX_LEN - 1, MAX_LEN)]:
-        items = [StepItem(slot(runners[1], 0), [0], 3), StepItem(slot(runners[1], 1), [0], longest_start)]
+        items = [StepItem(runners[1].sequence_blocks(0), [0], 3), StepItem(runners[1].sequence_blocks(1), [0], longest_start)]
         assert static.shape_for(items)[1] == span
 
 

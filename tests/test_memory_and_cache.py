@@ -22,7 +22,7 @@ def burst(server, count: int, offset: int) -> None:
         async def one(i):
             async with semaphore:
                 await async_client.chat.completions.create(
-                    model=MODEL, messages=user(f"Request {i}: tell me about number {i * 37}."), max_tokens=3, temperature=0.5
+                    model=MODEL, messages=user(f"Request {i % 64}: tell me about number {i % 64 * 37}."), max_tokens=3, temperature=0
                 )
 
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as async_client:
@@ -32,8 +32,8 @@ def burst(server, count: int, offset: int) -> None:
 
 
 def test_memory_after_200_requests_equals_memory_after_64(server):
-    # 64 requests use every KV slot at least once (freed slots are reused oldest first), so from then on a KV
-    # page is written only where one was before: what grows after that is a leak
+    # the next 136 requests resend the first 64 prompts: the prefix cache holds their blocks already (the cache
+    # growing with distinct prompts, up to engine.kv_cache_gib, is its job, not a leak), so what grows is a leak
     burst(server, 64, 0)
     after_64 = rss_mib(server.proc.pid)
     burst(server, 136, 64)
@@ -50,5 +50,5 @@ def test_multi_turn_conversation_reports_cached_prompt_tokens(client):
         {"role": "user", "content": "Now one about boats."},
     ]
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16  # its full blocks
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens

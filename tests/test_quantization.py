@@ -17,7 +17,6 @@ from oai_gemma.engine.loader import load, quantized_weights_file
 from oai_gemma.engine.quality import perplexity
 from oai_gemma.engine.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
-from slots import slot
 
 TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
 BOUNDS = {"int8": 1.01, "int4": 1.05}
@@ -65,7 +64,7 @@ def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
     file = quantized_weights_file(ModelSettings(quantization="int4"), loaded)
     assert file.exists()
     second, _ = runner_for("int4")  # from the file
-    prompt = [StepItem(slot(first, 0), list(range(1000, 1020)), 0)]
+    prompt = [StepItem(first.sequence_blocks(0), list(range(1000, 1020)), 0)]
     assert torch.equal(first.forward(prompt, []), second.forward(prompt, []))
 
 

@@ -94,7 +94,7 @@ def test_a_conversation_stays_on_the_replica_that_holds_its_prefix(ray_server):
         messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Another one."}]
         second = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
         assert second.headers[REPLICA] == first.headers[REPLICA], topic
-        assert second.parse().usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens, topic
+        assert second.parse().usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens // 16 * 16, topic
 
 
 def test_metrics_carry_every_replica_with_a_replica_label(ray_server):

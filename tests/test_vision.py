@@ -19,7 +19,6 @@ from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
-from slots import slot
 from openai_schema import validate
 
 MODEL = "tiny-vision"
@@ -247,16 +246,22 @@ def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor)
     request = GenerationRequest("v", vision.token_ids, SamplingParams(max_tokens=5, temperature=0.0))
     request.pixel_values, request.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
 
-    async def run():
-        return [e.token_id async for e in engine.generate(request) if e.token_id is not None]
+    async def run(request_id: str):
+        request.request_id = request_id
+        events = [e async for e in engine.generate(request)]
+        return [e.token_id for e in events if e.token_id is not None], events[-1].num_cached_tokens
 
     try:
-        tokens = loop.run_until_complete(run())
+        (tokens, cached), (again, cached_again) = loop.run_until_complete(run("v")), loop.run_until_complete(run("w"))
     finally:
         engine.shutdown()
         loop.close()
     assert tokens == reference[: len(tokens)]
     assert tokens
+    # the same image again: its blocks come from the prefix cache (keyed by the image's content hash), same tokens
+    first_image_token = vision.token_ids.index(loaded.model.config.image_token_id)
+    assert cached == 0 and cached_again > first_image_token
+    assert again == tokens
 
 
 def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vision_dir, processor):
@@ -274,7 +279,7 @@ def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vis
     runner = ModelRunner(loaded.model, num_slots=1, max_len=1024, max_tokens_per_step=512)
     spans = tuple(token_runs(ids, vocab))
     rows = torch.tensor([i for start, end in spans for i in range(start, end)])
-    ours = runner.forward([StepItem(slot(runner, 0), ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]
+    ours = runner.forward([StepItem(runner.sequence_blocks(0), ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]
     assert (reference - causal_only).abs().max() > 0.1  # the bidirectional image mask matters for this prompt
     assert (ours - reference).abs().max() < 1e-3
 

@@ -16,7 +16,7 @@ def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 256) -> float:
     """exp(mean negative log-likelihood) of ids[1:] given what precedes each, prefilled in `chunk`-token steps."""
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, chunk):
-        item = StepItem(0, ids[start : start + chunk], start, want_logits=False, keep_hidden=True)
+        item = StepItem(runner.sequence_blocks(0), ids[start : start + chunk], start, want_logits=False, keep_hidden=True)
         runner.forward([item], [])
         targets = ids[start + 1 : start + chunk + 1]
         rows = runner.row_buckets[-1]
@@ -31,10 +31,10 @@ def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 256) -> float:
 @torch.inference_mode()
 def greedy_tokens(runner: ModelRunner, prompt: list[int], count: int) -> list[int]:
     """`count` greedy tokens after `prompt`, one sequence alone in slot 0."""
-    logits = runner.forward([StepItem(0, prompt, 0)], [])
+    logits = runner.forward([StepItem(runner.sequence_blocks(0), prompt, 0)], [])
     tokens = [int(logits[0].argmax())]
     for position in range(len(prompt), len(prompt) + count - 1):
-        tokens.append(int(runner.forward([], [StepItem(0, tokens[-1:], position)])[0].argmax()))
+        tokens.append(int(runner.forward([], [StepItem(runner.sequence_blocks(0), tokens[-1:], position)])[0].argmax()))
     return tokens
 
 

@@ -134,6 +134,8 @@ class ModelRunner:
             gc.collect()
         self.timings = {"relayout": time.monotonic() - allocated, "KV cache": allocated - started}
         """Seconds of the start-up phases this constructor runs (logged by engine/factory.py)."""
+        self.num_slots = num_slots
+        """Most rows a step samples (the scheduler's batch size)."""
         self.row_buckets = buckets(num_slots)
         self.token_buckets = buckets(max_tokens_per_step)
         measured = time.monotonic()
@@ -204,6 +206,15 @@ class ModelRunner:
             for module, linear in zip(modules, (w.q, w.k, w.v, w.o, w.gate, w.up, w.down)):
                 if linear.packed is not None:
                     module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+
+    def sequence_blocks(self, index: int, length: int | None = None) -> list[int]:
+        """Block table of the index-th of fixed runs of blocks, each long enough for `length` positions (default
+        max_len; the default pool holds `num_slots` of those): for callers that drive the runner without a
+        scheduler (quality checks, tests, benchmarks)."""
+        per_sequence = -(-(length or self.max_len) // self.cache.block_size)
+        if (index + 1) * per_sequence > self.cache.num_blocks:
+            raise ValueError(f"the KV pool has {self.cache.num_blocks} blocks: no room for run {index} of {per_sequence}")
+        return list(range(index * per_sequence, (index + 1) * per_sequence))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight the runner and the model hold in memory (packed copies included)."""
