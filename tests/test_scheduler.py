@@ -26,6 +26,12 @@ def run_prefill(scheduler: Scheduler, now: float = 0.0):
     return step
 
 
+def admitted(scheduler: Scheduler, s: Sequence):
+    """Queue one sequence and schedule the next step (which admits it, if it can be)."""
+    scheduler.add(s)
+    return scheduler.schedule(0.0)
+
+
 def prefilled(scheduler: Scheduler, *seqs: Sequence) -> None:
     """Admit and prefill these sequences to the end of their prompts; each then holds a sampled token."""
     for s in seqs:
@@ -128,6 +134,7 @@ def test_prefill_is_chunked_under_the_per_step_budget_beside_running_decodes():
     while long.in_prefill:
         step = run_prefill(scheduler)
         assert [item.token_ids for item in step.decodes] == [[short.output_ids[-1]]]
+        short.output_ids.append(43)  # sampled by that step, as the engine does
         assert sum(len(item.token_ids) for item in step.prefills) <= 4
         chunks.append((step.prefills[0].start, step.prefills[0].token_ids, step.prefills[0].want_logits))
     assert chunks == [(0, [10, 11, 12, 13], False), (4, [14, 15, 16, 17], False), (8, [18, 19], True)]
@@ -153,16 +160,14 @@ def test_any_earlier_or_running_sequence_donates_its_prompt_in_whole_blocks():
     first = seq(system + [50, 51], "first")
     prefilled(scheduler, first)
     second = seq(system + [60], "second")  # while `first` still runs
-    scheduler.add(second)
-    step = scheduler.schedule(0.0)
+    step = admitted(scheduler, second)
     assert second.num_cached == 8 and second.blocks[:2] == first.blocks[:2]
     assert step.prefills[0].start == 8 and step.prefills[0].token_ids == [9, 10, 60]
     scheduler.advance(step)
     scheduler.finish(first)
     scheduler.finish(second)
     third = seq(system + [50, 51, 52], "third")  # both finished: their blocks are cached
-    scheduler.add(third)
-    scheduler.schedule(0.0)
+    admitted(scheduler, third)
     assert third.num_cached == 12
 
 
@@ -175,8 +180,7 @@ def test_a_conversation_that_resends_its_history_reuses_the_blocks_of_the_reply_
         first.output_ids.append(token)
     scheduler.finish(first)
     follow_up = seq([1, 2, 3, 100, 4, 5, 6, 7, 8, 9], "follow-up")
-    scheduler.add(follow_up)
-    step = scheduler.schedule(0.0)
+    step = admitted(scheduler, follow_up)
     assert follow_up.num_cached == 8 and step.prefills[0].token_ids == [8, 9]
 
 
@@ -189,8 +193,7 @@ def test_in_batch_invariant_mode_only_prompt_blocks_are_reused():
         first.output_ids.append(token)
     scheduler.finish(first)
     follow_up = seq([1, 2, 3, 4, 5, 100, 6, 7, 8, 9], "follow-up")
-    scheduler.add(follow_up)
-    scheduler.schedule(0.0)
+    admitted(scheduler, follow_up)
     assert follow_up.num_cached == 4
 
 
@@ -198,8 +201,7 @@ def test_at_least_one_prompt_token_is_computed_even_when_all_of_it_is_cached():
     scheduler = scheduler_of()
     prefilled(scheduler, seq([1, 2, 3, 4, 5, 6, 7, 8], "first"))
     again = seq([1, 2, 3, 4, 5, 6, 7, 8], "again")
-    scheduler.add(again)
-    step = scheduler.schedule(0.0)
+    step = admitted(scheduler, again)
     assert again.num_cached == 4 and step.prefills[0].token_ids == [5, 6, 7, 8]
 
 
@@ -255,8 +257,7 @@ def test_cached_prefixes_give_way_to_new_requests():
     scheduler.finish(old)
     assert len(scheduler.pool.cached) == 2
     new = seq([9] * 15, "new", max_tokens=1)  # all 4 blocks
-    scheduler.add(new)
-    scheduler.schedule(0.0)
+    admitted(scheduler, new)
     assert new in scheduler.running and not scheduler.pool.cached
 
 
@@ -264,8 +265,7 @@ def test_with_prefix_caching_off_nothing_is_reused():
     scheduler = scheduler_of(caching=False)
     prefilled(scheduler, seq([1, 2, 3, 4, 5, 6], "first"))
     again = seq([1, 2, 3, 4, 5, 6], "again")
-    scheduler.add(again)
-    scheduler.schedule(0.0)
+    admitted(scheduler, again)
     assert again.num_cached == 0
 
 
@@ -276,8 +276,7 @@ def test_a_failed_step_frees_the_blocks_without_offering_their_kv_again():
     run_prefill(scheduler)
     scheduler.finish(broken, cache_valid=False)
     again = seq([1, 2, 3, 4, 5], "again")
-    scheduler.add(again)
-    scheduler.schedule(0.0)
+    admitted(scheduler, again)
     assert again.num_cached == 0
 
 
@@ -287,8 +286,7 @@ def test_a_request_for_prompt_logprobs_recomputes_its_whole_prompt():
     prefilled(scheduler, first)
     scheduler.finish(first)
     scored = seq([1, 2, 3, 4, 5], "scored", prompt_logprobs=0)
-    scheduler.add(scored)
-    step = scheduler.schedule(0.0)
+    step = admitted(scheduler, scored)
     assert scored.num_cached == 0 and step.prefills[0].start == 0 and step.prefills[0].keep_hidden
 
 

@@ -72,8 +72,8 @@ def prefill_attention(
         keys, values = pad_keys(keys, values, span)
         kpos = torch.cat((kpos, torch.full((span - kpos.shape[0],), end, device=q.device)))  # after every query
     mask = kpos[None, :] <= qpos[:, None]
-    in_window = kpos[None, :] > qpos[:, None] - cache.window
     if sliding:
+        in_window = kpos[None, :] > qpos[:, None] - cache.window
         mask &= in_window
     if image_spans:
         q_blocks = _block_ids(qpos, image_spans)[:, None]

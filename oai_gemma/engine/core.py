@@ -51,7 +51,7 @@ class EngineCore:
         longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
         self.runner = ModelRunner(
             loaded.model, num_slots=max_num_seqs, max_len=max_model_len, max_tokens_per_step=longest_chunk + max_num_seqs,
-            num_blocks=num_blocks,            compile=compile, static_decode=static_decode, own_weights=own_weights, batch_invariant=batch_invariant,
+            num_blocks=num_blocks, compile=compile, static_decode=static_decode, own_weights=own_weights, batch_invariant=batch_invariant,
             quantization=quantization, quantization_cache=quantization_cache,
         )
         cache = self.runner.cache

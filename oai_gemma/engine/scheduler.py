@@ -153,7 +153,9 @@ class Scheduler:
         being written by a running step, so `seq` waits for it rather than computing it again."""
         if len(self.running) >= self.max_seqs:
             return False
-        hashes = block_hashes(seq.cache_keys, self.size)
+        if not seq.hashes:  # once per sequence: its prompt does not change while it waits
+            seq.hashes = block_hashes(seq.cache_keys, self.size)
+        hashes = seq.hashes
         usable = (len(seq.prompt_ids) - 1) // self.size  # at least one prompt token is computed, for the logits
         hit, wait = ([], False) if seq.scores_prompt else self.pool.lookup(hashes[:usable])
         if wait:
@@ -163,7 +165,6 @@ class Scheduler:
             return False
         self.pool.take(hit)
         seq.blocks = hit + self.pool.allocate(-(-len(seq.prompt_ids) // self.size) - len(hit))
-        seq.hashes = hashes
         for block, block_hash in zip(seq.blocks[len(hit) :], hashes[len(hit) :]):
             self.pool.index(block, block_hash, pending=True)
         seq.num_computed = seq.num_cached = len(hit) * self.size
@@ -215,10 +216,8 @@ class Scheduler:
 
     def _index_generated(self, seq: Sequence, index: int) -> None:
         tokens = (seq.cache_keys + seq.output_ids)[index * self.size : (index + 1) * self.size]
-        hashes = block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else None)
-        if hashes:  # (always, but for a sequence whose tokens were not all appended: tests of the bookkeeping)
-            seq.hashes += hashes
-            self.pool.index(seq.blocks[index], hashes[0], pending=False)
+        seq.hashes += block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else None)
+        self.pool.index(seq.blocks[index], seq.hashes[-1], pending=False)
 
     def schedule(self, now: float) -> Step:
         for seq in list(self.waiting):

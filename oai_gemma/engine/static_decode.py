@@ -145,15 +145,13 @@ class StaticDecode:
         size = self.block_size
         cache.write(li, tables.gather(1, (pos // size)[:, None])[:, 0], pos % size, k, v)
         sliding = cache.sliding[li]
-        if self.flash is not None:
-            keys, values = cache.k[li][tables], cache.v[li][tables]  # [rows, blocks, block_size, kv_heads, D]
-            shape = (keys.shape[0], span, *keys.shape[-2:])
+        keys, values = cache.blocks(li, tables)  # [rows, kv_heads, span, D]
+        if self.flash is not None:  # its layout, [rows, span, kv_heads, D]: the gather's own, transposed back
             out = self.flash(
-                q[:, None], keys.view(shape), values.view(shape), cache_seqlens=(pos + 1).to(torch.int32),
+                q[:, None], keys.transpose(1, 2), values.transpose(1, 2), cache_seqlens=(pos + 1).to(torch.int32),
                 softmax_scale=self.runner.scaling, window_size=(cache.window - 1, 0) if sliding else (-1, -1),
             )
             return out[:, 0]
-        keys, values = cache.blocks(li, tables)
         kpos = self.positions[q.device][:span][None, :]
         mask = kpos <= pos[:, None]
         if sliding:
