@@ -41,7 +41,7 @@ def test_memory_after_200_requests_equals_memory_after_64(server):
     assert after_200 - after_64 < 0.02 * after_64 + 16, (after_64, after_200)
 
 
-def test_multi_turn_conversation_reports_cached_prompt_tokens(client):
+def test_multi_turn_conversation_reports_cached_prompt_tokens(client, http):
     messages = user("Write one sentence about lighthouses.")
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens <= 4  # at most the shared template head
@@ -52,3 +52,5 @@ def test_multi_turn_conversation_reports_cached_prompt_tokens(client):
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16  # its full blocks
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    health = http.get("/health").json()  # finished, the conversation's blocks stay cached: /health shows their share
+    assert health["kv_cache_usage"] == 0 and 0 < health["prefix_cache_usage"] < 1
