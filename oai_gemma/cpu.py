@@ -8,6 +8,14 @@ while an effective PASSIVE costs 28% alone (c=1 18.8 vs 26.2 tok/s, c=8 126.8 vs
 parallel regions then wakes a sleeping thread. So `auto` (the runtime's default) is the default; `passive` is
 there for hosts crowded with other work, `active` spins without end. The thread count defaults to the CPUs this process may run on (its
 affinity mask, which a container's cpuset or `taskset` narrows), not the machine's core count.
+
+Only the compute threads (the engine's, and the loader's while it loads and warms up) compute with that many
+threads; every other thread computes with one. libgomp gives each thread that starts a parallel region its own
+pool of workers, and once the process holds more OpenMP threads than CPUs, every waiting worker spins only 100
+times before it sleeps: each of a step's ~400 parallel regions then wakes its workers through the kernel. Measured
+2026-12-04 on the 2-core Xeon (int4, one decode row): 22.6 ms a step on the main thread, 38.6 ms on another thread
+once the main thread held a pool (400 voluntary context switches a step instead of 0), 23.0 ms with the main thread
+at one thread. A thread of the event loop's executor that converted one image would otherwise slow every later step.
 """
 
 from __future__ import annotations
@@ -29,9 +37,15 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+_compute_threads: int | None = None
+"""The compute threads' thread count, once `configure_cpu` has run."""
+
+
 def configure_cpu(settings: EngineSettings) -> int:
     """Set the wait policy (env vars, read once when torch's OpenMP runtime loads, so call this before torch
-    is imported; a variable the operator set is kept) and the thread count. Returns the thread count."""
+    is imported; a variable the operator set is kept) and the compute threads' thread count (returned); every
+    other thread, this one included, computes with one."""
+    global _compute_threads
     if settings.cpu_wait == "passive":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         os.environ.setdefault("KMP_BLOCKTIME", "0")
@@ -39,26 +53,42 @@ def configure_cpu(settings: EngineSettings) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
     import torch
 
-    threads = settings.threads or available_cpus()
-    torch.set_num_threads(threads)
+    threads = _compute_threads = settings.threads or available_cpus()
+    torch.set_num_threads(1)
+    torch.get_num_threads()  # this thread's count is fixed now: torch reads the process default once per thread
     log.info("CPU: %d compute threads (%d CPUs available), OMP_WAIT_POLICY=%s", threads, available_cpus(),
              os.environ.get("OMP_WAIT_POLICY"))
     return threads
 
 
 def compute_thread(target: Callable[[], None], name: str) -> threading.Thread:
-    """A daemon thread that runs torch work with the thread count configured now (`configure_cpu`).
+    """A daemon thread that runs torch work with the compute threads' count (`configure_cpu`; without it, the
+    count of the thread that creates this one).
 
     OpenMP keeps the thread count per thread: a new thread starts from OMP_NUM_THREADS, not from what
     `torch.set_num_threads` told the thread that configured the CPU. Ray sets OMP_NUM_THREADS=1 in its workers,
     so an engine replica's step ran on one core of two (found measuring the Ray Serve proxy); the thread says it
-    again itself."""
+    again itself. `torch.set_num_threads` also sets the count that threads computing for the first time take,
+    so once this thread has taken its own, that default goes back to one (see the module's docstring)."""
     import torch
 
-    threads = torch.get_num_threads()
+    threads = _compute_threads or torch.get_num_threads()
 
     def run() -> None:
         torch.set_num_threads(threads)
+        if _compute_threads is not None:
+            torch.get_num_threads()  # this thread has its count now; torch reads the default once per thread
+            _set_default_threads(1)
         target()
 
     return threading.Thread(target=run, name=name, daemon=True)
+
+
+def _set_default_threads(count: int) -> None:
+    """The count a thread takes when it first computes, set from a thread of its own (so no compute thread's
+    count changes)."""
+    import torch
+
+    setter = threading.Thread(target=torch.set_num_threads, args=(count,), name="oai-gemma-threads")
+    setter.start()
+    setter.join()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import threading
 import time
 
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
+from ..cpu import compute_thread
 from ..engine.engine import Engine
 from ..engine.factory import load_engine
 from ..settings import Settings
@@ -59,7 +59,7 @@ class ServerState:
         return self.services
 
     def start_loading(self, loop: asyncio.AbstractEventLoop) -> None:
-        threading.Thread(target=self._load, args=(loop,), name="oai-gemma-loader", daemon=True).start()
+        compute_thread(lambda: self._load(loop), "oai-gemma-loader").start()  # loading and warm-up use every core
 
     def _load(self, loop: asyncio.AbstractEventLoop) -> None:
         started = time.monotonic()
