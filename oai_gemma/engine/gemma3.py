@@ -19,7 +19,8 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer's tensors (projections: tensors, or whatever `linear` takes)."""
+    """One decoder layer's tensors (projections: tensors, or whatever `linear` takes; norms: their float32
+    scale, 1 + weight, computed once rather than in every call)."""
 
     input_norm: torch.Tensor
     q: torch.Tensor
@@ -38,7 +39,8 @@ class LayerWeights(NamedTuple):
     @classmethod
     def of(cls, layer, projection=torch.Tensor.detach) -> LayerWeights:
         """Plain (detached) tensors, not Parameters: dynamo then guards on their shapes, never on which layer.
-        `projection` turns each projection's weight into what `linear` takes (default: the tensor)."""
+        `projection` turns each projection's weight into what `linear` takes (default: the tensor); each norm's
+        weight becomes its scale (`norm_scale`)."""
         a, m = layer.self_attn, layer.mlp
         weights = (
             layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
@@ -47,7 +49,7 @@ class LayerWeights(NamedTuple):
             layer.post_feedforward_layernorm.weight,
         )
         projections = {1, 2, 3, 6, 9, 10, 11}
-        return cls(*(projection(t) if i in projections else t.detach() for i, t in enumerate(weights)))
+        return cls(*(projection(t) if i in projections else norm_scale(t) for i, t in enumerate(weights)))
 
 
 def check_supported(config) -> None:
@@ -60,16 +62,28 @@ def check_supported(config) -> None:
         raise ValueError(f"this runner implements Gemma-3's tanh GELU, not {config.hidden_activation}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma-3's RMSNorm (transformers' Gemma3RMSNorm): in float32, scaled by (1 + weight), then cast back."""
+def norm_scale(weight: torch.Tensor) -> torch.Tensor:
+    """What Gemma-3's RMSNorm multiplies by: 1 + weight, in float32."""
+    return 1.0 + weight.detach().float()
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-3's RMSNorm (transformers' Gemma3RMSNorm): in float32, times `norm_scale(weight)`, cast back."""
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.float())).type_as(x)
+    return (y * scale).type_as(x)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` with its first half negated: `rope` then rotates with one `roll` instead of a slice, negate and cat
+    (the same values: only signs move)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    """Rotary embedding; `sin` from `signed_sin`: rotate_half(x) * sin == roll(x, half) * signed_sin(sin)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def pre_attention(hidden, w: LayerWeights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, linear=F.linear):

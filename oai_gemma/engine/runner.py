@@ -21,7 +21,7 @@ import torch
 
 from .attention import DecodeKeys, decode_attention, decode_keys, prefill_attention
 from .buckets import bucket, buckets
-from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention
+from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention, signed_sin
 from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
 from .kv_cache import BLOCK_SIZE, KVCache
 from .linear import FrozenLinear, call_linear
@@ -278,7 +278,7 @@ class ModelRunner:
         """The decoder layers over the packed step: last-layer hidden states [padded tokens, hidden]."""
         hidden = self._embed(batch)
         rope = {t: self.text_model.rotary_emb(hidden, batch.positions[None], t) for t in set(self.layer_types)}
-        rope = {t: (cos[0, :, None, :], sin[0, :, None, :]) for t, (cos, sin) in rope.items()}
+        rope = {t: (cos[0, :, None, :], signed_sin(sin[0, :, None, :])) for t, (cos, sin) in rope.items()}
         decode, writes = batch.decode, batch.writes
         linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
         for li, w in enumerate(self.weights):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .buckets import bucket, span_buckets
 from .invariance import round_up
-from .gemma3 import LayerWeights, post_attention, pre_attention
+from .gemma3 import LayerWeights, post_attention, pre_attention, signed_sin
 
 log = logging.getLogger("oai_gemma.static_decode")
 
@@ -115,7 +115,7 @@ class StaticDecode:
             probe = torch.empty(1, dtype=r.dtype, device=r.input_device)
             cos, sin = r.text_model.rotary_emb(probe, torch.arange(r.max_len, device=r.input_device)[None], layer_type)
             for device in self.devices:
-                tables[layer_type, device] = (cos[0].to(device), sin[0].to(device))
+                tables[layer_type, device] = (cos[0].to(device), signed_sin(sin[0]).to(device))
         return tables
 
     # ---- the step at one static shape ------------------------------------------------------------
