@@ -14,7 +14,9 @@ import torch
 
 from conftest import ServerProcess, user
 from oai_gemma.engine.loader import load, quantized_weights_file
+from oai_gemma.engine.linear import FrozenLinear
 from oai_gemma.engine.quality import perplexity
+from oai_gemma.engine.quantized import DynamicInt8Linear
 from oai_gemma.engine.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
 
@@ -58,6 +60,18 @@ def test_perplexity_and_resident_weights_stay_within_bounds(quantization, float3
     assert runner.mapped_embedding, "the embedding is read from the checkpoint, not kept as a copy"
 
 
+def test_in_float32_int4_puts_the_lm_head_through_fbgemm_within_its_bounds(float32_perplexity):
+    # a CPU without bf16 computes in float32, where the weight-only kernels are slower than packed float32: there
+    # the lm_head is int8 through fbgemm (activations quantized per call) and the projections stay float32
+    none, _ = runner_for("none", "float32")
+    runner, loaded = runner_for("int4", "float32")
+    assert isinstance(runner.lm_head_linear, DynamicInt8Linear)
+    assert all(isinstance(linear, FrozenLinear) for linear in (runner.weights[0].q, runner.weights[-1].down))
+    ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
+    assert ratio <= BOUNDS["int4"], f"perplexity {ratio:.4f}x float32's"
+    assert runner.weight_bytes() <= 0.6 * none.weight_bytes() and runner.mapped_embedding
+
+
 @needs_bf16
 def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
     first, loaded = runner_for("int4")
@@ -74,13 +88,15 @@ def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_su
         ModelRunner(loaded.model, num_slots=2, max_len=256, max_tokens_per_step=64, static_decode=True, quantization="int8")
 
 
-@needs_bf16
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_the_server_serves_under_each_setting(quantization, tmp_path):
-    with ServerProcess("--quantization", quantization, "--dtype", "bfloat16", "--max-num-seqs", "4",
+@pytest.mark.parametrize("quantization, dtype, most_mb", [
+    pytest.param("int8", "bfloat16", 300, marks=needs_bf16), pytest.param("int4", "bfloat16", 300, marks=needs_bf16),
+    ("int4", "float32", 600),
+])
+def test_the_server_serves_under_each_setting(quantization, dtype, most_mb, tmp_path):
+    with ServerProcess("--quantization", quantization, "--dtype", dtype, "--max-num-seqs", "4",
                        log=tmp_path / "server.log") as server:
         health = httpx.get(server.url + "/health").json()
-        assert health["quantization"] == quantization and 0 < health["weight_bytes"] < 300 * 2**20
+        assert health["quantization"] == quantization and 0 < health["weight_bytes"] < most_mb * 2**20
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         stream = client.chat.completions.create(model="gemma-3-270m", messages=user("Name a colour."), max_tokens=12,
                                                 stream=True, logprobs=True, top_logprobs=2)

@@ -8,12 +8,19 @@ faster than packed bf16 at one row, but both kernels dequantize per call, so fro
 than oneDNN's packed bf16; with float32 activations they are slower at every size. Quality decides the int4
 mix: every layer in int4 cost +41% perplexity (this model's GGUF keeps most tensors at 5-8 bits), the lm_head
 alone in int4 with int8 projections +5.0%, so `int4` is that mix, as Q4_K_M keeps its sensitive tensors wider.
+
+A CPU without bf16 computes in float32, and there both weight-only kernels are slower than packed float32 at
+every size. The one fast int8 kernel with float32 activations is fbgemm's (`torch.ops.quantized.linear_dynamic`:
+int8 weights per output channel, activations quantized per call to 8 bits, one scale for the call). On the
+projections that cost +23% perplexity (Gemma's activations have outliers), on the lm_head +0.8%, so in float32
+`int4` is the lm_head through fbgemm and the projections left in packed float32 (`linear_for`).
 The layers keep the interface of engine/linear.py's FrozenLinear (`__call__`, `packed`, `packed_bytes`).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,18 +92,69 @@ class Int4Linear(QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 
-def quantized_linear(quantization: str, name: str):
-    """The linear class for weight `name` (`lm_head` or a projection) under a `model.quantization` value."""
+class DynamicInt8Linear(QuantizedLinear):
+    """Symmetric int8 per output channel through fbgemm, activations quantized per call (float32 only)."""
+
+    FIELDS = ("weight", "scale")
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        self.scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        self.weight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+
+    @property
+    def packed(self):
+        """fbgemm's packed weight, built on first use (1.6 s for the 262k-row lm_head; it has no stored form),
+        after which the plain int8 copy (what the model cache keeps) is let go."""
+        if "_packed" not in self.__dict__:
+            zeros = torch.zeros(self.weight.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; fbgemm's op takes one
+                warnings.simplefilter("ignore")
+                quantized = torch._make_per_channel_quantized_tensor(self.weight, self.scale.double(), zeros, 0)
+            self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+            self._bytes = self.weight.numel() + 4 * self.scale.numel()
+            self.weight = self.scale = None
+        return self._packed
+
+    @property
+    def packed_bytes(self) -> int:
+        _ = self.packed
+        return self._bytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.float(), self.packed, REDUCE_RANGE).to(x.dtype)
+
+
+def _has_vnni() -> bool:
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+REDUCE_RANGE = not _has_vnni()
+"""fbgemm on AVX2 without VNNI sums pairs of u8 x s8 products in saturating int16: activations then take 7 bits,
+as PyTorch's dynamic quantization does there (measured: +2.0% perplexity on the lm_head instead of +0.8%)."""
+
+
+def linear_for(quantization: str, name: str, dtype: torch.dtype):
+    """The quantized linear class for weight `name` (`lm_head` or a projection) under a `model.quantization`
+    value and the model's dtype; None: that weight stays as it is (packed float32)."""
+    if dtype == torch.float32 and quantization == "int4":
+        return DynamicInt8Linear if name == "lm_head" else None
     if quantization == "int4" and name == "lm_head":
         return Int4Linear
     return Int8Linear
 
 
 def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file: Path | None) -> dict[str, object]:
-    """{name: weight} -> {name: quantized linear}. Quantizing the 262k-row lm_head to int4 takes ~5 s, so the
+    """{name: weight} -> {name: quantized linear} (every weight that `linear_for` quantizes). Quantizing the 262k-row lm_head to int4 takes ~5 s, so the
     result is kept in `cache_file` (safetensors) and read back on later starts, as the GGUF conversion is."""
     from safetensors.torch import load_file, save_file
 
+    classes = {name: linear_for(quantization, name, weight.dtype) for name, weight in weights.items()}
+    weights = {name: weight for name, weight in weights.items() if classes[name] is not None}
     if cache_file is not None and cache_file.exists():
         stored = load_file(str(cache_file))
         grouped: dict[str, dict[str, torch.Tensor]] = {}
@@ -104,8 +162,8 @@ def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file
             name, part = key.rsplit(".", 1)
             grouped.setdefault(name, {})[part] = tensor.clone()  # aligned: the kernels crash on the file's offsets
         if set(grouped) == set(weights):
-            return {name: quantized_linear(quantization, name).from_tensors(grouped[name]) for name in weights}
-    linears = {name: quantized_linear(quantization, name)(weight) for name, weight in weights.items()}
+            return {name: classes[name].from_tensors(grouped[name]) for name in weights}
+    linears = {name: classes[name](weight) for name, weight in weights.items()}
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")

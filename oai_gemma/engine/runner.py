@@ -188,7 +188,7 @@ class ModelRunner:
         weights["lm_head"] = self.lm_head.weight
         linears = quantize_all({name: w.detach() for name, w in weights.items()}, quantization, cache_file)
         by_tensor = {id(weights[name]): linear for name, linear in linears.items()}
-        return lambda weight: by_tensor[id(weight)]
+        return lambda weight: by_tensor[id(weight)] if id(weight) in by_tensor else FrozenLinear(weight)
 
     def _projections(self) -> list[torch.Tensor]:
         return [
