@@ -125,9 +125,12 @@ class DynamicInt8Linear(QuantizedLinear):
         return torch.ops.quantized.linear_dynamic(x.float(), self.packed, REDUCE_RANGE).to(x.dtype)
 
 
-REDUCE_RANGE = not torch.cpu._is_vnni_supported()  # AVX512-VNNI: the kernels fbgemm has VNNI for
-"""fbgemm on AVX2 without VNNI sums pairs of u8 x s8 products in saturating int16: activations then take 7 bits,
-as PyTorch's dynamic quantization does there (measured: +2.0% perplexity on the lm_head instead of +0.8%)."""
+REDUCE_RANGE = not torch.cpu._is_vnni_supported() or os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper() in (
+    "AVX2", "AVX512", "AVX512_256",
+)
+"""fbgemm's kernels without VNNI (AVX2; or forced with FBGEMM_ENABLE_INSTRUCTIONS) sum pairs of u8 x s8 products
+in saturating int16: activations then take 7 bits, as PyTorch's dynamic quantization does there (measured: +2.0%
+perplexity on the lm_head instead of +0.8%)."""
 
 
 def linear_for(quantization: str, name: str, dtype: torch.dtype):
