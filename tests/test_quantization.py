@@ -29,12 +29,12 @@ needs_bf16 = pytest.mark.skipif(
 )
 
 
-def runner_for(quantization: str, dtype: str = "bfloat16", cache: bool = True) -> tuple[ModelRunner, object]:
+def runner_for(quantization: str, dtype: str = "bfloat16", cache: bool = True, batch_invariant: str = "off") -> tuple[ModelRunner, object]:
     settings = ModelSettings(dtype=dtype, quantization=quantization)
     loaded = load(settings)
     file = quantized_weights_file(settings, loaded) if cache else None
     runner = ModelRunner(loaded.model, num_slots=32, max_len=4096, max_tokens_per_step=288, quantization=quantization,
-                         quantization_cache=file, own_weights=True)
+                         quantization_cache=file, own_weights=True, batch_invariant=batch_invariant)
     return runner, loaded
 
 
@@ -64,8 +64,9 @@ def test_in_float32_int4_puts_the_lm_head_through_fbgemm_within_its_bounds(float
     # a CPU without bf16 computes in float32, where the weight-only kernels are slower than packed float32: there
     # the lm_head is int8 through fbgemm (activations quantized per call) and the projections stay float32
     none, _ = runner_for("none", "float32")
-    runner, loaded = runner_for("int4", "float32")
+    runner, loaded = runner_for("int4", "float32", batch_invariant="auto")
     assert isinstance(runner.lm_head_linear, DynamicInt8Linear)
+    assert not runner.batch_invariant, "one activation scale per call: a step's rows affect each other"
     assert all(isinstance(linear, FrozenLinear) for linear in (runner.weights[0].q, runner.weights[-1].down))
     ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
     assert ratio <= BOUNDS["int4"], f"perplexity {ratio:.4f}x float32's"
