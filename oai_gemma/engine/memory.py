@@ -10,8 +10,8 @@ from .kv_cache import BLOCK_SIZE, KVCache
 
 def blocks_within_budget(text_config, dtype, max_num_seqs: int, max_model_len: int, kv_cache_gib: float) -> int:
     """KV blocks in `kv_cache_gib` (0: what a ring-buffer cache of max_num_seqs sequences of max_model_len would
-    take, where sliding layers keep only their window: the budget this engine had before it was paged; and at
-    least one sequence of max_model_len). They must hold at least one sequence of max_model_len."""
+    take, where sliding layers keep only their window: the budget this engine had before it was paged). They
+    must hold at least one sequence of max_model_len (the default budget is raised to that)."""
     per_token = KVCache.bytes_per_token(text_config, dtype)
     least = -(-max_model_len // BLOCK_SIZE)
     budget = kv_cache_gib * 2**30 or max(

@@ -122,7 +122,7 @@ class DynamicInt8Linear(QuantizedLinear):
         return self._bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.float(), self.packed, REDUCE_RANGE).to(x.dtype)
+        return torch.ops.quantized.linear_dynamic(x, self.packed, REDUCE_RANGE)
 
 
 REDUCE_RANGE = not torch.cpu._is_vnni_supported() or os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper() in (
