@@ -3,7 +3,7 @@ fixed text (tests/data/apache-2.0.txt, the Apache License 2.0), the share of gre
 benchmark's 16 prompts (64 tokens each, compared up to each prompt's first difference), resident weight bytes,
 and one decode step's time at one row. Issue 13's table in docs/engine.md.
 
-    python benchmarks/quantization_quality.py
+    python benchmarks/quantization_quality.py [float32:int8 ...]   # default: every row below
 
 Run it on a quiet machine (`uptime`).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,14 +26,15 @@ from oai_gemma.engine.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
 
 TEXT = Path(__file__).parent.parent / "tests" / "data" / "apache-2.0.txt"
-SETTINGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
+SETTINGS = [("float32", "none"), ("float32", "int8"), ("float32", "int4"), ("bfloat16", "none"), ("bfloat16", "int8"),
+            ("bfloat16", "int4")]
 
 
 def measure(dtype: str, quantization: str) -> tuple[float, list[list[int]], int, float]:
     settings = ModelSettings(dtype=dtype, quantization=quantization)
     loaded = load(settings)
     runner = ModelRunner(loaded.model, num_slots=32, max_len=4096, max_tokens_per_step=288, quantization=quantization,
-                         quantization_cache=quantized_weights_file(settings, loaded), own_weights=True)
+                         quantization_cache=quantized_weights_file(settings, loaded, quantization), own_weights=True)
     ppl = perplexity(runner, loaded.tokenizer.encode(TEXT.read_text()))
     prompts = [loaded.tokenizer.encode(render_chat([{"role": "user", "content": p}]).prompt, add_special_tokens=False) for p in PROMPTS]
     greedy = [greedy_tokens(runner, ids, 64) for ids in prompts]
@@ -47,7 +49,8 @@ def measure(dtype: str, quantization: str) -> tuple[float, list[list[int]], int,
 def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
     print(f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    results = {setting: measure(*setting) for setting in SETTINGS}
+    wanted = [tuple(arg.split(":")) for arg in sys.argv[1:]] or SETTINGS
+    results = {setting: measure(*setting) for setting in [("float32", "none"), ("bfloat16", "none"), *wanted]}
     ref_ppl, ref_greedy, _, _ = results[("float32", "none")]
     bf16_bytes = results[("bfloat16", "none")][2]
     print("| weights | perplexity | vs float32 | greedy tokens agreeing with float32 | resident weights (MB) | vs bf16 | decode step, 1 row (ms) |")

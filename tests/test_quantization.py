@@ -16,7 +16,8 @@ from conftest import ServerProcess, user
 from oai_gemma.engine.loader import load, quantized_weights_file
 from oai_gemma.engine.linear import FrozenLinear
 from oai_gemma.engine.quality import perplexity
-from oai_gemma.engine.quantized import DynamicInt8Linear
+from oai_gemma.engine.native import native_unavailable
+from oai_gemma.engine.quantized import DynamicInt8Linear, NativeInt8Linear
 from oai_gemma.engine.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
 
@@ -27,12 +28,14 @@ needs_bf16 = pytest.mark.skipif(
     not BF16, reason="PyTorch's weight-only kernels with float32 activations take minutes here (measured: int4, 515 s "
     "for this text); the setting is for CPUs with bf16 (docs/engine.md)",
 )
+NATIVE = native_unavailable() is None
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"the native int8 kernel cannot run here: {native_unavailable()}")
 
 
 def runner_for(quantization: str, dtype: str = "bfloat16", cache: bool = True, batch_invariant: str = "off") -> tuple[ModelRunner, object]:
     settings = ModelSettings(dtype=dtype, quantization=quantization)
     loaded = load(settings)
-    file = quantized_weights_file(settings, loaded) if cache else None
+    file = quantized_weights_file(settings, loaded, quantization) if cache else None
     runner = ModelRunner(loaded.model, num_slots=32, max_len=4096, max_tokens_per_step=288, quantization=quantization,
                          quantization_cache=file, own_weights=True, batch_invariant=batch_invariant)
     return runner, loaded
@@ -60,23 +63,38 @@ def test_perplexity_and_resident_weights_stay_within_bounds(quantization, float3
     assert runner.mapped_embedding, "the embedding is read from the checkpoint, not kept as a copy"
 
 
+@needs_native
+def test_in_float32_int8_runs_every_linear_through_the_native_kernel_within_its_bounds(float32_perplexity):
+    # a CPU without bf16 computes in float32, where PyTorch's weight-only kernels are slower than packed float32:
+    # there int8 is the project's AVX2 kernel (engine/native), float32 activations, so int8's quality
+    none, _ = runner_for("none", "float32")
+    runner, loaded = runner_for("int8", "float32")
+    assert all(isinstance(linear, NativeInt8Linear) for linear in (runner.weights[0].q, runner.weights[-1].down,
+                                                                   runner.lm_head_linear))
+    ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
+    assert ratio <= BOUNDS["int8"], f"perplexity {ratio:.4f}x float32's"
+    assert runner.weight_bytes() <= 0.55 / 2 * none.weight_bytes(), "0.55x of bf16's bytes, which are half float32's"
+    assert runner.mapped_embedding
+
+
 def test_in_float32_int4_puts_the_lm_head_through_fbgemm_within_its_bounds(float32_perplexity):
-    # a CPU without bf16 computes in float32, where the weight-only kernels are slower than packed float32: there
-    # the lm_head is int8 through fbgemm (activations quantized per call) and the projections stay float32
+    # in float32, int4's lm_head is int8 through fbgemm (activations quantized per call, faster from a few rows on);
+    # the projections run the native int8 kernel, or stay packed float32 where it cannot run
     none, _ = runner_for("none", "float32")
     runner, loaded = runner_for("int4", "float32", batch_invariant="auto")
     assert isinstance(runner.lm_head_linear, DynamicInt8Linear)
     assert not runner.batch_invariant, "one activation scale per call: a step's rows affect each other"
-    assert all(isinstance(linear, FrozenLinear) for linear in (runner.weights[0].q, runner.weights[-1].down))
+    projection = NativeInt8Linear if NATIVE else FrozenLinear
+    assert all(isinstance(linear, projection) for linear in (runner.weights[0].q, runner.weights[-1].down))
     ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
     assert ratio <= BOUNDS["int4"], f"perplexity {ratio:.4f}x float32's"
-    assert runner.weight_bytes() <= 0.6 * none.weight_bytes() and runner.mapped_embedding
+    assert runner.weight_bytes() <= (0.3 if NATIVE else 0.6) * none.weight_bytes() and runner.mapped_embedding
 
 
 @needs_bf16
 def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
     first, loaded = runner_for("int4")
-    file = quantized_weights_file(ModelSettings(quantization="int4"), loaded)
+    file = quantized_weights_file(ModelSettings(quantization="int4"), loaded, "int4")
     assert file.exists()
     second, _ = runner_for("int4")  # from the file
     prompt = [StepItem(first.sequence_blocks(0), list(range(1000, 1020)), 0)]
@@ -89,15 +107,17 @@ def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_su
         ModelRunner(loaded.model, num_slots=2, max_len=256, max_tokens_per_step=64, static_decode=True, quantization="int8")
 
 
-@pytest.mark.parametrize("quantization, dtype, most_mb", [
-    pytest.param("int8", "bfloat16", 300, marks=needs_bf16), pytest.param("int4", "bfloat16", 300, marks=needs_bf16),
-    ("int4", "float32", 600),
+@pytest.mark.parametrize("quantization, dtype, served, most_mb", [
+    pytest.param("int8", "bfloat16", "int8", 300, marks=needs_bf16),
+    pytest.param("int4", "bfloat16", "int4", 300, marks=needs_bf16),
+    pytest.param("auto", "float32", "int8", 300, marks=needs_native),  # float32's default: the native kernel
+    ("int4", "float32", "int4", 600),
 ])
-def test_the_server_serves_under_each_setting(quantization, dtype, most_mb, tmp_path):
+def test_the_server_serves_under_each_setting(quantization, dtype, served, most_mb, tmp_path):
     with ServerProcess("--quantization", quantization, "--dtype", dtype, "--max-num-seqs", "4",
                        log=tmp_path / "server.log") as server:
         health = httpx.get(server.url + "/health").json()
-        assert health["quantization"] == quantization and 0 < health["weight_bytes"] < most_mb * 2**20
+        assert health["quantization"] == served and 0 < health["weight_bytes"] < most_mb * 2**20
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         stream = client.chat.completions.create(model="gemma-3-270m", messages=user("Name a colour."), max_tokens=12,
                                                 stream=True, logprobs=True, top_logprobs=2)

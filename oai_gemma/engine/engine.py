@@ -21,6 +21,7 @@ from .detokenizer import TokenBytes
 from .grammar import GrammarCompiler, StructuredOutputUnavailable
 from .loader import LoadedModel, quantized_weights_file
 from .observer import RequestObserver
+from .quantized import resolve as resolve_quantization
 from .submission import Submission
 from .types import GenerationRequest
 from .warmup import build_grammars, warm_up
@@ -85,6 +86,7 @@ class Engine:
 
     @classmethod
     def from_settings(cls, loaded: LoadedModel, settings: Settings, own_weights: bool = False) -> Engine:
+        quantization = resolve_quantization(settings.model.quantization, loaded.dtype, loaded.device)
         return cls(
             loaded,
             max_num_seqs=settings.engine.max_num_seqs,
@@ -97,8 +99,8 @@ class Engine:
             compile=settings.model.compile,
             own_weights=own_weights,
             batch_invariant=settings.engine.batch_invariant,
-            quantization=settings.model.quantization,
-            quantization_cache=quantized_weights_file(settings.model, loaded),
+            quantization=quantization,
+            quantization_cache=quantized_weights_file(settings.model, loaded, quantization),
             prefix_caching=settings.engine.prefix_caching,
         )
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..settings import EMBEDDED, ModelSettings
+from .quantized import FORMAT
 
 log = logging.getLogger("oai_gemma.loader")
 
@@ -129,14 +130,15 @@ class LoadedModel:
         return getattr(config, "text_config", config)
 
 
-def quantized_weights_file(settings: ModelSettings, loaded: LoadedModel) -> Path | None:
-    """Where `model.quantization`'s weights are kept between starts (None: nothing to keep): in the model cache,
-    named by the model, the setting, the dtype and torch's version (its int4 layout is torch's own)."""
-    if settings.quantization == "none" or settings.load_format == "dummy":
+def quantized_weights_file(settings: ModelSettings, loaded: LoadedModel, quantization: str) -> Path | None:
+    """Where weights quantized as `quantization` (`model.quantization`, resolved) are kept between starts (None:
+    nothing to keep): in the model cache, named by the model, the setting, the dtype, torch's version (its int4
+    layout is torch's own) and the stored layout's version."""
+    if quantization == "none" or settings.load_format == "dummy":
         return None
     model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(loaded.source_dir).resolve()).strip("/"))
     dtype = str(loaded.dtype).removeprefix("torch.")
-    return cache_root(settings) / "quantized" / f"{model}-{settings.quantization}-{dtype}-torch{torch.__version__}.safetensors"
+    return cache_root(settings) / "quantized" / f"{model}-{quantization}-{dtype}-torch{torch.__version__}-f{FORMAT}.safetensors"
 
 
 def _eos_ids(tokenizer, source_dir: str) -> tuple[int, ...]:

@@ -10,10 +10,14 @@ mix: every layer in int4 cost +41% perplexity (this model's GGUF keeps most tens
 alone in int4 with int8 projections +5.0%, so `int4` is that mix, as Q4_K_M keeps its sensitive tensors wider.
 
 A CPU without bf16 computes in float32, and there both weight-only kernels are slower than packed float32 at
-every size. The one fast int8 kernel with float32 activations is fbgemm's (`torch.ops.quantized.linear_dynamic`:
-int8 weights per output channel, activations quantized per call to 8 bits, one scale for the call). On the
-projections that cost +23% perplexity (Gemma's activations have outliers), on the lm_head +0.8%, so in float32
-`int4` is the lm_head through fbgemm and the projections left in packed float32 (`linear_for`).
+every size. There the project's own AVX2 kernel (engine/native, `NativeInt8Linear`: int8 weights widened to
+float32 in registers, float32 activations, so int8's quality) streams a quarter of the bytes: the projections
+of a decode step at one row take 3.1 ms instead of 17.8 (docs/engine.md). fbgemm's int8 kernel
+(`torch.ops.quantized.linear_dynamic`: activations quantized per call to 8 bits, one scale for the call) is
+faster still on the 262k-row lm_head from a few rows on, but its results depend on the rows beside them and
+it costs +0.8% perplexity (+23% on the projections: Gemma's activations have outliers). So in float32 `int8`
+is the native kernel everywhere, and `int4` the native kernel on the projections with fbgemm's lm_head
+(`linear_for`); without the native kernel (no compiler, no AVX2) `int4` keeps packed float32 projections.
 The layers keep the interface of engine/linear.py's FrozenLinear (`__call__`, `packed`, `packed_bytes`).
 """
 
@@ -26,11 +30,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .native import native_unavailable, woq_int8_linear
+
 INT4_GROUP = 32
 """Input columns per int4 scale/zero: the GGUF Q4_K sub-block size; 128 measured no faster (docs/engine.md)."""
 DEQUANTIZE_FROM_ROWS = 32
 """From this many rows an int8 projection is dequantized for the call instead (measured: 512 rows of the
 2048 x 640 gate, 8.3 ms through the int8 kernel, 1.1 ms dequantized; equal at 32)."""
+
+
+KERNEL_ROWS = 128
+"""Below this many rows `NativeInt8Linear` runs its kernel; from it on (a prefill chunk) the weight is dequantized
+for the call and oneDNN multiplies (measured, 2048 x 640 gate: 64 rows 0.85 vs 1.37 ms, 128 rows 2.19 vs 1.66 ms
+with AVX512's oneDNN; with AVX2's 2.05 vs 3.46 ms)."""
+FORMAT = 2
+"""The stored layout's version, part of the model cache's file name (2: float32 int8 as [N/8, K, 8])."""
 
 
 class QuantizedLinear:
@@ -92,6 +106,36 @@ class Int4Linear(QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 
+class NativeInt8Linear(QuantizedLinear):
+    """Symmetric int8 per output channel, float32 activations, through engine/native/woq_int8.c (AVX2): the
+    weight stored as [N/8, K, 8], eight output channels side by side per input column."""
+
+    FIELDS = ("packed", "scale")
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        n, k = w.shape
+        if n % 8:
+            raise ValueError(f"the native int8 kernel needs output sizes divisible by 8; this layer has {n}")
+        self.scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).contiguous()
+        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.packed = q.view(n // 8, 8, k).transpose(1, 2).contiguous()
+
+    def dequantized(self) -> torch.Tensor:
+        groups, k, _ = self.packed.shape
+        return self.packed.transpose(1, 2).reshape(groups * 8, k).float() * self.scale[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized once beats the kernel
+            return F.linear(x, self.dequantized())
+        x = x.contiguous()
+        rows, k = x.shape
+        n = self.scale.numel()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        woq_int8_linear()(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr())
+        return y
+
+
 class DynamicInt8Linear(QuantizedLinear):
     """Symmetric int8 per output channel through fbgemm, activations quantized per call (float32 only)."""
 
@@ -133,9 +177,20 @@ in saturating int16: activations then take 7 bits, as PyTorch's dynamic quantiza
 perplexity on the lm_head instead of +0.8%)."""
 
 
+def resolve(quantization: str, dtype: torch.dtype, device: torch.device) -> str:
+    """`model.quantization` = `auto`: int8 where the CPU computes in float32 and the native kernel runs (faster
+    at 1, 8 and 32 streams, +0.4% perplexity; docs/engine.md), else none (bf16's packed AMX kernels win from 8
+    streams on; a GPU has no quantized path)."""
+    if quantization != "auto":
+        return quantization
+    return "int8" if device.type == "cpu" and dtype == torch.float32 and native_unavailable() is None else "none"
+
+
 def linear_for(quantization: str, name: str, dtype: torch.dtype):
     """The quantized linear class for weight `name` (`lm_head` or a projection) under a `model.quantization`
     value and the model's dtype; None: that weight stays as it is (packed float32)."""
+    if dtype == torch.float32 and native_unavailable() is None:
+        return DynamicInt8Linear if quantization == "int4" and name == "lm_head" else NativeInt8Linear
     if dtype == torch.float32 and quantization == "int4":
         return DynamicInt8Linear if name == "lm_head" else None
     if quantization == "int4" and name == "lm_head":

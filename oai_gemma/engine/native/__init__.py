@@ -1,0 +1,89 @@
+"""The project's own CPU kernels (C files beside this one), compiled once with the system's C compiler and kept
+in `$OAI_GEMMA_CACHE/native` (default ~/.cache/oai-gemma), as torch.compile's inductor does for its CPU code. Plain C called through ctypes: no torch
+headers (a 1 s compile instead of a minute), and its OpenMP calls bind to the libgomp torch already loaded
+(same soname), so they use the engine thread's pool and thread count. Where there is no compiler or no AVX2,
+`woq_int8_linear()` says why and the callers keep PyTorch's kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("woq_int8.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """Why the native kernel cannot run here (no AVX2, no compiler, a failed compile)."""
+
+
+def cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _cpu_flags() >= {"avx2", "fma"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("OAI_GEMMA_CACHE", "~/.cache/oai-gemma")).expanduser()
+    return cache / "native" / f"woq_int8-{digest}.so"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    if not cpu_has_avx2():
+        raise NativeKernelUnavailable("this CPU (or ATEN_CPU_CAPABILITY) has no AVX2 with FMA")
+    target = _library_path()
+    if not target.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise NativeKernelUnavailable("no C compiler (cc, gcc) on PATH; install gcc (Debian: build-essential)")
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        except OSError as error:
+            raise NativeKernelUnavailable(f"cannot compile {SOURCE.name} into {target.parent}: {error}") from error
+        if done.returncode != 0:
+            raise NativeKernelUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        partial.replace(target)  # atomic: a concurrent start loads a whole library or compiles its own
+        log.info("compiled %s into %s", SOURCE.name, target)
+    library = ctypes.CDLL(str(target))
+    function = library.woq_int8_linear
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_void_p]
+    return library
+
+
+def woq_int8_linear():
+    """The compiled `woq_int8_linear(x, M, K, w, scale, N, y)` (woq_int8.c), compiled on first use; raises
+    NativeKernelUnavailable with the reason where it cannot run here."""
+    return _library().woq_int8_linear
+
+
+def native_unavailable() -> str | None:
+    """None where the kernel runs here, else why not."""
+    try:
+        woq_int8_linear()
+    except NativeKernelUnavailable as why:
+        return str(why)
+    return None

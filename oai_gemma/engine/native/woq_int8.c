@@ -1,0 +1,63 @@
+/* Weight-only int8 linear for CPUs that compute in float32 (AVX2 + FMA): y = x @ (w * scale)^T.
+
+   w is int8, one scale per output channel, laid out as [N/8][K][8]: eight output channels side by side for
+   each input column, so one 8-byte load is one column of eight outputs, widened to float32 and multiplied
+   into eight accumulators per row of x. A step streams a quarter of float32's bytes, and every output is one
+   sum over k in order whatever M, the tile or the thread, so a row's result does not depend on the rows
+   beside it (batch invariance). Threads share the output channels through the OpenMP runtime torch already
+   loaded (same soname), with torch's thread count. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define ROWS 4   /* rows of x per tile (the widened weights are reused this many times) */
+#define WIDE 8   /* groups of 8 outputs per tile for a single row: enough independent sums to hide FMA latency */
+#define NARROW 3 /* groups per tile for several rows: ROWS * NARROW accumulators fill the 16 registers */
+
+static inline __attribute__((always_inline)) void tile(
+    const int rows, const int groups, const float *x, int64_t K, const int8_t *w,
+    const float *scale, float *y, int64_t N)
+{
+    __m256 acc[ROWS][WIDE];
+    for (int m = 0; m < rows; m++)
+        for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 wk[WIDE];
+        for (int g = 0; g < groups; g++)
+            wk[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + (g * K + k) * 8))));
+        for (int m = 0; m < rows; m++) {
+            const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+            for (int g = 0; g < groups; g++) acc[m][g] = _mm256_fmadd_ps(xk, wk[g], acc[m][g]);
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        const __m256 s = _mm256_loadu_ps(scale + g * 8);
+        for (int m = 0; m < rows; m++) _mm256_storeu_ps(y + m * N + g * 8, _mm256_mul_ps(acc[m][g], s));
+    }
+}
+
+#define CASE(r, g) case (r) * 16 + (g): tile(r, g, xs, K, ws, ss, ys, N); break;
+
+/* x [M, K] float32, w [N/8, K, 8] int8, scale [N] float32 -> y [M, N] float32; N a multiple of 8. */
+void woq_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, float *y)
+{
+    const int64_t per_tile = M == 1 ? WIDE : NARROW;
+    const int64_t groups = N / 8, tiles = (groups + per_tile - 1) / per_tile;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t g0 = t * per_tile;
+        const int g = groups - g0 < per_tile ? (int)(groups - g0) : (int)per_tile;
+        const int8_t *ws = w + g0 * K * 8;
+        const float *ss = scale + g0 * 8;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int r = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+            const float *xs = x + m0 * K;
+            float *ys = y + m0 * N + g0 * 8;
+            switch (r * 16 + g) {
+                CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
+                CASE(2, 1) CASE(2, 2) CASE(2, 3)
+                CASE(3, 1) CASE(3, 2) CASE(3, 3)
+                CASE(4, 1) CASE(4, 2) CASE(4, 3)
+            }
+        }
+    }
+}

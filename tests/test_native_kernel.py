@@ -1,0 +1,104 @@
+"""engine/native's int8 kernel (woq_int8.c) through `NativeInt8Linear`: it computes x @ (w * scale)^T, a row's
+result does not depend on the rows beside it (its tiles, the single-row path and threads aside), the prefill
+path agrees, `auto` picks it only where the CPU computes in float32, and where it cannot be compiled the reason
+is said and the setting falls back."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oai_gemma.engine import native
+from oai_gemma.engine.quantized import KERNEL_ROWS, NativeInt8Linear, linear_for, resolve
+
+pytestmark = pytest.mark.skipif(native.native_unavailable() is not None,
+                                reason=f"the native kernel cannot run here: {native.native_unavailable()}")
+
+
+def layer(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, NativeInt8Linear]:
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return weight, NativeInt8Linear(weight)
+
+
+@pytest.mark.parametrize("n, k", [(1024, 640), (640, 2048), (8, 16), (264, 640)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 31])
+def test_the_kernel_multiplies_by_the_dequantized_weight(n, k, rows):
+    weight, linear = layer(n, k)
+    x = torch.randn(rows, k)
+    expected = F.linear(x, linear.dequantized())
+    torch.testing.assert_close(linear(x), expected, rtol=1e-4, atol=1e-4)
+    assert (linear.dequantized() - weight).abs().max() <= weight.abs().amax() / 127  # int8: one step at most
+
+
+def test_a_rows_result_ignores_the_rows_beside_it():
+    _, linear = layer(2048, 640)
+    x = torch.randn(KERNEL_ROWS - 1, 640)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in (2, 3, 4, 5, 8, 17, 32, KERNEL_ROWS - 1):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows together differ from each alone"
+
+
+def test_threads_do_not_change_the_result():
+    _, linear = layer(640, 2048)
+    x = torch.randn(6, 2048)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x)
+        torch.set_num_threads(2)
+        assert torch.equal(linear(x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_prefill_chunk_goes_through_the_dequantized_weight():
+    _, linear = layer(1024, 640)
+    x = torch.randn(KERNEL_ROWS, 640)
+    torch.testing.assert_close(linear(x), F.linear(x, linear.dequantized()), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(linear(x)[:8], linear(x[:8]), rtol=1e-4, atol=1e-4)
+
+
+def test_it_stores_and_reads_back_as_the_same_layer():
+    _, linear = layer(264, 640)
+    again = NativeInt8Linear.from_tensors({name: t.clone() for name, t in linear.tensors().items()})
+    x = torch.randn(2, 640)
+    assert torch.equal(again(x), linear(x))
+    assert linear.packed_bytes == 264 * 640 + 4 * 264
+
+
+def test_output_sizes_not_divisible_by_eight_are_refused():
+    with pytest.raises(ValueError, match="divisible by 8"):
+        NativeInt8Linear(torch.randn(12, 64))
+
+
+def test_auto_quantizes_to_int8_only_where_the_cpu_computes_in_float32():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve("auto", torch.float32, cpu) == "int8"
+    assert resolve("auto", torch.bfloat16, cpu) == "none"
+    assert resolve("auto", torch.float32, gpu) == "none"
+    assert resolve("int4", torch.bfloat16, cpu) == "int4" and resolve("none", torch.float32, cpu) == "none"
+    assert linear_for("int8", "lm_head", torch.float32) is NativeInt8Linear
+
+
+def test_without_a_compiler_the_reason_is_said_and_float32_keeps_pytorchs_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("OAI_GEMMA_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native._library.cache_clear()
+    try:
+        assert "cannot compile" in native.native_unavailable()
+        assert resolve("auto", torch.float32, torch.device("cpu")) == "none"
+        assert linear_for("int8", "q", torch.float32) is not NativeInt8Linear
+    finally:
+        native._library.cache_clear()  # the next caller compiles (or finds) it under the real environment
+
+
+def test_a_compiler_error_is_said(monkeypatch, tmp_path):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'error: the compiler refused' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("OAI_GEMMA_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(fake))
+    native._library.cache_clear()
+    try:
+        assert "the compiler refused" in native.native_unavailable()
+    finally:
+        native._library.cache_clear()
