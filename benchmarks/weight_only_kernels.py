@@ -1,8 +1,12 @@
 """Weight-only kernels on this CPU, on gemma-3-270m's linear shapes: what a decode step's matmuls cost with
 float32 / bf16 weights (oneDNN-packed, as the engine runs them today) and with int8 / int4 weights through
-PyTorch's own CPU kernels. Issue 13 asks for this table before any kernel is chosen.
+PyTorch's own CPU kernels, fbgemm's dynamic int8 and the project's own AVX2 kernel (engine/native). Issue 13 asks
+for this table before any kernel is chosen. `--step` times instead a whole decode step's 126 projections, each
+with its own weights, so they stream from memory as in the engine (the per-shape table reuses one weight, which
+the cache keeps).
 
     python benchmarks/weight_only_kernels.py --rows 1,8,32 --markdown
+    python benchmarks/weight_only_kernels.py --step --rows 1,2,4,8,16,32
 
 Run it on a quiet machine (`uptime`): it reports the median of many calls per cell.
 """
@@ -15,6 +19,9 @@ import statistics
 import time
 
 import torch
+
+from oai_gemma.engine.native import native_unavailable
+from oai_gemma.engine.quantized import DynamicInt8Linear, NativeInt8Linear
 
 # (name, out_features, in_features) of gemma-3-270m: 18 layers of q/k/v/o and gate/up/down, one lm_head
 SHAPES = [
@@ -75,11 +82,34 @@ def candidates(weight: torch.Tensor, bf16: bool):
     if bf16:
         yield "bf16 packed", torch.bfloat16, packed(weight.bfloat16())
     yield "int8 (float32 act.)", torch.float32, int8_pack_mm(weight, torch.float32)
+    yield "int8 fbgemm dynamic (float32 act.)", torch.float32, DynamicInt8Linear(weight)
+    if native_unavailable() is None:
+        yield "int8 native AVX2 (float32 act.)", torch.float32, NativeInt8Linear(weight)
     if bf16:
         yield "int8 (bf16 act.)", torch.bfloat16, int8_pack_mm(weight, torch.bfloat16)
     for group in (32, 128):
         act = torch.bfloat16 if bf16 else torch.float32
         yield f"int4 g{group} ({'bf16' if bf16 else 'float32'} act.)", act, int4_pack_mm(weight, group, act)
+
+
+def step(rows: list[int], repeats: int) -> list[str]:
+    """A decode step's projections (18 layers x q, k, v, o, gate, up, down), each its own weight: float32 packed
+    against the native int8 kernel, in float32, median ms of the whole step."""
+    shapes = [(n, k) for name, n, k in SHAPES if name != "lm_head" for _ in range(PER_LAYER[name])] * LAYERS
+    weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
+    kinds = {"float32 packed": [packed(w) for w in weights]}
+    if native_unavailable() is None:
+        kinds["int8 native AVX2"] = [NativeInt8Linear(w) for w in weights]
+    del weights
+    lines = ["| a step's 126 projections | " + " | ".join(f"{m} row{'s' if m > 1 else ''} (ms)" for m in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    for label, linears in kinds.items():
+        cells = []
+        for m in rows:
+            inputs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
+            cells.append(f"{timed(lambda: [f(inputs[k]) for f, (_, k) in zip(linears, shapes)], repeats):.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -88,6 +118,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--step", action="store_true", help="a whole decode step's projections, streamed from memory")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,6 +128,9 @@ def main() -> None:
     flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split() if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx"))})
     print(f"CPU: {cpu}; flags: {' '.join(flags)}; torch {torch.__version__}, {torch.get_num_threads()} threads; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     torch.manual_seed(0)
+    if args.step:
+        print("\n".join(step(rows, args.repeats)))
+        return
     totals: dict[tuple[str, int], float] = {}
     lines = ["| shape (out x in) | kernel | " + " | ".join(f"{m} row{'s' if m > 1 else ''} (ms)" for m in rows) + " |",
              "|---|---|" + "---:|" * len(rows)]

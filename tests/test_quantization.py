@@ -68,9 +68,10 @@ def test_in_float32_int8_runs_every_linear_through_the_native_kernel_within_its_
     # a CPU without bf16 computes in float32, where PyTorch's weight-only kernels are slower than packed float32:
     # there int8 is the project's AVX2 kernel (engine/native), float32 activations, so int8's quality
     none, _ = runner_for("none", "float32")
-    runner, loaded = runner_for("int8", "float32")
+    runner, loaded = runner_for("int8", "float32", batch_invariant="on")
     assert all(isinstance(linear, NativeInt8Linear) for linear in (runner.weights[0].q, runner.weights[-1].down,
                                                                    runner.lm_head_linear))
+    assert runner.batch_invariant, "the kernel's rows ignore each other: batch-invariant mode can be on"
     ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
     assert ratio <= BOUNDS["int8"], f"perplexity {ratio:.4f}x float32's"
     assert runner.weight_bytes() <= 0.55 / 2 * none.weight_bytes(), "0.55x of bf16's bytes, which are half float32's"

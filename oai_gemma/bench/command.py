@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-hog", action="store_true",
                         help="instead of the sweep: c=8 quiet, then beside one `nice -n 10` busy loop, and the throughput ratio (server at --base-url)")
     parser.add_argument("--servers", type=_servers,
-                        help=f"with --compare: which, in order, of {','.join(SERVER_NAMES)} (default: all but "
+                        help=f"with --compare: which, in order, of {','.join(SERVER_NAMES)} (default: all but ours-none and "
                              "ours-no-prefix-cache, or with --prompts shared ours,ours-no-prefix-cache,llama-server; "
                              "llama-server only where its binary is found)")
     parser.add_argument("--ours-args", default="", help="with --compare: extra flags for `oai-gemma serve` as one string, e.g. --ours-args='--max-num-seqs 16'")

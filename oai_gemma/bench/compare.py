@@ -20,11 +20,12 @@ import httpx
 
 import oai_gemma
 
-SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "transformers", "transformers-cb",
+SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "ours-none", "transformers", "transformers-cb",
                 "transformers-cb-our-dtype", "tutorial", "llama-server")
 LLAMA_SERVER_ENV = "OAI_GEMMA_LLAMA_SERVER"
 """The `llama-server` binary to compare with (else the one on PATH): built from source, see docs/benchmarks.md."""
-OURS_FLAGS = {"ours": [], "ours-no-prefix-cache": ["--no-prefix-caching"], "ours-int4": ["--quantization", "int4"]}
+OURS_FLAGS = {"ours": [], "ours-no-prefix-cache": ["--no-prefix-caching"], "ours-int4": ["--quantization", "int4"],
+              "ours-none": ["--quantization", "none"]}
 """What each of our variants adds to `oai-gemma serve` (after --ours-args)."""
 SHARED_SERVERS = ("ours", "ours-no-prefix-cache", "llama-server")
 """The shared prompt set's default comparison: the servers its targets name (issue 12)."""
@@ -93,9 +94,9 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
 
 
 def default_servers(prompts: str = "short") -> list[str]:
-    """`--compare`'s servers: for the short set all but ours-no-prefix-cache, for the shared set SHARED_SERVERS;
+    """`--compare`'s servers: for the short set all but ours-no-prefix-cache and ours-none, for the shared set SHARED_SERVERS;
     llama-server only where its binary is found."""
-    names = SHARED_SERVERS if prompts == "shared" else [n for n in SERVER_NAMES if n != "ours-no-prefix-cache"]
+    names = SHARED_SERVERS if prompts == "shared" else [n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none")]
     return [name for name in names if name != "llama-server" or llama_server_binary() is not None]
 
 
