@@ -41,7 +41,7 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.
     `auto`: `int8` where the CPU computes in float32 and the project's AVX2 kernel compiles (faster at every
-    load there, +0.4% perplexity), else `none` (with bf16, quantized weights are faster for one stream and slower
+    load there, +0.5% perplexity), else `none` (with bf16, quantized weights are faster for one stream and slower
     for batches). docs/engine.md, "Weight-only quantized weights"."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""

@@ -179,7 +179,7 @@ perplexity on the lm_head instead of +0.8%)."""
 
 def resolve(quantization: str, dtype: torch.dtype, device: torch.device) -> str:
     """`model.quantization` = `auto`: int8 where the CPU computes in float32 and the native kernel runs (faster
-    at 1, 8 and 32 streams, +0.4% perplexity; docs/engine.md), else none (bf16's packed AMX kernels win from 8
+    at 1, 8 and 32 streams, +0.5% perplexity; docs/engine.md), else none (bf16's packed AMX kernels win from 8
     streams on; a GPU has no quantized path)."""
     if quantization != "auto":
         return quantization
