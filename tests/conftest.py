@@ -33,11 +33,11 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_seen: list[int] = []
-        # float32: the batch-invariant mode is on there by default (README, Reproducibility), so tests that compare
-        # two requests token for token hold whatever else the shared server runs
+        # unquantized float32: the batch-invariant mode is on there by default (README, Reproducibility), so tests
+        # that compare two requests token for token hold whatever else the shared server runs (`extra` may override)
         cmd = [
             sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(self.port),
-            "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", *extra,
+            "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--quantization", "none", *extra,
         ]
         self.log_path = log
         self.log = open(log, "w")
