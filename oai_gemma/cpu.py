@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from .settings import EngineSettings
 
@@ -35,6 +36,17 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 _compute_threads: int | None = None

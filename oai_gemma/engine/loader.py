@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..cpu import cpu_flags
 from ..settings import EMBEDDED, ModelSettings
 from .quantized import FORMAT
 
@@ -92,11 +93,7 @@ def resolve_source(settings: ModelSettings) -> str:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def pick_device(settings: ModelSettings) -> torch.device:

@@ -47,6 +47,13 @@ FORMAT = 2
 """The stored layout's version, part of the model cache's file name (2: float32 int8 as [N/8, K, 8])."""
 
 
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], float32 scale [N]): symmetric, one scale per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale
+
+
 class QuantizedLinear:
     """What both layers share: their tensors (`FIELDS`, kept in the model cache) and the bytes they hold."""
 
@@ -73,9 +80,7 @@ class Int8Linear(QuantizedLinear):
     FIELDS = ("packed", "scale")
 
     def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-        self.packed = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.packed, scale = int8_per_channel(weight)
         self.scale = scale.to(weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,12 +118,10 @@ class NativeInt8Linear(QuantizedLinear):
     FIELDS = ("packed", "scale")
 
     def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        n, k = w.shape
+        n, k = weight.shape
         if n % 8:
             raise ValueError(f"the native int8 kernel needs output sizes divisible by 8; this layer has {n}")
-        self.scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).contiguous()
-        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        q, self.scale = int8_per_channel(weight)
         self.packed = q.view(n // 8, 8, k).transpose(1, 2).contiguous()
 
     def dequantized(self) -> torch.Tensor:
@@ -142,9 +145,7 @@ class DynamicInt8Linear(QuantizedLinear):
     FIELDS = ("weight", "scale")
 
     def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        self.scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-        self.weight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.weight, self.scale = int8_per_channel(weight)
 
     @property
     def packed(self):

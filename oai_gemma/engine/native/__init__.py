@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ...cpu import cpu_flags
+from ...settings import ModelSettings
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("woq_int8.c")
@@ -28,23 +31,14 @@ class NativeKernelUnavailable(RuntimeError):
 
 
 def cpu_has_avx2() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _cpu_flags() >= {"avx2", "fma"}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and cpu_flags() >= {"avx2", "fma"}
 
 
 def _library_path() -> Path:
+    from ..loader import cache_root  # here: the loader imports this package (through engine/quantized.py)
+
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("OAI_GEMMA_CACHE", "~/.cache/oai-gemma")).expanduser()
-    return cache / "native" / f"woq_int8-{digest}.so"
+    return cache_root(ModelSettings()) / "native" / f"woq_int8-{digest}.so"
 
 
 @functools.cache
