@@ -4,6 +4,8 @@ int4 0.35x), quantized once into the model cache, a clear error where it is not 
 end-to-end set through the HTTP server under each setting."""
 
 import asyncio
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
+from PIL import Image
 
 from conftest import ServerProcess, user
 from oai_gemma.engine.loader import load, quantized_weights_file
@@ -136,6 +139,13 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
         )
         assert set(json.loads(structured.choices[0].message.content)) == {"city"}
 
+        conversation = user("Write one sentence about prefix caches and lighthouses.")
+        first = client.chat.completions.create(model="gemma-3-270m", messages=conversation, max_tokens=6)
+        conversation += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And one about harbours."}]
+        second = client.chat.completions.create(model="gemma-3-270m", messages=conversation, max_tokens=2)
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16, "prefix reuse"
+
         async def batch():
             async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
             return await asyncio.gather(*[
@@ -144,3 +154,18 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
             ])
         answers = asyncio.run(batch())  # 6 requests through 4 slots: batched, some waiting
         assert all(a.choices[0].message.content and a.usage.completion_tokens > 0 for a in answers)
+
+
+@needs_native
+def test_images_are_served_under_float32_int8(tiny_vision_dir, tmp_path):
+    # the vision tower stays unquantized; the text layers of the multimodal model run the native kernel
+    image = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(image, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    with ServerProcess("--model", str(tiny_vision_dir), "--served-model-name", "tiny", "--quantization", "int8",
+                       log=tmp_path / "server.log") as server:
+        assert httpx.get(server.url + "/health").json()["quantization"] == "int8"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        reply = client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 64
