@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -122,6 +123,8 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
                        log=tmp_path / "server.log") as server:
         health = httpx.get(server.url + "/health").json()
         assert health["quantization"] == served and 0 < health["weight_bytes"] < most_mb * 2**20
+        logged = re.search(r"resident memory: \d+ MB \(weights (\d+),.*weights quantized: (\w+)", server.log_path.read_text())
+        assert logged and logged[2] == served and int(logged[1]) == round(health["weight_bytes"] / 2**20), "start-up log"
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         stream = client.chat.completions.create(model="gemma-3-270m", messages=user("Name a colour."), max_tokens=12,
                                                 stream=True, logprobs=True, top_logprobs=2)
