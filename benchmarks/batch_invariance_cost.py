@@ -14,8 +14,8 @@ import platform
 
 import torch
 
-from oai_gemma.engine.loader import load
-from oai_gemma.engine.runner import ModelRunner, StepItem
+from oai_gemma.engine.model.loader import load
+from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
 from weight_only_kernels import timed  # this folder's: median ms after warm-up calls
 

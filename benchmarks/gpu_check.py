@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from oai_gemma.engine.engine import Engine  # noqa: E402
-from oai_gemma.engine.loader import load  # noqa: E402
-from oai_gemma.engine.runner import StepItem  # noqa: E402
+from oai_gemma.engine.model.loader import load  # noqa: E402
+from oai_gemma.engine.model.runner import StepItem  # noqa: E402
 from oai_gemma.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from oai_gemma.settings import ModelSettings  # noqa: E402
 

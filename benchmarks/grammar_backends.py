@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from oai_gemma.engine.loader import embedded_model_dir
+from oai_gemma.engine.model.loader import embedded_model_dir
 
 NESTED = {
     "type": "object",

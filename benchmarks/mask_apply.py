@@ -17,8 +17,8 @@ import llguidance.torch
 import torch
 from transformers import AutoTokenizer
 
-from oai_gemma.engine.grammar import GrammarCompiler, apply_bitmask_torch
-from oai_gemma.engine.loader import embedded_model_dir
+from oai_gemma.engine.sampling.grammar import GrammarCompiler, apply_bitmask_torch
+from oai_gemma.engine.model.loader import embedded_model_dir
 
 SCHEMA = {
     "type": "object",

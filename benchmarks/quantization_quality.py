@@ -20,9 +20,9 @@ import torch
 
 from oai_gemma.bench.prompts import PROMPTS
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.loader import load, quantized_weights_file
-from oai_gemma.engine.quality import agreement, greedy_tokens, perplexity
-from oai_gemma.engine.runner import ModelRunner, StepItem
+from oai_gemma.engine.model.loader import load, quantized_weights_file
+from oai_gemma.engine.model.quality import agreement, greedy_tokens, perplexity
+from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
 
 TEXT = Path(__file__).parent.parent / "tests" / "data" / "apache-2.0.txt"

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))  # run from a checkout
-from oai_gemma.engine.loader import pick_dtype
+from oai_gemma.engine.model.loader import pick_dtype
 from oai_gemma.settings import ModelSettings
 
 app = FastAPI()

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from oai_gemma.engine.native import native_unavailable
-from oai_gemma.engine.quantized import DynamicInt8Linear, NativeInt8Linear
+from oai_gemma.engine.model.native import native_unavailable
+from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear
 
 # (name, out_features, in_features) of gemma-3-270m: 18 layers of q/k/v/o and gate/up/down, one lm_head
 SHAPES = [

@@ -155,7 +155,7 @@ def _log_access_as_json_lines() -> None:
 
 def prepare(args: argparse.Namespace) -> int:
     """Convert the embedded model once (what the first `serve` would do), e.g. in a Docker build or CI."""
-    from .engine.loader import embedded_model_dir
+    from .engine.model.loader import embedded_model_dir
 
     logging.basicConfig(level="INFO", format="%(message)s")
     print(embedded_model_dir(_settings(args).model))

@@ -116,7 +116,7 @@ def http(server):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from oai_gemma.engine.loader import embedded_model_dir
+    from oai_gemma.engine.model.loader import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(embedded_model_dir())
 

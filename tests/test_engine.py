@@ -7,7 +7,7 @@ import torch
 
 from oai_gemma.chat import render_chat
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.loader import load
+from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
@@ -118,7 +118,7 @@ def test_ignore_eos_keeps_generating_through_stop_tokens(harness):
 
 
 def test_incremental_detokenizer_emits_whole_characters_once(harness):
-    from oai_gemma.engine.detokenizer import IncrementalDetokenizer
+    from oai_gemma.engine.sampling.detokenizer import IncrementalDetokenizer
 
     text = "你好，世界！🙂 🦩ꙮ𓀀 Привет, naïve café"  # 🦩, ꙮ and 𓀀 are not in the vocabulary: byte tokens
     ids = harness.engine.encode(text)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.loader import load
-from oai_gemma.engine.runner import ModelRunner, StepItem
+from oai_gemma.engine.model.loader import load
+from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
-from oai_gemma.engine.buckets import span_buckets
-from oai_gemma.engine.gemma3 import post_attention, pre_attention
-from oai_gemma.engine.static_decode import DecodeGraph
+from oai_gemma.engine.model.buckets import span_buckets
+from oai_gemma.engine.model.gemma3 import post_attention, pre_attention
+from oai_gemma.engine.model.static_decode import DecodeGraph
 from oai_gemma.settings import ModelSettings
 
 MAX_LEN = 1024

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from oai_gemma.api.errors import APIError
 from oai_gemma.api.response_format import json_schema_grammar
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.grammar import GrammarCompiler, GrammarMasks, InvalidSchema, UnsupportedSchema, apply_bitmask_torch
+from oai_gemma.engine.sampling.grammar import GrammarCompiler, GrammarMasks, InvalidSchema, UnsupportedSchema, apply_bitmask_torch
 
 PERSON = {
     "type": "object",

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oai_gemma.engine import native
-from oai_gemma.engine.quantized import KERNEL_ROWS, NativeInt8Linear, linear_for, resolve
+from oai_gemma.engine.model import native
+from oai_gemma.engine.model.quantized import KERNEL_ROWS, NativeInt8Linear, linear_for, resolve
 
 pytestmark = pytest.mark.skipif(native.native_unavailable() is not None,
                                 reason=f"the native kernel cannot run here: {native.native_unavailable()}")

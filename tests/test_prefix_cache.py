@@ -10,7 +10,7 @@ import pytest
 
 from oai_gemma.chat import render_chat
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.loader import load
+from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 

@@ -17,12 +17,12 @@ import torch
 from PIL import Image
 
 from conftest import ServerProcess, user
-from oai_gemma.engine.loader import load, quantized_weights_file
-from oai_gemma.engine.linear import FrozenLinear
-from oai_gemma.engine.quality import perplexity
-from oai_gemma.engine.native import native_unavailable
-from oai_gemma.engine.quantized import DynamicInt8Linear, NativeInt8Linear
-from oai_gemma.engine.runner import ModelRunner, StepItem
+from oai_gemma.engine.model.loader import load, quantized_weights_file
+from oai_gemma.engine.model.linear import FrozenLinear
+from oai_gemma.engine.model.quality import perplexity
+from oai_gemma.engine.model.native import native_unavailable
+from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear
+from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
 
 TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()

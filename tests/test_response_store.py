@@ -2,7 +2,7 @@
 
 import asyncio
 
-from oai_gemma.api.response_store import ResponseStore, owner_of
+from oai_gemma.api.responses.store import ResponseStore, owner_of
 
 
 def run(coro):
@@ -33,7 +33,7 @@ def test_beyond_the_count_the_oldest_go(tmp_path):
 
 
 def test_past_the_age_a_response_is_neither_returned_nor_kept(tmp_path, monkeypatch):
-    import oai_gemma.api.response_store as module
+    import oai_gemma.api.responses.store as module
 
     now = [1_000_000.0]
     monkeypatch.setattr(module.time, "time", lambda: now[0])

@@ -2,7 +2,7 @@
 
 import torch
 
-from oai_gemma.engine.sampler import PlainRow, RowRandom, sample
+from oai_gemma.engine.sampling.sampler import PlainRow, RowRandom, sample
 from oai_gemma.engine.types import SamplingParams
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.1, 0.2, 4.0]], dtype=torch.bfloat16)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oai_gemma.engine.block_pool import BlockPool, block_hashes
+from oai_gemma.engine.cache.block_pool import BlockPool, block_hashes
 from oai_gemma.engine.scheduler import Scheduler, Sequence
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 

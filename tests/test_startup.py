@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from oai_gemma.engine.kv_cache import KVCache
+from oai_gemma.engine.cache.kv_cache import KVCache
 
 PHASES = re.compile(r"start-up phases: load ([\d.]+) s, relayout ([\d.]+) s, KV cache ([\d.]+) s, invariance check ([\d.]+) s, warm-up ([\d.]+) s")
 MEMORY = re.compile(r"resident memory: (\d+) MB \(weights (\d+), KV cache (\d+) of (\d+) allocated, other (-?\d+)")

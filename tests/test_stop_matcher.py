@@ -2,7 +2,7 @@
 
 import pytest
 
-from oai_gemma.engine.detokenizer import StopMatcher
+from oai_gemma.engine.sampling.detokenizer import StopMatcher
 
 
 def run(stops, deltas):

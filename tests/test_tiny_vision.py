@@ -16,7 +16,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from oai_gemma.testing import tiny_vision  # noqa: E402
-from oai_gemma.engine.loader import chat_template_text, embedded_model_dir  # noqa: E402
+from oai_gemma.engine.model.loader import chat_template_text, embedded_model_dir  # noqa: E402
 
 IMAGE = tiny_vision.IMAGE_TOKEN_ID
 BOI = tiny_vision.BOI_TOKEN_ID

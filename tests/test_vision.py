@@ -16,7 +16,7 @@ from PIL import Image
 from conftest import ServerProcess
 from oai_gemma.chat import render_chat
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.loader import load
+from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 from openai_schema import validate
@@ -266,7 +266,7 @@ def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor)
 
 def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vision_dir, processor):
     from oai_gemma.engine.core import token_runs
-    from oai_gemma.engine.runner import ModelRunner, StepItem
+    from oai_gemma.engine.model.runner import ModelRunner, StepItem
 
     loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
     image = Image.open(io.BytesIO(png(400, 300, (10, 200, 90))))

@@ -21,9 +21,9 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .openapi import add_wire_components
 from .playground import playground_paths, playground_routes
-from .response_store import ResponseStore
+from .responses.store import ResponseStore
 from .routes import JSON, ROUTES
-from .routes_responses import RESPONSES_ROUTES
+from .responses.routes import RESPONSES_ROUTES
 from .services import Services
 
 log = logging.getLogger("oai_gemma.server")

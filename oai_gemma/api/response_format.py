@@ -10,7 +10,7 @@ import asyncio
 
 from ..chat.tools import ToolPlan
 from ..engine.engine import Engine
-from ..engine.grammar import Grammar, InvalidSchema, StructuredOutputUnavailable, UnsupportedSchema
+from ..engine.sampling.grammar import Grammar, InvalidSchema, StructuredOutputUnavailable, UnsupportedSchema
 from .errors import invalid_request
 from .protocol import JSONObjectFormat, JSONSchemaResponseFormat, ResponseFormat
 

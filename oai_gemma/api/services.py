@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from ..chat import PromptBuilder
 from ..engine.engine import Engine
 from ..settings import Settings
-from .response_store import ResponseStore
+from .responses.store import ResponseStore
 from .serving import ServingContext
 from .serving_chat import ChatService
 from .serving_completions import CompletionService
-from .serving_responses import ResponsesService
+from .responses.serving import ResponsesService
 from .serving_tokenize import TokenizeService
 
 

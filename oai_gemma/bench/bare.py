@@ -17,7 +17,7 @@ def _measure(prefill_reps: int, decode_steps: int, warmup_steps: int) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from ..engine.loader import load
+    from ..engine.model.loader import load
     from ..settings import load_settings
     from .prompts import PROMPTS, messages_for
 

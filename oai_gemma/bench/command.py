@@ -159,7 +159,7 @@ def _discover_model(base_url: str, api_key: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engine.loader import pick_device, pick_dtype, resolve_source
+    from ..engine.model.loader import pick_device, pick_dtype, resolve_source
     from ..settings import load_settings
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

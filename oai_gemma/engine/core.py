@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 from ..cpu import compute_thread
-from .detokenizer import IncrementalDetokenizer, StopMatcher
-from .grammar import GrammarMasks
-from .loader import LoadedModel
-from .block_pool import BlockPool
-from .memory import blocks_within_budget, release_free_memory
-from .postprocess import Events, Limits, finish, postprocess
-from .runner import ModelRunner
-from .sampler import RowRandom, sample_with_logprobs, token_logprobs
+from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
+from .sampling.grammar import GrammarMasks
+from .model.loader import LoadedModel
+from .cache.block_pool import BlockPool
+from .cache.memory import blocks_within_budget, release_free_memory
+from .sampling.postprocess import Events, Limits, finish, postprocess
+from .model.runner import ModelRunner
+from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
 from .scheduler import Scheduler, Sequence, Step
 from .types import GenerationRequest
 

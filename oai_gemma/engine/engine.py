@@ -17,11 +17,11 @@ from pathlib import Path
 
 from ..settings import Settings
 from .core import EngineCore
-from .detokenizer import TokenBytes
-from .grammar import GrammarCompiler, StructuredOutputUnavailable
-from .loader import LoadedModel, quantized_weights_file
+from .sampling.detokenizer import TokenBytes
+from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
+from .model.loader import LoadedModel, quantized_weights_file
 from .observer import RequestObserver
-from .quantized import resolve as resolve_quantization
+from .model.quantized import resolve as resolve_quantization
 from .submission import Submission
 from .types import GenerationRequest
 from .warmup import build_grammars, warm_up

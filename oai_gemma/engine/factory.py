@@ -11,8 +11,8 @@ import time
 
 from ..settings import Settings
 from .engine import Engine
-from .loader import load
-from .memory import release_free_memory, resident_bytes
+from .model.loader import load
+from .cache.memory import release_free_memory, resident_bytes
 
 log = logging.getLogger("oai_gemma.engine")
 

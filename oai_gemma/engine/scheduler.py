@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import BlockPool, block_hashes
-from .runner import StepItem
-from .sampler import RowRandom
+from .cache.block_pool import BlockPool, block_hashes
+from .model.runner import StepItem
+from .sampling.sampler import RowRandom
 from .types import GenerationRequest
 
 

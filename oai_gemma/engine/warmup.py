@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .grammar import GrammarCompiler, GrammarMasks, StructuredOutputUnavailable
-from .runner import StepItem
-from .sampler import PlainRow, RowRandom, sample_with_logprobs
+from .sampling.grammar import GrammarCompiler, GrammarMasks, StructuredOutputUnavailable
+from .model.runner import StepItem
+from .sampling.sampler import PlainRow, RowRandom, sample_with_logprobs
 from .types import SamplingParams
 
 if TYPE_CHECKING:

@@ -107,7 +107,7 @@ def build_tiny_multimodal(target: Path, *, seed: int = 0, source: Path | None = 
         if is_built(target, seed):
             return target
         if source is None:
-            from ..engine.loader import embedded_model_dir
+            from ..engine.model.loader import embedded_model_dir
 
             source = embedded_model_dir()
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
@@ -227,7 +227,7 @@ def tiny_tokenizer(source: Path):
     names the -it tokenizers carry (`tokenizer.boi_token`, `.image_token_id`...), and the chat template."""
     from transformers import AutoTokenizer
 
-    from ..engine.loader import chat_template_text
+    from ..engine.model.loader import chat_template_text
 
     tokenizer = AutoTokenizer.from_pretrained(source, extra_special_tokens=dict(EXTRA_SPECIAL_TOKENS))
     ids = {

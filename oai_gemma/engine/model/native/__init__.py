@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ...cpu import cpu_flags
-from ...settings import ModelSettings
+from ....cpu import cpu_flags
+from ....settings import ModelSettings
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from .types import SamplingParams
+from ..types import SamplingParams
 
 
 class RowRandom:

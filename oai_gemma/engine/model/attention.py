@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .invariance import KEY_GRID, grouped_attention, pad_keys, round_up
-from .kv_cache import KVCache
+from ..cache.kv_cache import KVCache
 
 
 @dataclass

@@ -23,15 +23,15 @@ import msgspec
 from msgspec import Struct
 from msgspec.structs import replace
 
-from .choices import ChoiceDelta, Finish, TextDelta, ToolCallArguments, ToolCallStart
-from .protocol_responses import (
+from ..choices import ChoiceDelta, Finish, TextDelta, ToolCallArguments, ToolCallStart
+from .protocol import (
     FunctionToolCall,
     OutputItem,
     OutputMessage,
     OutputTextContent,
     Response,
 )
-from .responses_input import new_id
+from .input import new_id
 
 # ---- the events (wire types) ------------------------------------------------------------------------------
 

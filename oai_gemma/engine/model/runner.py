@@ -23,7 +23,7 @@ from .attention import DecodeKeys, decode_attention, decode_keys, prefill_attent
 from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention, signed_sin
 from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
-from .kv_cache import BLOCK_SIZE, KVCache
+from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
 from .quantized import quantize_all

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from .protocol import Penalty
+from ..protocol import Penalty
 
 # ---- request: input items ----------------------------------------------------------------------------
 

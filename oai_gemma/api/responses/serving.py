@@ -25,14 +25,14 @@ from typing import ClassVar
 
 import msgspec
 
-from ..chat import ChatInputError, parse_messages
-from ..chat.tools import ToolPlan
-from ..engine.engine import Submission
-from ..engine.types import GenerationRequest
-from .choices import ChoiceAssembler, assemble, indexed
-from .exchange import Exchange
-from .errors import APIError, chat_input_error, generation_failure, invalid_request
-from .protocol import (
+from ...chat import ChatInputError, parse_messages
+from ...chat.tools import ToolPlan
+from ...engine.engine import Submission
+from ...engine.types import GenerationRequest
+from ..choices import ChoiceAssembler, assemble, indexed
+from ..exchange import Exchange
+from ..errors import APIError, chat_input_error, generation_failure, invalid_request
+from ..protocol import (
     FunctionDefinition,
     JSONObjectFormat,
     JSONSchemaFormat,
@@ -42,7 +42,7 @@ from .protocol import (
     ToolDefinition,
     encoder,
 )
-from .protocol_responses import (
+from .protocol import (
     DeletedResponse,
     FunctionTool,
     IncompleteDetails,
@@ -61,14 +61,14 @@ from .protocol_responses import (
     stored_items_decoder,
     stored_output_decoder,
 )
-from .response_format import request_grammar
-from .response_store import ResponseStore
-from .responses_events import ResponseEvents
-from .responses_input import decode_input, to_messages, validation_error
-from .sampling import completion_budget, sampling_params
-from .serving import OpenAIServing, ServingContext
-from .serving_chat import logprob_entries
-from .serving_tools import plan_tools
+from ..response_format import request_grammar
+from .store import ResponseStore
+from .events import ResponseEvents
+from .input import decode_input, to_messages, validation_error
+from ..sampling import completion_budget, sampling_params
+from ..serving import OpenAIServing, ServingContext
+from ..serving_chat import logprob_entries
+from ..serving_tools import plan_tools
 
 LOGPROBS = "message.output_text.logprobs"
 """The `include` value that asks for the output tokens' logprobs (`top_logprobs` sets how many alternatives)."""

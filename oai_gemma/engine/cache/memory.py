@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .gemma3 import SLIDING
+from ..model.gemma3 import SLIDING
 from .kv_cache import BLOCK_SIZE, KVCache
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from .errors import APIError, invalid_request, param_from_validation
-from .protocol_responses import (
+from ..errors import APIError, invalid_request, param_from_validation
+from .protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionCallOutputResource,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..cpu import cpu_flags
-from ..settings import EMBEDDED, ModelSettings
+from ...cpu import cpu_flags
+from ...settings import EMBEDDED, ModelSettings
 from .quantized import FORMAT
 
 log = logging.getLogger("oai_gemma.loader")

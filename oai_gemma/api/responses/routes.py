@@ -10,13 +10,13 @@ import time
 from litestar import Request, Response, delete, get, post
 from litestar.response import Stream
 
-from .exchange import exchange_of
-from .openapi import documented
-from .protocol_responses import DeletedResponse, ItemList, ResponsesRequest
-from .protocol_responses import Response as ResponseObject
-from .response_store import owner_of
-from .responses_events import STREAM_EVENTS
-from .routes import JSON, SSE_HEADERS, unless_disconnected
+from ..exchange import exchange_of
+from ..openapi import documented
+from .protocol import DeletedResponse, ItemList, ResponsesRequest
+from .protocol import Response as ResponseObject
+from .store import owner_of
+from .events import STREAM_EVENTS
+from ..routes import JSON, SSE_HEADERS, unless_disconnected
 
 
 def _service(request: Request):

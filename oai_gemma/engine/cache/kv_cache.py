@@ -16,7 +16,7 @@ import mmap
 
 import torch
 
-from .gemma3 import SLIDING
+from ..model.gemma3 import SLIDING
 
 BLOCK_SIZE = 16
 """Tokens per block: the granularity at which prompts share KV (vLLM's default)."""

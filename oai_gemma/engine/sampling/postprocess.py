@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .scheduler import Scheduler, Sequence
-from .types import TokenEvent
+from ..scheduler import Scheduler, Sequence
+from ..types import TokenEvent
 
 Events = list[tuple[object, TokenEvent]]
 """(the sequence's sink, its event): what a step hands to the event loop."""

@@ -1,0 +1,1 @@
+"""responses: see docs/engine.md's file map."""

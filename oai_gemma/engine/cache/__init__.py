@@ -1,0 +1,1 @@
+"""cache: see docs/engine.md's file map."""

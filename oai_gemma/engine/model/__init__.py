@@ -1,0 +1,1 @@
+"""model: see docs/engine.md's file map."""

@@ -1,0 +1,1 @@
+"""sampling: see docs/engine.md's file map."""
