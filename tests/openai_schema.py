@@ -5,7 +5,9 @@ Two sources, the stricter one when it is there:
 * the official OpenAI OpenAPI spec, `../shared/openai-openapi.yaml` next to the repo (override with env
   `OAI_OPENAPI_SPEC`; point it at a missing file to force the fallback). Only the team's machines have it.
 * otherwise the official `openai` package's own pydantic types (`ChatCompletion`, `ChatCompletionChunk`,
-  `Completion`, `Model`, `ErrorObject`), which the tests install anyway, validated in pydantic's strict JSON mode:
+  `Completion`, `Model`, `ErrorObject`, and `openai.types.responses`' `Response`, `ResponseStreamEvent`,
+  `ResponseItemList`), which the tests install anyway (`SDK_TYPE_NAMES` lists them; a test checks that every
+  schema name the tests validate against has one), validated in pydantic's strict JSON mode:
   the types, literals and required fields the SDK itself parses. They are laxer than the spec in one way: a
   key that is nullable and required in the spec (`choices[].logprobs`, `message.refusal`, a chunk choice's
   `finish_reason`, `error.param`/`error.code`) may be left out. `backend()` says which source is in use.
@@ -163,11 +165,25 @@ def _spec_errors(component_name: str, obj: Any) -> list[str]:
     return [_describe(e) for e in found]
 
 
+SDK_TYPE_NAMES = (
+    "CreateChatCompletionResponse",
+    "CreateChatCompletionStreamResponse",
+    "CreateCompletionResponse",
+    "ListModelsResponse",
+    "Model",
+    "ErrorResponse",
+    "Response",
+    "ResponseStreamEvent",
+    "ResponseItemList",
+)
+
+
 @functools.cache
 def _sdk_types() -> dict[str, pydantic.TypeAdapter]:
     """The spec's component names mapped to the `openai` package's types for the same objects."""
     from openai.types import Completion, ErrorObject, Model
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
     class ListModelsResponse(pydantic.BaseModel):  # the SDK pages lists itself, it has no type for the envelope
         object: Literal["list"]
@@ -183,7 +199,11 @@ def _sdk_types() -> dict[str, pydantic.TypeAdapter]:
         "ListModelsResponse": ListModelsResponse,
         "Model": Model,
         "ErrorResponse": ErrorResponse,
+        "Response": Response,
+        "ResponseStreamEvent": ResponseStreamEvent,
+        "ResponseItemList": ResponseItemList,
     }
+    assert set(types) == set(SDK_TYPE_NAMES)
     return {name: pydantic.TypeAdapter(t) for name, t in types.items()}
 
 

@@ -21,11 +21,23 @@ CAPACITY = SLOTS + WAITING
 TIMEOUT_S = 20
 
 
+def small_server(tmp_path_factory, name: str, request_timeout: float):
+    env = {"OAI_GEMMA_ENGINE__MAX_WAITING": str(WAITING), "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": str(request_timeout)}
+    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    return ServerProcess("--max-num-seqs", str(SLOTS), env=env, log=log)
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    env = {"OAI_GEMMA_ENGINE__MAX_WAITING": str(WAITING), "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": str(TIMEOUT_S)}
-    log = tmp_path_factory.mktemp("logs") / "small-server.log"
-    with ServerProcess("--max-num-seqs", str(SLOTS), env=env, log=log) as proc:
+    """The default request timeout (600 s): however slow a busy machine is, no admitted request can time out."""
+    with small_server(tmp_path_factory, "small-server", 600) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def timing_out(tmp_path_factory):
+    """The same server with a 20 s request timeout, for the one test that wants requests to run past it."""
+    with small_server(tmp_path_factory, "timing-out-server", TIMEOUT_S) as proc:
         yield proc
 
 
@@ -125,11 +137,11 @@ def test_counts_are_exact_after_a_non_stream_whose_client_went_away(small):
     every_place_is_free(small.url)
 
 
-def test_counts_are_exact_after_timeouts_while_running_and_in_the_queue(small):
+def test_counts_are_exact_after_timeouts_while_running_and_in_the_queue(timing_out):
     """Two long requests run past the request timeout; a third times out waiting for a slot."""
-    results = asyncio.run(burst(small.url, [body(1900, True) for _ in range(SLOTS + 1)]))
+    results = asyncio.run(burst(timing_out.url, [body(1900, True) for _ in range(SLOTS + 1)]))
     for status, data in results:
         assert status == 200 and data[-1] == "[DONE]"
         assert json.loads(data[-2])["error"]["code"] == "timeout"
-    counts_are_zero(small.url)
-    every_place_is_free(small.url)
+    counts_are_zero(timing_out.url)
+    every_place_is_free(timing_out.url)

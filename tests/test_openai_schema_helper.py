@@ -189,3 +189,54 @@ def test_without_the_spec_file_the_openai_types_are_used(monkeypatch, tmp_path):
         openai_schema.validate("CreateChatCompletionResponse", broken)
     with pytest.raises(KeyError):
         openai_schema.validate("NoSuchComponent", {})
+
+
+def _schema_names_used_in_tests() -> dict[str, str]:
+    """Every schema name passed as a literal to validate()/errors() anywhere in tests/, with where it was seen."""
+    import ast
+    from pathlib import Path
+
+    found: dict[str, str] = {}
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = node.args[0]
+            if name in {"validate", "errors", "_validate", "_errors"} and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                found.setdefault(first.value, f"{path.name}:{node.lineno}")
+    found.pop("NoSuchComponent", None)  # the helper's own unknown-name tests
+    return found
+
+
+def test_every_schema_name_the_tests_use_has_an_sdk_type():
+    # a clean clone has no ../shared: each name the wire tests validate against needs the openai package's type,
+    # whether or not this machine has the spec file (CI does, so it would not notice otherwise)
+    used = _schema_names_used_in_tests()
+    assert {"CreateChatCompletionResponse", "Response", "ResponseStreamEvent"} <= set(used)  # the scan finds them
+    missing = {name: where for name, where in used.items() if name not in openai_schema.SDK_TYPE_NAMES}
+    assert not missing, f"schema names with no openai SDK type in tests/openai_schema.py: {missing}"
+
+
+def test_responses_objects_validate_against_the_sdk_types(monkeypatch, tmp_path):
+    monkeypatch.setenv("OAI_OPENAPI_SPEC", str(tmp_path / "absent.yaml"))
+    response = {
+        "id": "resp_1", "object": "response", "created_at": 1, "status": "completed", "model": "m",
+        "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": "hi", "annotations": []}]}],
+        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None, "incomplete_details": None,
+        "instructions": None, "metadata": {}, "temperature": 1.0, "top_p": 1.0,
+    }
+    openai_schema.validate("Response", response)
+    openai_schema.validate("ResponseStreamEvent", {"type": "response.output_text.delta", "item_id": "msg_1",
+                                                    "output_index": 0, "content_index": 0, "delta": "hi",
+                                                    "sequence_number": 3, "logprobs": []})
+    item = {"type": "message", "id": "msg_0", "role": "user", "status": "completed",
+            "content": [{"type": "input_text", "text": "hello"}]}
+    openai_schema.validate("ResponseItemList", {"object": "list", "data": [item], "first_id": "msg_0",
+                                                 "last_id": "msg_0", "has_more": False})
+    with pytest.raises(AssertionError, match=r"Response \(sdk\)"):
+        openai_schema.validate("Response", {**response, "status": "done"})
+    with pytest.raises(AssertionError, match=r"ResponseStreamEvent \(sdk\)"):
+        openai_schema.validate("ResponseStreamEvent", {"type": "response.output_text.delta", "delta": 5})
