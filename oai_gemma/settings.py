@@ -60,6 +60,10 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     prefix_caching: bool = True
     """A prompt starts from the longest prefix any earlier or running request computed (automatic prefix caching,
     in 16-token blocks); off for A/B runs (`--no-prefix-caching`)."""
+    prefix_cache_scope: Literal["auto", "global", "key"] = "auto"
+    """Who shares cached prefixes: `key`: requests under one API key share, different keys never do (a fast first
+    token would tell one tenant what another sent); `global`: every request; `auto`: `key` when API keys are
+    configured, else `global`. A request's `cache_salt` narrows it further."""
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024

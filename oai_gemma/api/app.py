@@ -21,7 +21,7 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .openapi import add_wire_components
 from .playground import playground_paths, playground_routes
-from .responses.store import ResponseStore
+from .responses.store import ResponseStore, owner_of
 from .routes import JSON, ROUTES
 from .responses.routes import RESPONSES_ROUTES
 from .services import Services
@@ -41,6 +41,8 @@ class ServerState:
         self.store = ResponseStore(settings.responses.path, settings.responses.max_stored, settings.responses.max_age)
         self.load_error: str | None = None
         self.draining = False
+        scope = settings.engine.prefix_cache_scope
+        self.cache_per_key = scope == "key" or (scope == "auto" and bool(settings.server.api_keys))
         self.metrics = ServerMetrics(
             self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
             settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
@@ -57,6 +59,14 @@ class ServerState:
             reason = self.load_error or (self.engine and self.engine.dead_reason) or "the model is still loading"
             raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
         return self.services
+
+    def scope_cache(self, request: Request, generations: list) -> None:
+        """Keep each engine request's cached prefixes to its API key (`engine.prefix_cache_scope`), within its salt."""
+        if self.cache_per_key:
+            tenant = owner_of(request.headers.get("authorization", "").partition(" ")[2].strip())
+            for generation in generations:
+                if generation is not None:
+                    generation.cache_salt = f"{tenant}/{generation.cache_salt}"
 
     def start_loading(self, loop: asyncio.AbstractEventLoop) -> None:
         compute_thread(lambda: self._load(loop), "oai-gemma-loader").start()  # loading and warm-up use every core

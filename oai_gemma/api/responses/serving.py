@@ -125,7 +125,7 @@ class ResponsesService(OpenAIServing):
         response_id = f"resp_{uuid.uuid4().hex}"
         generation = GenerationRequest(
             response_id, prompt.token_ids, sampling, arrival, pixel_values=prompt.pixel_values, crop_keys=prompt.cache_keys,
-            grammar=grammar,
+            grammar=grammar, cache_salt=request.cache_salt or "",
         )
         self.check_capacity()
         return PreparedResponse(request, generation, tools, self._skeleton(request, response_id, sampling), history + items, owner)
