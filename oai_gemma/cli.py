@@ -107,14 +107,18 @@ def serve(args: argparse.Namespace) -> int:
 
     from .api.app import create_app
     from .api.graceful import GracefulServer
+    from .api.timeouts import http_protocol
 
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
         access_log=False, timeout_graceful_shutdown=5,  # ours (oai_gemma.access) replaces uvicorn's
+        http=http_protocol(settings.server.header_timeout), timeout_keep_alive=settings.server.keep_alive_timeout,
     )
-    GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace).run()
-    return 0
+    server = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace)
+    app.state.server.on_fatal = server.fail
+    server.run()
+    return 1 if server.failed else 0
 
 
 def _serve_replicas(settings, args: argparse.Namespace) -> int:

@@ -129,6 +129,21 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     idle_timeout: Annotated[float, msgspec.Meta(ge=0)] = 120.0
     """Longest wait for a request's next token, time in the queue included (a stream that goes quiet
     this long ends the same way). 0 means no limit."""
+    max_stream_backlog: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    """Events (tokens) a stream may have waiting for a client that reads slower than they come; past it the request
+    is cancelled and its KV freed (`oai_gemma:stream_backlog_cancels_total`), so a client that stops reading holds
+    bounded memory. 0 means no limit."""
+    keep_alive_timeout: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """Seconds an idle kept-alive connection stays open (uvicorn's `timeout_keep_alive`, same default)."""
+    header_timeout: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    """Seconds a new or kept-alive connection has to send its request's headers in full; past it the connection is
+    closed (slowloris). uvicorn has no such limit. 0 means none."""
+    body_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    """Longest wait for the next part of a request body; past it a 408 and the connection closes (a body that stops
+    half way holds no worker; nothing reaches the engine). uvicorn has no such limit. 0 means none."""
+    exit_on_engine_failure: bool = True
+    """When the engine thread dies (an error outside any one request, e.g. out of memory), end every open stream with
+    an error event, answer 503 (`/health` says why), then exit non-zero so Kubernetes, Ray or systemd restart it."""
     shutdown_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """On SIGTERM/SIGINT: seconds running requests get to finish while new ones get 503; the rest are then
     ended (503, or an error event then `[DONE]`) and the process exits 0."""

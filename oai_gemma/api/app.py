@@ -17,6 +17,7 @@ from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .exchange import exchange_middleware
+from .timeouts import body_timeout_middleware
 from .errors import APIError
 from .metrics import ServerMetrics
 from .openapi import add_wire_components
@@ -38,7 +39,6 @@ class ServerState:
         self.created = int(time.time())
         self.engine: Engine | None = None
         self.services: Services | None = None
-        self.store = ResponseStore(settings.responses.path, settings.responses.max_stored, settings.responses.max_age)
         self.load_error: str | None = None
         self.draining = False
         scope = settings.engine.prefix_cache_scope
@@ -47,6 +47,8 @@ class ServerState:
             self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
             settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
         )
+        responses = settings.responses
+        self.store = ResponseStore(responses.path, responses.max_stored, responses.max_age, self.metrics.store_errors.inc)
 
     @property
     def ready(self) -> bool:
@@ -80,10 +82,28 @@ class ServerState:
             log.exception("loading the model failed")
             return
         engine.observer = self.metrics
+        engine.max_backlog = self.settings.server.max_stream_backlog
         engine.start(loop)
         self.engine = engine
         self.services = Services.build(engine, self.settings, self.store)
+        asyncio.run_coroutine_threadsafe(self._watch(engine), loop)
         log.warning("ready: %s (%s) in %.1f s", self.served_name, engine.description, time.monotonic() - started)
+
+    async def _watch(self, engine: Engine) -> None:
+        """Once the engine thread has died (its requests already failed): say so, and with
+        `server.exit_on_engine_failure` exit non-zero once the streams have sent their error events."""
+        while engine.alive:
+            await asyncio.sleep(0.5)
+        if self.draining:
+            return
+        log.error("the engine died: %s; /health and new requests answer 503", engine.dead_reason)
+        if self.settings.server.exit_on_engine_failure:
+            await _until(lambda: engine.in_flight == 0, 10.0)
+            log.error("exiting (server.exit_on_engine_failure), so that the supervisor restarts the server")
+            self.on_fatal()
+
+    def on_fatal(self) -> None:
+        """Stop the process with a non-zero status; the CLI sets it to its server's `fail`."""
 
     async def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""
@@ -141,7 +161,7 @@ def create_app(settings: Settings) -> Litestar:
     app.state.server = state
     # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
     # the exchange inside the access log: what a request still holds in the engine is given back before its line
-    handler = exchange_middleware(app.asgi_handler)
+    handler = exchange_middleware(body_timeout_middleware(app.asgi_handler, settings.server.body_timeout))
     app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text)
     return app
 

@@ -17,13 +17,18 @@ class Submission:
 
     A class, not an async generator: closing must free the place even if iteration never started.
     A request that runs past its total time, or waits too long for its next event, ends with a last
-    event of finish_reason `timeout` (and is cancelled in the engine).
+    event of finish_reason `timeout` (and is cancelled in the engine). One whose consumer falls `max_backlog`
+    events behind (a stream to a client that stopped reading) is cancelled at once, so its KV is freed and its
+    memory bounded; its consumer, should it ever read on, gets the backlog and then an `error` event.
     """
 
-    def __init__(self, engine: Engine, request: GenerationRequest, timeout: float = 0.0, idle_timeout: float = 0.0):
+    def __init__(
+        self, engine: Engine, request: GenerationRequest, timeout: float = 0.0, idle_timeout: float = 0.0, max_backlog: int = 0,
+    ):
         self.engine = engine
         self.request = request
-        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.events: asyncio.Queue[TokenEvent] = _Backlog(self, max_backlog) if max_backlog else asyncio.Queue()
+        self.overflowed = False
         self.unfinished = request.n
         """Choices still generating: the submission ends with the last one's last event."""
         self.finished = False
@@ -53,6 +58,8 @@ class Submission:
                 event = self._timed_out(limit)
                 self.engine.cancel(self.request.request_id)
                 self.unfinished = 1  # the timeout ends every choice
+        if event.finish_reason is not None and self.overflowed:
+            self.unfinished = 1  # the backlog's end ends every choice
         self.engine.observer.on_event(self.request, event)
         if event.finish_reason is not None:
             self.unfinished -= 1
@@ -68,6 +75,14 @@ class Submission:
         )
         return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "timeout", error=why)
 
+    def overflow(self) -> TokenEvent:
+        """The consumer is `max_backlog` events behind: cancel the request; the event that ends its stream."""
+        self.overflowed = True
+        self.engine.cancel(self.request.request_id)
+        self.engine.observer.on_backlog_full(self.request)
+        why = f"the client fell {self.events.limit} events behind the stream (not reading): the request was cancelled"
+        return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "error", error=why)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -82,3 +97,19 @@ class Submission:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+class _Backlog(asyncio.Queue):
+    """A submission's events, at most `maxsize` waiting: the event that would pass it ends the request instead
+    (`Submission.overflow`); whatever the engine still sends before the cancel lands is dropped."""
+
+    def __init__(self, submission: Submission, limit: int):
+        super().__init__()
+        self.submission, self.limit = submission, limit
+
+    def put_nowait(self, event: TokenEvent) -> None:
+        if self.submission.overflowed:
+            return
+        if self.qsize() >= self.limit:
+            event = self.submission.overflow()
+        super().put_nowait(event)
