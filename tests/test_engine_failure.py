@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from conftest import MODEL, ServerProcess, user
+from test_lifecycle import wait_for
 
 FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024")  # a short warm-up
@@ -51,7 +51,7 @@ def test_a_dead_engine_ends_streams_with_an_error_and_answers_503_with_the_reaso
         other: list = []
         second = threading.Thread(target=lambda: other.extend(_plain_stream(server)))  # a second stream at the time
         second.start()
-        assert until(lambda: httpx.get(server.url + "/health", timeout=10).json()["running"] == 1)
+        assert wait_for(lambda: httpx.get(server.url + "/health", timeout=10).json()["running"] == 1, 120)
         assert_ended_with_an_error(stream_through_the_fault(server, trigger))
         second.join(timeout=120)
         assert other[-1] == "[DONE]" and "error" in other[-2]
@@ -60,15 +60,6 @@ def test_a_dead_engine_ends_streams_with_an_error_and_answers_503_with_the_reaso
         refused = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": user("hi")}, timeout=10)
         assert refused.status_code == 503 and "OutOfMemoryError" in refused.json()["error"]["message"]
         assert server.proc.poll() is None  # told not to exit
-
-
-def until(condition, limit: float = 120.0) -> bool:
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _plain_stream(server: ServerProcess) -> list:

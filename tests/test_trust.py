@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from conftest import MODEL, ServerProcess, user
+from test_lifecycle import wait_for
 
 KEYS = ("key-tenant-a", "key-tenant-b")
 HEADER_TIMEOUT, BODY_TIMEOUT, BACKLOG = 6.0, 2.0, 16
@@ -113,15 +114,6 @@ def connect(server: ServerProcess, rcvbuf: int | None = None) -> socket.socket:
     return sock
 
 
-def until(condition, limit: float = 60.0) -> bool:
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def test_a_client_that_never_reads_its_stream_is_cancelled_and_its_kv_freed(keyed):
     before = metric(keyed, "oai_gemma:stream_backlog_cancels_total")
     body = json.dumps({
@@ -131,8 +123,8 @@ def test_a_client_that_never_reads_its_stream_is_cancelled_and_its_kv_freed(keye
     sock = connect(keyed, rcvbuf=4096)
     try:
         sock.sendall(raw_request("POST", "/v1/chat/completions", body))  # ... and never a recv
-        assert until(lambda: metric(keyed, "oai_gemma:stream_backlog_cancels_total") > before), "never cancelled"
-        assert until(lambda: health(keyed)["running"] == 0 and health(keyed)["kv_cache_usage"] == 0)
+        assert wait_for(lambda: metric(keyed, "oai_gemma:stream_backlog_cancels_total") > before, 120), "never cancelled"
+        assert wait_for(lambda: health(keyed)["running"] == 0 and health(keyed)["kv_cache_usage"] == 0, 120)
     finally:
         sock.close()
 
