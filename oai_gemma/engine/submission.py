@@ -18,9 +18,8 @@ class Submission:
     A class, not an async generator: closing must free the place even if iteration never started.
     A request that runs past its total time, or waits too long for its next event, ends with a last
     event of finish_reason `timeout` (and is cancelled in the engine). One whose consumer falls `max_backlog`
-    events behind (a stream to a client that stopped reading) is cancelled at once, so its KV is freed and its
-    memory bounded; its consumer, should it ever read on, gets the backlog and then an `error` event.
-    """
+    events behind (a stream to a client that stopped reading) is cancelled and closed at once, so its KV and its
+    place are freed and its memory bounded; its consumer, should it ever read on, gets the backlog, then an `error`."""
 
     def __init__(
         self, engine: Engine, request: GenerationRequest, timeout: float = 0.0, idle_timeout: float = 0.0, max_backlog: int = 0,
@@ -60,7 +59,8 @@ class Submission:
                 self.unfinished = 1  # the timeout ends every choice
         if event.finish_reason is not None and self.overflowed:
             self.unfinished = 1  # the backlog's end ends every choice
-        self.engine.observer.on_event(self.request, event)
+        if not self.closed:  # (a backlog read after an overflow closed the submission is not observed)
+            self.engine.observer.on_event(self.request, event)
         if event.finish_reason is not None:
             self.unfinished -= 1
             if not self.unfinished:
@@ -76,10 +76,11 @@ class Submission:
         return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "timeout", error=why)
 
     def overflow(self) -> TokenEvent:
-        """The consumer is `max_backlog` events behind: cancel the request; the event that ends its stream."""
+        """The consumer is `max_backlog` events behind: cancel the request and give its place back (its client may
+        hold the connection without reading for good); the event that ends its stream."""
         self.overflowed = True
-        self.engine.cancel(self.request.request_id)
         self.engine.observer.on_backlog_full(self.request)
+        self.close()
         why = f"the client fell {self.events.limit} events behind the stream (not reading): the request was cancelled"
         return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "error", error=why)
 
