@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py --duration 1800 --concurrency 32          # starts `oai-gemma serve` (embedded model)
     python benchmarks/soak.py --url http://127.0.0.1:8000 --pid 1234    # an already running server
+    python benchmarks/soak.py --duration 150 --concurrency 8 --server-arg=--max-num-seqs=8   # the short check
 
 Clients loop over a mix: chat streamed and not, a tool call, a JSON-schema answer, an image (where the model takes
 images; else reported as not served), Responses with `store: true`; 1% of them disconnect at a random moment. At the
@@ -139,9 +140,9 @@ def anonymous_rss_kib(pid: int) -> int:
     return int(fields["RssAnon"].split()[0]) + int(fields["RssShmem"].split()[0])
 
 
-def start_server(port: int, log: str) -> subprocess.Popen:
+def start_server(port: int, log: str, extra: list[str]) -> subprocess.Popen:
     server = subprocess.Popen(
-        [sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(port), *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline:
@@ -168,8 +169,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=29)
     parser.add_argument("--log", default="/tmp/oai-gemma-soak-server.log")
     parser.add_argument("--json", help="also write the report here")
+    parser.add_argument("--server-arg", action="append", default=[], help="passed to the started `oai-gemma serve` (repeat)")
     args = parser.parse_args()
-    server = None if args.url else start_server(args.port, args.log)
+    server = None if args.url else start_server(args.port, args.log, args.server_arg)
     url = args.url or f"http://127.0.0.1:{args.port}"
     try:
         report = asyncio.run(Soak(url, args.pid or (server and server.pid), args.duration, args.concurrency, args.leave_rate, args.seed).run())

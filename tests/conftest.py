@@ -48,7 +48,7 @@ class ServerProcess:
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**store, **os.environ, **(env or {})}
         )
 
-    def wait_ready(self, timeout: float = 600) -> None:
+    def wait_ready(self, timeout: float = float(os.environ.get("OAI_GEMMA_TEST_READY_TIMEOUT", "600"))) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -15,7 +15,7 @@ from conftest import MODEL, ServerProcess, user
 from test_lifecycle import wait_for
 
 FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
-SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024")  # a short warm-up
+SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
 STREAM = {"model": MODEL, "messages": user("Tell me a long story."), "max_tokens": 600, "ignore_eos": True, "stream": True}
 
 

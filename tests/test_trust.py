@@ -33,7 +33,8 @@ def keyed(tmp_path_factory):
         "OAI_GEMMA_SERVER__KEEP_ALIVE_TIMEOUT": "120",  # the idle connections below stay for the whole test
         "OAI_GEMMA_SERVER__MAX_STREAM_BACKLOG": str(BACKLOG),
     }
-    with ServerProcess("--max-num-seqs", "8", env=settings, log=tmp_path_factory.mktemp("trust") / "server.log") as proc:
+    small = ("--max-num-seqs", "8", "--max-prefill-tokens", "64", "--batch-invariant", "off")  # a short warm-up
+    with ServerProcess(*small, env=settings, log=tmp_path_factory.mktemp("trust") / "server.log") as proc:
         yield proc
 
 
