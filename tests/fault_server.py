@@ -1,7 +1,8 @@
 """`oai-gemma serve` with faults a test switches on and off by creating and removing files (tests only).
 
-    OAI_GEMMA_FAULT_KV_OOM=<path>      while <path> exists, a KV block allocation raises torch.OutOfMemoryError
-                                       (the engine thread dies: the out-of-memory a real KV allocation could hit)
+    OAI_GEMMA_FAULT_KV_OOM=<path>      while <path> exists, the engine step's scheduling (where KV blocks are
+                                       allocated) raises torch.OutOfMemoryError, as a KV allocation out of memory
+                                       would: the engine thread dies
     OAI_GEMMA_FAULT_STORE_FULL=<path>  while <path> exists, the Responses store's SQLite file may not grow (SQLite's
                                        own "database or disk is full", as on a full disk)
     OAI_GEMMA_FAULT_STORE_READONLY=<path>  while <path> exists, the store refuses writes (SQLITE_READONLY)
@@ -25,15 +26,15 @@ def install() -> None:
     import torch
 
     from oai_gemma.api.responses.store import ResponseStore
-    from oai_gemma.engine.cache.block_pool import BlockPool
+    from oai_gemma.engine.scheduler import Scheduler
 
     kv_oom, full, readonly = _switch("OAI_GEMMA_FAULT_KV_OOM"), _switch("OAI_GEMMA_FAULT_STORE_FULL"), _switch("OAI_GEMMA_FAULT_STORE_READONLY")
-    allocate, connection = BlockPool.allocate, ResponseStore._connection
+    schedule, connection = Scheduler.schedule, ResponseStore._connection
 
-    def faulty_allocate(self, count):
+    def faulty_schedule(self, now):
         if kv_oom():
-            raise torch.OutOfMemoryError(f"injected: out of memory allocating {count} KV block(s)")
-        return allocate(self, count)
+            raise torch.OutOfMemoryError("injected: out of memory allocating KV blocks")
+        return schedule(self, now)
 
     def faulty_connection(self):
         db = connection(self)
@@ -42,7 +43,7 @@ def install() -> None:
         db.execute(f"PRAGMA query_only = {int(readonly())}")
         return db
 
-    BlockPool.allocate, ResponseStore._connection = faulty_allocate, faulty_connection
+    Scheduler.schedule, ResponseStore._connection = faulty_schedule, faulty_connection
 
 
 if __name__ == "__main__":
