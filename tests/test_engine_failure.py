@@ -13,6 +13,7 @@ import pytest
 
 from conftest import MODEL, ServerProcess, user
 from test_lifecycle import wait_for
+from test_trust import NO_TIMEOUTS
 
 FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
@@ -21,7 +22,7 @@ STREAM = {"model": MODEL, "messages": user("Tell me a long story."), "max_tokens
 
 def fault_server(tmp_path: Path, **env: str) -> tuple[ServerProcess, Path]:
     trigger = tmp_path / "kv-oom"
-    server = ServerProcess(*SMALL, env={"OAI_GEMMA_FAULT_KV_OOM": str(trigger), **env}, log=tmp_path / "server.log", launcher=FAULT_SERVER)
+    server = ServerProcess(*SMALL, env={"OAI_GEMMA_FAULT_KV_OOM": str(trigger), **NO_TIMEOUTS, **env}, log=tmp_path / "server.log", launcher=FAULT_SERVER)
     return server, trigger
 
 

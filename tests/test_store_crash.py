@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from conftest import MODEL, ServerProcess
+from test_trust import NO_TIMEOUTS
 
 FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 SMALL = ("--max-num-seqs", "4", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
@@ -44,7 +45,7 @@ class Burst:
             body = {"model": MODEL, "input": f"Round {self.seed}, client {i}, question {n}: name a colour.", "store": True,
                     "stream": True, "max_output_tokens": 12}
             try:
-                with httpx.stream("POST", self.url + "/v1/responses", json=body, timeout=60) as response:
+                with httpx.stream("POST", self.url + "/v1/responses", json=body, timeout=600) as response:
                     for line in response.iter_lines():
                         if not line.startswith("data: "):
                             continue
@@ -84,7 +85,7 @@ def test_sigkill_during_a_burst_of_stored_responses_loses_no_completed_response(
     completed: dict[str, dict] = {}
     unfinished: set[str] = set()
     for kill in range(KILLS):
-        server = ServerProcess(*SMALL, env={"OAI_GEMMA_RESPONSES__STORE_PATH": str(store)}, log=tmp_path / f"server-{kill}.log")
+        server = ServerProcess(*SMALL, env={"OAI_GEMMA_RESPONSES__STORE_PATH": str(store), **NO_TIMEOUTS}, log=tmp_path / f"server-{kill}.log")
         with server:
             check_store(server.url, completed, unfinished)
             burst = Burst(server.url, kill)
@@ -109,11 +110,11 @@ def test_sigkill_during_a_burst_of_stored_responses_loses_no_completed_response(
 
 def test_a_full_or_read_only_store_fails_stored_requests_clearly_and_recovers(tmp_path):
     switches = {"full": tmp_path / "full", "readonly": tmp_path / "readonly"}
-    env = {"OAI_GEMMA_FAULT_STORE_FULL": str(switches["full"]), "OAI_GEMMA_FAULT_STORE_READONLY": str(switches["readonly"])}
+    env = {"OAI_GEMMA_FAULT_STORE_FULL": str(switches["full"]), "OAI_GEMMA_FAULT_STORE_READONLY": str(switches["readonly"]), **NO_TIMEOUTS}
     server = ServerProcess(*SMALL, env=env, log=tmp_path / "server.log", launcher=FAULT_SERVER)
     with server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        text = "Describe the harbour. " + "The boats come and go with the tide. " * 120  # new pages in the file
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+        text = "Describe the harbour. " + "The boats come and go with the tide. " * 40  # each row needs new pages
 
         def ask(store: bool, stream: bool = False):
             return client.responses.create(model=MODEL, input=text, store=store, stream=stream, max_output_tokens=2)

@@ -22,6 +22,8 @@ from test_lifecycle import wait_for
 
 KEYS = ("key-tenant-a", "key-tenant-b")
 HEADER_TIMEOUT, BODY_TIMEOUT, BACKLOG = 6.0, 2.0, 16
+NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": "0"}
+"""A shared, busy CPU can take minutes over a prefill: these tests are not about request timeouts."""
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,7 @@ def keyed(tmp_path_factory):
         "OAI_GEMMA_SERVER__BODY_TIMEOUT": str(BODY_TIMEOUT),
         "OAI_GEMMA_SERVER__KEEP_ALIVE_TIMEOUT": "120",  # the idle connections below stay for the whole test
         "OAI_GEMMA_SERVER__MAX_STREAM_BACKLOG": str(BACKLOG),
+        **NO_TIMEOUTS,
     }
     small = ("--max-num-seqs", "8", "--max-prefill-tokens", "64", "--batch-invariant", "off")  # a short warm-up
     with ServerProcess(*small, env=settings, log=tmp_path_factory.mktemp("trust") / "server.log") as proc:
@@ -39,11 +42,11 @@ def keyed(tmp_path_factory):
 
 
 def client_of(server: ServerProcess, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=900)
 
 
-def long_prompt(repeat: int = 75) -> str:
-    """New to the server; about 1,100 tokens by default."""
+def long_prompt(repeat: int = 25) -> str:
+    """New to the server; about 400 tokens by default."""
     return f"[{uuid.uuid4().hex}] " + "The keeper logged the tide, the wind and the lamp's oil every hour. " * repeat
 
 
@@ -61,8 +64,8 @@ def test_a_second_key_never_hits_the_first_keys_prefix_and_the_same_key_does(key
     prompt = long_prompt()
     assert chat_cached(a, prompt) == 0
     assert chat_cached(b, prompt) == 0  # the other tenant's blocks are not offered: no timing channel
-    assert chat_cached(a, prompt) > 1000  # its own are (the prompt is about 1,100 tokens)
-    assert chat_cached(b, prompt) > 1000
+    assert chat_cached(a, prompt) > 300  # its own are (the prompt is about 400 tokens)
+    assert chat_cached(b, prompt) > 300
 
 
 def test_two_salts_never_share_and_one_salt_does_in_chat_completions_and_responses(keyed):
