@@ -89,7 +89,7 @@ def test_sigkill_during_a_burst_of_stored_responses_loses_no_completed_response(
         with server:
             check_store(server.url, completed, unfinished)
             burst = Burst(server.url, kill)
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 900  # a shared, busy CPU may take minutes over the first one
             while not burst.completed and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 2.0))  # a random moment in the burst
