@@ -107,13 +107,14 @@ def serve(args: argparse.Namespace) -> int:
 
     from .api.app import create_app
     from .api.graceful import GracefulServer
-    from .api.timeouts import http_protocol
+    from .api.connections import http_protocol
 
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
         access_log=False, timeout_graceful_shutdown=5,  # ours (oai_gemma.access) replaces uvicorn's
-        http=http_protocol(settings.server.header_timeout), timeout_keep_alive=settings.server.keep_alive_timeout,
+        http=http_protocol(settings.server.header_timeout, settings.server.send_buffer_bytes),
+        timeout_keep_alive=settings.server.keep_alive_timeout,
     )
     server = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace)
     app.state.server.on_fatal = server.fail

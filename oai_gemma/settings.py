@@ -133,6 +133,9 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Events (tokens) a stream may have waiting for a client that reads slower than they come; past it the request
     is cancelled and its KV freed (`oai_gemma:stream_backlog_cancels_total`), so a client that stops reading holds
     bounded memory. 0 means no limit."""
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The kernel send buffer of each connection (SO_SNDBUF); 0 leaves the OS's autotuning (Linux: up to 4 MB per
+    connection). A small one makes a client that stops reading show sooner in `max_stream_backlog`."""
     keep_alive_timeout: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     """Seconds an idle kept-alive connection stays open (uvicorn's `timeout_keep_alive`, same default)."""
     header_timeout: Annotated[float, msgspec.Meta(ge=0)] = 10.0

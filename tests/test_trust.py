@@ -34,6 +34,7 @@ def keyed(tmp_path_factory):
         "OAI_GEMMA_SERVER__BODY_TIMEOUT": str(BODY_TIMEOUT),
         "OAI_GEMMA_SERVER__KEEP_ALIVE_TIMEOUT": "120",  # the idle connections below stay for the whole test
         "OAI_GEMMA_SERVER__MAX_STREAM_BACKLOG": str(BACKLOG),
+        "OAI_GEMMA_SERVER__SEND_BUFFER_BYTES": "16384",  # a never-reading client's stream backs up within a few steps
         **NO_TIMEOUTS,
     }
     small = ("--max-num-seqs", "8", "--max-prefill-tokens", "64", "--batch-invariant", "off")  # a short warm-up
@@ -121,7 +122,7 @@ def connect(server: ServerProcess, rcvbuf: int | None = None) -> socket.socket:
 def test_a_client_that_never_reads_its_stream_is_cancelled_and_its_kv_freed(keyed):
     before = metric(keyed, "oai_gemma:stream_backlog_cancels_total")
     body = json.dumps({
-        "model": MODEL, "messages": user("Count to a thousand."), "stream": True, "n": 8, "max_tokens": 1000,
+        "model": MODEL, "messages": user("Count to a thousand."), "stream": True, "n": 4, "max_tokens": 600,
         "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
     }).encode()
     sock = connect(keyed, rcvbuf=4096)

@@ -17,7 +17,7 @@ from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .exchange import exchange_middleware
-from .timeouts import body_timeout_middleware
+from .connections import body_timeout_middleware
 from .errors import APIError
 from .metrics import ServerMetrics
 from .openapi import add_wire_components

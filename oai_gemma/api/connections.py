@@ -1,22 +1,26 @@
-"""Clients that hold a connection without finishing their request: a header timeout in the HTTP protocol, a body
-timeout around the ASGI app.
+"""Clients that hold a connection without finishing their request or without reading their response: a header
+timeout and a send buffer size in the HTTP protocol, a body timeout around the ASGI app.
 
 uvicorn closes a kept-alive connection that stays silent for `timeout_keep_alive`, but a connection that trickles
 its headers (a byte a second: slowloris), one that never sends anything, and a body that stops half way are held
 without limit. `server.header_timeout` closes a connection whose request headers are not complete in time (counted
 from the connection, or on a kept-alive one from the request's first byte); `server.body_timeout` answers 408 when
-the next part of a body does not come in time, before any engine work.
+the next part of a body does not come in time, before any engine work. `server.send_buffer_bytes` caps the kernel's
+send buffer of each connection (Linux grows it to megabytes), so a client that stops reading holds little there
+and its stream's backlog soon shows (`Submission`'s `max_backlog`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from .errors import APIError
 
 
-def http_protocol(header_timeout: float) -> type:
-    """uvicorn's HTTP protocol (httptools where installed, else h11), closing a connection whose headers are late."""
+def http_protocol(header_timeout: float, send_buffer: int = 0) -> type:
+    """uvicorn's HTTP protocol (httptools where installed, else h11), closing a connection whose headers are late,
+    with a send buffer of `send_buffer` bytes (0: the OS's own sizing)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class HeaderTimeoutProtocol(AutoHTTPProtocol):
@@ -24,6 +28,9 @@ def http_protocol(header_timeout: float) -> type:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if send_buffer and sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
             self._expect_headers()  # uvicorn alone keeps a connection that never sends a byte forever
 
         def data_received(self, data: bytes) -> None:
