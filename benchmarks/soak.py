@@ -175,14 +175,17 @@ def main() -> None:
     url = args.url or f"http://127.0.0.1:{args.port}"
     try:
         report = asyncio.run(Soak(url, args.pid or (server and server.pid), args.duration, args.concurrency, args.leave_rate, args.seed).run())
+        print(json.dumps(report, indent=2))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(report, out, indent=2)
     finally:
         if server is not None:
             server.terminate()
-            server.wait(timeout=60)
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
 if __name__ == "__main__":
