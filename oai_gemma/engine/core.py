@@ -26,7 +26,8 @@ from .config import EngineConfig
 from .sampling.postprocess import Events, Limits, finish, postprocess
 from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
-from .scheduler import Scheduler, Sequence, Step
+from .scheduler import Scheduler
+from .sequence import ParentRequest, Sequence, Step
 from .types import GenerationRequest
 
 log = logging.getLogger("oai_gemma.engine")
@@ -143,8 +144,7 @@ class EngineCore:
 
     def _admit(self, request: GenerationRequest, sink) -> None:
         prompt = request.prompt_token_ids
-        seq = self._sequence(request, sink, 0)
-        seq.forks = [self._sequence(request, sink, index) for index in range(1, request.n)]
+        seq = ParentRequest.fan_out(request, lambda index: self._sequence(request, sink, index))
         error = None
         if not prompt or len(prompt) + 1 > self.limits.max_model_len:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
@@ -159,8 +159,8 @@ class EngineCore:
             finish(self.scheduler, seq, "error", events, error=error)
             self._deliver(events)
             return
-        for fork in seq.forks:  # should a fork prefill on its own after all (no free slot), it needs these too
-            fork.cache_keys, fork.image_spans, fork.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
+        for child in seq.parent.pending if seq.parent else ():  # one that prefills on its own after all needs these
+            child.cache_keys, child.image_spans, child.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
         self.scheduler.add(seq)
 
     def _attach_images(self, seq: Sequence) -> None:
@@ -219,7 +219,7 @@ class EngineCore:
         of its last, partial block) and sample from its logits row, each with its own randomness."""
         rows, children = [], []
         for row, seq in enumerate(sampled):
-            if seq.forks:
+            if seq.parent is not None and seq.parent.pending:
                 for child, copy in self.scheduler.fork(seq, time.perf_counter()):
                     if copy is not None:
                         self.runner.cache.copy_block(seq.blocks[-1], copy)

@@ -29,26 +29,9 @@ from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
 from .quantized import quantize_all
 from .static_decode import StaticDecode, flash_kernel
+from ..sequence import StepItem
 
 log = logging.getLogger("oai_gemma.engine")
-
-
-@dataclass
-class StepItem:
-    """One sequence's share of a step: `token_ids` written at positions `start`, `start + 1`, ... of the sequence
-    whose KV lives in `blocks` (its block table: position p in blocks[p // block_size])."""
-
-    blocks: list[int]
-    token_ids: list[int]
-    start: int
-    want_logits: bool = True
-    image_spans: tuple[tuple[int, int], ...] = ()
-    """[start, end) positions of image soft-token blocks: each attends to itself both ways (Gemma-3)."""
-    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(rows within this chunk, their embeddings): the vision tower's output replaces those tokens' embeddings."""
-    keep_hidden: bool = False
-    """Keep every position's last hidden state in `hidden` (prompt logprobs: see `ModelRunner.logits_of`)."""
-    hidden: torch.Tensor | None = None
 
 
 @dataclass
