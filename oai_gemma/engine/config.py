@@ -5,7 +5,7 @@ dtype, shapes) into an `EngineConfig`; `Engine`, `EngineCore` and `ModelRunner` 
 each reads the fields it needs. It is logged once at start-up and served by `/health` and `/v1/server_info`, so a
 user sees what `auto` became. New capabilities (speculative decoding, adapters) add their fields here, not new
 arguments down three constructors. Settings this machine cannot honour (an explicit `int8` without the native
-kernel, batch-invariant `on` off the CPU path) raise `ConfigError` here, before any weight is touched.
+kernel, batch-invariant `on` off the CPU path) raise `ConfigError` here, before the engine is built.
 """
 
 from __future__ import annotations
