@@ -48,9 +48,9 @@ class EngineConfig:
     """Decode-only steps at static shapes, CUDA graphs where possible (engine/model/static_decode.py)."""
     compile: bool = False
     """torch.compile the static decode's layer functions."""
-    batch_invariant: str = "off"
+    batch_invariant: str = "auto"
     """`engine.batch_invariant`: `off`, `on`, or `auto` (on where the runner's start-up check on its own weights
-    finds it cheap; what it found is `ModelRunner.batch_invariant`). Off the CPU path always `off`."""
+    finds it cheap; what it found is `ModelRunner.batch_invariant`). Off the CPU path `resolve` makes it `off`."""
     max_num_seqs: int = 32
     """Batch rows: sequences decoded together, also the most choices (`n`) one request may ask for."""
     max_model_len: int = 8192

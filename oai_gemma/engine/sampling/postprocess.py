@@ -92,5 +92,6 @@ def finish(scheduler: Scheduler, seq: Sequence, reason: str, events: Events, err
     """End a sequence outside the token path (cancelled, failed, aborted): its last event, its slot freed."""
     scheduler.finish(seq, cache_valid)
     events.append((seq.sink, make_event(seq, None, "", time.perf_counter(), reason, error)))
-    for child in seq.parent.take_pending() if seq.parent is not None else ():  # choices that never started end
-        finish(scheduler, child, reason, events, error)                       # with the one they waited for
+    # choices of its request that never started (ParentRequest.pending) end with the one they waited for
+    for child in seq.parent.take_pending() if seq.parent is not None else ():
+        finish(scheduler, child, reason, events, error)
