@@ -116,10 +116,10 @@ def serve(args: argparse.Namespace) -> int:
         http=http_protocol(settings.server.header_timeout, settings.server.send_buffer_bytes),
         timeout_keep_alive=settings.server.keep_alive_timeout,
     )
-    server = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace)
-    app.state.server.on_fatal = server.fail
+    server, state = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace), app.state.server
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
-    return 1 if server.failed else 0
+    return 1 if state.fatal else 0
 
 
 def _serve_replicas(settings, args: argparse.Namespace) -> int:

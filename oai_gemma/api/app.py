@@ -12,6 +12,7 @@ from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
 from ..cpu import compute_thread
+from ..engine.config import ConfigError
 from ..engine.engine import Engine
 from ..engine.factory import load_engine
 from ..settings import Settings
@@ -40,6 +41,11 @@ class ServerState:
         self.engine: Engine | None = None
         self.services: Services | None = None
         self.load_error: str | None = None
+        self.fatal = False
+        """Start-up failed for a setting this machine cannot honour (engine/config.py's ConfigError), or the engine
+        died (`server.exit_on_engine_failure`)."""
+        self.on_fatal = lambda: None
+        """Called then (from the loader thread, or the event loop): `serve` stops the server and exits non-zero."""
         self.draining = False
         scope = settings.engine.prefix_cache_scope
         self.cache_per_key = scope == "key" or (scope == "auto" and bool(settings.server.api_keys))
@@ -77,6 +83,11 @@ class ServerState:
         started = time.monotonic()
         try:
             engine = load_engine(self.settings)
+        except ConfigError as exc:  # no use answering 503 for ever: the operator must change a setting
+            self.load_error, self.fatal = f"bad settings: {exc}", True
+            log.error("oai-gemma: %s", exc)
+            self.on_fatal()
+            return
         except Exception as exc:
             self.load_error = f"loading the model failed: {exc!r}"
             log.exception("loading the model failed")
@@ -100,10 +111,8 @@ class ServerState:
         if self.settings.server.exit_on_engine_failure:
             await _until(lambda: engine.in_flight == 0, 10.0)
             log.error("exiting (server.exit_on_engine_failure), so that the supervisor restarts the server")
+            self.fatal = True
             self.on_fatal()
-
-    def on_fatal(self) -> None:
-        """Stop the process with a non-zero status; the CLI sets it to its server's `fail`."""
 
     async def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""

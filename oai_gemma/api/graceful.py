@@ -27,8 +27,6 @@ class GracefulServer(uvicorn.Server):
         self._grace = grace
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
-        self.failed = False
-        """Set by `fail`: the process should exit non-zero."""
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -50,10 +48,6 @@ class GracefulServer(uvicorn.Server):
             return
         self._draining = True
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain_then_exit()))
-
-    def fail(self) -> None:
-        """Stop serving, to exit non-zero (the engine died: a supervisor should restart the process)."""
-        self.failed = self.should_exit = True
 
     async def _drain_then_exit(self) -> None:
         try:
