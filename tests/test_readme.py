@@ -55,8 +55,8 @@ def shell_command(lang: str, body: str) -> str:
 def test_readme_block_runs_against_the_default_server(server, lang, body):
     code = DEFAULT_SERVER.sub(lambda m: (m.group(1) or "") + server.url.removeprefix("http://"), body)
     argv = [sys.executable, "-c", code] if lang == "python" else ["bash", "-euo", "pipefail", "-c", shell_command(lang, code)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)  # a guard against a hang, not a speed goal
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     assert done.stdout.strip(), "the example printed nothing"
     if "curl -N" in code:
-        assert "data: [DONE]" in done.stdout and '"finish_reason":"length"' in done.stdout.replace(" ", "")
+        assert "data: [DONE]" in done.stdout and re.search(r'"finish_reason": ?"(stop|length)"', done.stdout)
