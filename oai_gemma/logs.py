@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from datetime import datetime, timezone
 
 import msgspec
@@ -20,6 +21,8 @@ ACCESS_FIELDS = "access"
 
 
 class TextFormatter(logging.Formatter):
+    converter = time.gmtime  # UTC, as the JSON lines
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
 
