@@ -3,6 +3,7 @@
 import json
 import logging
 import re
+import time
 
 from oai_gemma.logs import ACCESS_FIELDS, JsonFormatter, TextFormatter, access_message
 
@@ -30,9 +31,13 @@ def test_a_real_start_reads_in_one_format_up_to_a_ready_line_with_the_urls(serve
 
 def test_probes_get_no_access_lines_by_default(server, http):
     assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
-    http.get("/v1/models")
+    request_id = http.get("/v1/models").headers["x-request-id"]
+    deadline = time.monotonic() + 30
+    while f"request_id={request_id}" not in server.log_path.read_text():  # written once the response is over
+        assert time.monotonic() < deadline, "no access line for GET /v1/models"
+        time.sleep(0.05)
     log = server.log_path.read_text()
-    assert re.search(r"oai_gemma\.access: GET /v1/models 200 ", log)
+    assert re.search(rf"oai_gemma\.access: GET /v1/models 200 .*request_id={request_id}", log)
     assert len(server.health_seen) > 1  # the fixture polled /health while the model loaded...
     assert not re.search(r"oai_gemma\.access: GET /(health|metrics) ", log)  # ...and none of it was logged
 
