@@ -112,8 +112,10 @@ def serve(args: argparse.Namespace) -> int:
         access_log=False, timeout_graceful_shutdown=5,  # ours (oai_gemma.access) replaces uvicorn's
         log_config=None,  # uvicorn's lines in the console's one format
     )
-    GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace).run()
-    return 0
+    server, state = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace), app.state.server
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run()
+    return 1 if state.fatal else 0
 
 
 def _serve_replicas(settings, args: argparse.Namespace) -> int:
