@@ -117,6 +117,10 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """TCP port to listen on."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Server log level (the access log is always on)."""
+    log_format: Literal["text", "json"] = "text"
+    """Console lines: `text` for a person (time, level, logger, message), `json` (one object per line) for log shippers."""
+    log_probes: bool = False
+    """Access-log lines for `/health` and `/metrics` too (off: load balancers and Prometheus would bury the rest)."""
     api_keys: tuple[str, ...] = ()
     """Bearer keys clients must send (also `OAI_GEMMA_API_KEYS=k1,k2`); none means open."""
     health_requires_key: bool = False

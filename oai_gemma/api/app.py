@@ -98,7 +98,15 @@ class ServerState:
         self.engine = engine
         self.services = Services.build(engine, self.settings, self.store)
         asyncio.run_coroutine_threadsafe(self._watch(engine), loop)
-        log.warning("ready: %s (%s) in %.1f s", self.served_name, engine.description, time.monotonic() - started)
+        log.info("ready: %s (%s) in %.1f s; %s", self.served_name, engine.description, time.monotonic() - started, self.where())
+
+    def where(self) -> str:
+        """The URLs to open, for the "ready" line."""
+        server = self.settings.server
+        host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
+        base = f"http://{f'[{host}]' if ':' in host else host}:{server.port}"
+        playground = f"playground {base}/, " if server.playground else ""
+        return f"{playground}API base URL {base}/v1"
 
     async def _watch(self, engine: Engine) -> None:
         """Once the engine thread has died (its requests already failed): say so, and with
@@ -165,13 +173,15 @@ def create_app(settings: Settings) -> Litestar:
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=settings.server.max_body_bytes,
+        logging_config=None,  # the console's one format is set up by `oai_gemma.logs`, not Litestar's own
     )
     add_wire_components(app)
     app.state.server = state
     # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
     # the exchange inside the access log: what a request still holds in the engine is given back before its line
     handler = exchange_middleware(body_timeout_middleware(app.asgi_handler, settings.server.body_timeout))
-    app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text)
+    quiet = frozenset() if settings.server.log_probes else frozenset({"/health", "/metrics"})
+    app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text, quiet)
     return app
 
 

@@ -100,7 +100,8 @@ async def server_info(request: Request) -> Response:
 
 @get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
 async def metrics(request: Request) -> Response:
-    return Response(content=_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+    # the header given whole: Litestar would append a second `charset` to a `text/` media type that has one
+    return Response(content=_state(request).metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
 
 
 ROUTES = [
