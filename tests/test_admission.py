@@ -61,17 +61,18 @@ async def burst(url: str, payloads: list[dict], path: str = "/v1/chat/completion
 
 
 def counts_are_zero(url: str) -> None:
-    """`/health` and the gauges say nothing runs or waits, within a few seconds (the engine thread catches up)."""
+    """`/health` and the gauges say nothing runs or waits, and the engine holds no place (`in_flight`, one per
+    admitted choice), within a few seconds (the engine thread catches up)."""
     deadline = time.monotonic() + 15
     while True:
         health = httpx.get(url + "/health").json()
         metrics = scrape(url)
         seen = (health["running"], health["waiting"], metrics.value("oai_gemma:num_requests_running"),
-                metrics.value("oai_gemma:num_requests_waiting"))
-        if seen == (0, 0, 0, 0) or time.monotonic() > deadline:
+                metrics.value("oai_gemma:num_requests_waiting"), health["in_flight"])
+        if seen == (0, 0, 0, 0, 0) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert seen == (0, 0, 0, 0), f"running/waiting on /health and the gauges: {seen}"
+    assert seen == (0, 0, 0, 0, 0), f"running/waiting on /health and the gauges, places held: {seen}"
 
 
 def every_place_is_free(url: str) -> None:
@@ -143,5 +144,75 @@ def test_counts_are_exact_after_timeouts_while_running_and_in_the_queue(timing_o
     for status, data in results:
         assert status == 200 and data[-1] == "[DONE]"
         assert json.loads(data[-2])["error"]["code"] == "timeout"
+    counts_are_zero(timing_out.url)
+    every_place_is_free(timing_out.url)
+
+
+def in_flight(url: str) -> int:
+    return httpx.get(url + "/health").json()["in_flight"]
+
+
+def completion(prompts: list[str], n: int, max_tokens: int, stream: bool = False) -> dict:
+    return {"model": MODEL, "prompt": prompts, "n": n, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
+            "temperature": 0}
+
+
+def test_one_admission_takes_a_place_per_choice_of_every_prompt_all_or_none(small):
+    # one long stream holds 1 of the 4 places: 2 prompts x n=2 need 4 (refused, nothing taken); 3 x 1 fit
+    with httpx.Client(base_url=small.url, timeout=120) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body(400, True)) as held:
+            assert held.status_code == 200 and in_flight(small.url) == 1
+            refused = client.post("/v1/completions", json=completion(["Once", "Twice"], 2, 4))
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert "4 choices but 3 free places" in refused.json()["error"]["message"]
+            assert in_flight(small.url) == 1
+            chat = client.post("/v1/chat/completions", json=body(2, False, n=2))
+            assert chat.status_code == 200 and len(chat.json()["choices"]) == 2
+            taken = client.post("/v1/completions", json=completion(["Once", "Twice", "Thrice"], 1, 2))
+            assert taken.status_code == 200 and [c["index"] for c in taken.json()["choices"]] == [0, 1, 2]
+    counts_are_zero(small.url)
+    every_place_is_free(small.url)
+
+
+def test_places_sum_to_zero_after_a_burst_of_cancels_disconnects_and_timeouts(timing_out):
+    """While two prompts of one completions stream run past the request timeout, the other places are taken and
+    left every other way: a chat stream of n=2 dropped after its first event, a completions stream of n=2 dropped
+    right after its status line, a non-stream whose client gave up, and an admission refused for want of places.
+    Each place comes back as its request ends, and all of them by the end."""
+
+    async def settle(client: httpx.AsyncClient, places: int) -> None:
+        deadline = time.monotonic() + 15
+        while (await client.get("/health")).json()["in_flight"] != places:
+            assert time.monotonic() < deadline, f"the engine never came back to {places} places held"
+            await asyncio.sleep(0.1)
+
+    async def drop(client: httpx.AsyncClient, path: str, payload: dict, after_events: int) -> None:
+        async with client.stream("POST", path, json=payload) as response:
+            assert response.status_code == 200
+            seen = 0
+            async for line in response.aiter_lines():
+                if seen >= after_events:
+                    break  # leaving the block closes the connection mid-stream
+                seen += line.startswith("data: ")
+
+    async def run():
+        async with httpx.AsyncClient(base_url=timing_out.url, timeout=120) as client:
+            timeouts = asyncio.create_task(one(client, completion(["Once", "Twice"], 1, 1900, True), "/v1/completions"))
+            await settle(client, 2)
+            await drop(client, "/v1/chat/completions", body(400, True, n=2), 1)
+            await settle(client, 2)
+            await drop(client, "/v1/completions", completion(["Once"], 2, 400, True), 0)
+            await settle(client, 2)
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/chat/completions", json=body(400, False), timeout=2)
+            await settle(client, 2)
+            refused = await client.post("/v1/completions", json=completion(["Once", "Twice", "Thrice"], 1, 4))
+            assert refused.status_code == 429
+            return await timeouts
+
+    status, data = asyncio.run(run())
+    assert status == 200 and data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "timeout"
     counts_are_zero(timing_out.url)
     every_place_is_free(timing_out.url)

@@ -1,4 +1,4 @@
-"""The engine as its users see it: submit a request, get an async stream of TokenEvents; cancel; drain.
+"""The engine as its users see it: admit requests, get an async stream of their TokenEvents; cancel; drain.
 
 `Engine` is the facade the API holds (and the tests, the benchmark, a notebook): the event-loop side of
 submission (capacity, the places in flight, timeouts, the observer) and the few model facts a route needs
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -66,7 +67,7 @@ class Engine:
         """Longest wait for a request's next event (queue included); 0 means no limit."""
         self.admitting = True
         self.in_flight = 0
-        """Requests between submit and their last event (touched on the event loop only)."""
+        """Places taken (one per choice) between `admit` and their submission's end (touched on the event loop only)."""
         self.observer = RequestObserver()
         self.weight_bytes = self.core.runner.weight_bytes()
         """Bytes of the weights held in memory (counted once: they do not change)."""
@@ -125,7 +126,7 @@ class Engine:
         return self.core.dead_reason
 
     def stop_admitting(self) -> None:
-        """From now on `generate` refuses new requests; running ones go on (graceful shutdown)."""
+        """From now on `admit` refuses new requests; running ones go on (graceful shutdown)."""
         self.admitting = False
 
     def abort_all(self, reason: str) -> None:
@@ -134,38 +135,58 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> Submission:
-        """Submit a request now; returns an async iterator of its events, the last one with a finish_reason.
+    def admit(self, requests: Iterable[GenerationRequest]) -> Submission:
+        """Take a place for every choice of every request now, all or none, and start them: one async iterator of
+        their events, each request's choices ending with a finish_reason.
 
-        Raises EngineBusyError / EngineDeadError at once, before any response has started. Closing the
-        submission early (a client that went away) cancels the request in the engine.
+        Raises EngineBusyError (not enough free places) or EngineDeadError (no engine, or shutting down) at once,
+        before any response has started. The places come back when the submission ends, however it ends;
+        closing it early (a client that went away) cancels its requests in the engine.
         """
-        self.check_capacity()
-        if not request.arrival_time:
-            request.arrival_time = time.perf_counter()
-        submission = Submission(self, request, self.request_timeout, self.idle_timeout)
-        self.core.add(request, submission.events)
-        self.in_flight += request.n
+        requests = list(requests)
+        places = sum(request.n for request in requests)
+        self._check_room(places)
+        now = time.perf_counter()
+        for request in requests:
+            request.arrival_time = request.arrival_time or now
+        submission = Submission(requests, self._release, self.observer, self.request_timeout, self.idle_timeout)
+        self.in_flight += places
+        for request in requests:
+            self.core.add(request, submission.events)
         return submission
 
-    def check_capacity(self) -> None:
-        """Raise unless a new request can be taken now (call before a response starts)."""
+    def generate(self, request: GenerationRequest) -> Submission:
+        """`admit` of one request."""
+        return self.admit([request])
+
+    def _check_room(self, places: int) -> None:
         if not self.alive:
             self.observer.on_reject("dead")
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if not self.admitting:
             raise EngineDeadError("the server is shutting down")
-        if self.in_flight >= self.capacity:
+        free = self.capacity - self.in_flight
+        if places > free:
             self.observer.on_reject("busy")
-            raise EngineBusyError(f"all {self.capacity} places (batch slots and waiting line) are taken; retry shortly")
+            taken = f"all {self.capacity} places (batch slots and waiting line) are taken" if free <= 0 else (
+                f"{places} choices but {free} free places in the engine"
+            )
+            raise EngineBusyError(f"{taken}; retry shortly")
+
+    def _release(self, places: int, running: list[str]) -> None:
+        """A submission ended: its places come back, and what it still had running is cancelled."""
+        self.in_flight -= places
+        for request_id in running:
+            self.core.cancel(request_id)
 
     def cancel(self, request_id: str) -> None:
         self.core.cancel(request_id)
 
     def stats(self) -> dict[str, float]:
         """How busy the engine is right now: running, waiting, steps, kv_cache_usage (the share of KV blocks held by
-        running requests), prefix_cache_usage (the share holding only cached prefixes)."""
-        return self.core.stats()
+        running requests), prefix_cache_usage (the share holding only cached prefixes), in_flight (the places
+        admitted and not given back yet: one per choice)."""
+        return {**self.core.stats(), "in_flight": self.in_flight}
 
     def weights_report(self) -> dict[str, object]:
         """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on."""
