@@ -3,7 +3,7 @@ context window, the sampling parameters (all three wire requests name them alike
 
 from __future__ import annotations
 
-from ..engine.types import SamplingParams
+from ..engine.types import SamplingParams, completion_room
 from .errors import context_length_exceeded, invalid_request, shown
 from .protocol import SamplingFields
 
@@ -12,8 +12,8 @@ def completion_budget(prompt_len: int, asked: int | None, default: int, max_mode
     """The completion's max_tokens: `asked`, else `default` cut to the room left; a 400
     `context_length_exceeded` (naming `where`, the request field that holds the prompt) when it cannot fit.
 
-    The one place the rule prompt + completion <= max_model_len is checked for a request."""
-    room = max_model_len - prompt_len
+    The rule itself is the engine's `completion_room`, which the engine's own checks read too."""
+    room = completion_room(max_model_len, prompt_len)
     if room < 1 or (asked is not None and asked > room):
         wanted = prompt_len + (asked or 1)
         raise context_length_exceeded(

@@ -27,7 +27,7 @@ from .sampling.postprocess import Events, Limits, finish, postprocess
 from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
 from .scheduler import Scheduler, Sequence, Step
-from .types import GenerationRequest
+from .types import GenerationRequest, completion_room
 
 log = logging.getLogger("oai_gemma.engine")
 
@@ -149,7 +149,7 @@ class EngineCore:
             cache_keys=list(request.prompt_token_ids),
             index=index,
             matcher=None if request.grammar is None else request.grammar.matcher(
-                budget=min(request.sampling.max_tokens, self.limits.max_model_len - len(request.prompt_token_ids) - 1)
+                budget=min(request.sampling.max_tokens, completion_room(self.limits.max_model_len, len(request.prompt_token_ids)))
             ),
         )
 
@@ -158,7 +158,7 @@ class EngineCore:
         seq = self._sequence(request, sink, 0)
         seq.forks = [self._sequence(request, sink, index) for index in range(1, request.n)]
         error = None
-        if not prompt or len(prompt) + 1 > self.limits.max_model_len:
+        if not prompt or completion_room(self.limits.max_model_len, len(prompt)) < 1:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
         elif request.pixel_values is not None:
             try:

@@ -10,6 +10,13 @@ FinishReason = Literal["stop", "length", "cancelled", "error", "timeout", "abort
 `aborted`: the server ended it (shutting down); `error`: it failed (the event's `error` says why)."""
 
 
+def completion_room(max_model_len: int, tokens: int) -> int:
+    """How many more tokens fit after `tokens` (a prompt, or a prompt and its output so far): the one rule
+    prompt + completion <= max_model_len, read by the API's budget, the engine's admission, a grammar's budget
+    and the length stop alike."""
+    return max_model_len - tokens
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
