@@ -143,12 +143,10 @@ class Engine:
         before any response has started. The places come back when the submission ends, however it ends;
         closing it early (a client that went away) cancels its requests in the engine.
         """
-        requests = list(requests)
+        now = time.perf_counter()
+        requests = [request if request.arrival_time else replace(request, arrival_time=now) for request in requests]
         places = sum(request.n for request in requests)
         self._check_room(places)
-        now = time.perf_counter()
-        for request in requests:
-            request.arrival_time = request.arrival_time or now
         submission = Submission(requests, self._release, self.observer, self.request_timeout, self.idle_timeout)
         self.in_flight += places
         for request in requests:

@@ -51,13 +51,15 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
+    """One prompt to generate from, built once (`api/plan.py` for the API) and never changed after."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
-    """time.perf_counter() when the HTTP request arrived; set by submit() when left 0."""
+    """time.perf_counter() when the HTTP request arrived; left 0, `Engine.admit` takes the time of admission."""
     pixel_values: object | None = None
     """[crops, 3, H, W] tensor for the image soft-token blocks of the prompt, in order (multimodal models)."""
     crop_keys: tuple[int, ...] = ()
