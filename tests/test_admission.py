@@ -175,16 +175,16 @@ def test_one_admission_takes_a_place_per_choice_of_every_prompt_all_or_none(smal
     every_place_is_free(small.url)
 
 
-def test_places_sum_to_zero_after_a_burst_of_cancels_disconnects_and_timeouts(timing_out):
-    """While two prompts of one completions stream run past the request timeout, the other places are taken and
-    left every other way: a chat stream of n=2 dropped after its first event, a completions stream of n=2 dropped
-    right after its status line, a non-stream whose client gave up, and an admission refused for want of places.
-    Each place comes back as its request ends, and all of them by the end."""
+def test_places_sum_to_zero_after_cancels_disconnects_refusals_and_timeouts(timing_out):
+    """Every way a request can end but finishing, one after the other, each checked to give every place back: a chat
+    stream of n=2 dropped after its first event, a completions stream of two prompts with n=2 dropped mid-way, a
+    non-stream whose client gave up, an admission refused whole for want of places, and a chat stream of n=2 and
+    a completions stream of two prompts that together fill the engine and run past the request timeout."""
 
-    async def settle(client: httpx.AsyncClient, places: int) -> None:
+    async def settle(client: httpx.AsyncClient) -> None:
         deadline = time.monotonic() + 15
-        while (await client.get("/health")).json()["in_flight"] != places:
-            assert time.monotonic() < deadline, f"the engine never came back to {places} places held"
+        while (await client.get("/health")).json()["in_flight"]:
+            assert time.monotonic() < deadline, "places still held after the request ended"
             await asyncio.sleep(0.1)
 
     async def drop(client: httpx.AsyncClient, path: str, payload: dict, after_events: int) -> None:
@@ -192,27 +192,28 @@ def test_places_sum_to_zero_after_a_burst_of_cancels_disconnects_and_timeouts(ti
             assert response.status_code == 200
             seen = 0
             async for line in response.aiter_lines():
-                if seen >= after_events:
-                    break  # leaving the block closes the connection mid-stream
                 seen += line.startswith("data: ")
+                if seen > after_events:
+                    break  # leaving the block closes the connection mid-stream
 
     async def run():
         async with httpx.AsyncClient(base_url=timing_out.url, timeout=120) as client:
-            timeouts = asyncio.create_task(one(client, completion(["Once", "Twice"], 1, 1900, True), "/v1/completions"))
-            await settle(client, 2)
             await drop(client, "/v1/chat/completions", body(400, True, n=2), 1)
-            await settle(client, 2)
-            await drop(client, "/v1/completions", completion(["Once"], 2, 400, True), 0)
-            await settle(client, 2)
+            await settle(client)
+            await drop(client, "/v1/completions", completion(["Once", "Twice"], 2, 400, True), 3)
+            await settle(client)
             with pytest.raises(httpx.ReadTimeout):
                 await client.post("/v1/chat/completions", json=body(400, False), timeout=2)
-            await settle(client, 2)
-            refused = await client.post("/v1/completions", json=completion(["Once", "Twice", "Thrice"], 1, 4))
+            await settle(client)
+            refused = await client.post("/v1/completions", json=completion(["Once", "Twice", "Thrice"], 2, 4))
             assert refused.status_code == 429
-            return await timeouts
+            await settle(client)
+            return await asyncio.gather(
+                one(client, body(1900, True, n=2)), one(client, completion(["Once", "Twice"], 1, 1900, True), "/v1/completions")
+            )
 
-    status, data = asyncio.run(run())
-    assert status == 200 and data[-1] == "[DONE]"
-    assert json.loads(data[-2])["error"]["code"] == "timeout"
+    for status, data in asyncio.run(run()):
+        assert status == 200 and data[-1] == "[DONE]"
+        assert json.loads(data[-2])["error"]["code"] == "timeout"
     counts_are_zero(timing_out.url)
     every_place_is_free(timing_out.url)
