@@ -112,19 +112,24 @@ def test_a_responses_stream_past_capacity_is_a_429_before_its_status_line(small)
     counts_are_zero(small.url)
 
 
+async def drop(client: httpx.AsyncClient, path: str, payload: dict, after_events: int) -> None:
+    """A stream read for `after_events` events and one more, then left (the connection closes mid-stream)."""
+    async with client.stream("POST", path, json=payload) as response:
+        assert response.status_code == 200
+        seen = 0
+        async for line in response.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen > after_events:
+                return
+
+
 def test_counts_are_exact_after_streams_dropped_after_their_first_event_and_mid_way(small):
-    async def drop(client: httpx.AsyncClient, after_events: int) -> None:
-        async with client.stream("POST", "/v1/chat/completions", json=body(400, True, n=2 if after_events else 1)) as r:
-            assert r.status_code == 200
-            seen = 0
-            async for line in r.aiter_lines():
-                seen += line.startswith("data: ")
-                if seen > after_events:
-                    return  # leaving the block closes the connection mid-stream
+    def chat(after_events: int) -> tuple:
+        return "/v1/chat/completions", body(400, True, n=2 if after_events else 1), after_events
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=small.url, timeout=120) as client:
-            await asyncio.gather(drop(client, 0), drop(client, 3))
+            await asyncio.gather(drop(client, *chat(0)), drop(client, *chat(3)))
 
     asyncio.run(run())
     counts_are_zero(small.url)
@@ -186,15 +191,6 @@ def test_places_sum_to_zero_after_cancels_disconnects_refusals_and_timeouts(timi
         while (await client.get("/health")).json()["in_flight"]:
             assert time.monotonic() < deadline, "places still held after the request ended"
             await asyncio.sleep(0.1)
-
-    async def drop(client: httpx.AsyncClient, path: str, payload: dict, after_events: int) -> None:
-        async with client.stream("POST", path, json=payload) as response:
-            assert response.status_code == 200
-            seen = 0
-            async for line in response.aiter_lines():
-                seen += line.startswith("data: ")
-                if seen > after_events:
-                    break  # leaving the block closes the connection mid-stream
 
     async def run():
         async with httpx.AsyncClient(base_url=timing_out.url, timeout=120) as client:
