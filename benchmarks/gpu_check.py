@@ -173,9 +173,9 @@ class Driver:
     async def _one(self, length: int, max_tokens: int) -> dict:
         self.count += 1
         request = GenerationRequest(
-            f"check-{self.count}", self.prompt(length), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            f"check-{self.count}", self.prompt(length), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            time.perf_counter(),
         )
-        request.arrival_time = time.perf_counter()
         stamps = [e.timestamp async for e in self.engine.generate(request) if e.token_id is not None]
         return {"arrival": request.arrival_time, "stamps": stamps}
 

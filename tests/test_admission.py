@@ -61,17 +61,18 @@ async def burst(url: str, payloads: list[dict], path: str = "/v1/chat/completion
 
 
 def counts_are_zero(url: str) -> None:
-    """`/health` and the gauges say nothing runs or waits, within a few seconds (the engine thread catches up)."""
+    """`/health` and the gauges say nothing runs or waits, and the engine holds no place (`in_flight`, one per
+    admitted choice), within a few seconds (the engine thread catches up)."""
     deadline = time.monotonic() + 15
     while True:
         health = httpx.get(url + "/health").json()
         metrics = scrape(url)
         seen = (health["running"], health["waiting"], metrics.value("oai_gemma:num_requests_running"),
-                metrics.value("oai_gemma:num_requests_waiting"))
-        if seen == (0, 0, 0, 0) or time.monotonic() > deadline:
+                metrics.value("oai_gemma:num_requests_waiting"), health["in_flight"])
+        if seen == (0, 0, 0, 0, 0) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert seen == (0, 0, 0, 0), f"running/waiting on /health and the gauges: {seen}"
+    assert seen == (0, 0, 0, 0, 0), f"running/waiting on /health and the gauges, places held: {seen}"
 
 
 def every_place_is_free(url: str) -> None:
@@ -111,19 +112,24 @@ def test_a_responses_stream_past_capacity_is_a_429_before_its_status_line(small)
     counts_are_zero(small.url)
 
 
+async def drop(client: httpx.AsyncClient, path: str, payload: dict, after_events: int) -> None:
+    """A stream read for `after_events` events and one more, then left (the connection closes mid-stream)."""
+    async with client.stream("POST", path, json=payload) as response:
+        assert response.status_code == 200
+        seen = 0
+        async for line in response.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen > after_events:
+                return
+
+
 def test_counts_are_exact_after_streams_dropped_after_their_first_event_and_mid_way(small):
-    async def drop(client: httpx.AsyncClient, after_events: int) -> None:
-        async with client.stream("POST", "/v1/chat/completions", json=body(400, True, n=2 if after_events else 1)) as r:
-            assert r.status_code == 200
-            seen = 0
-            async for line in r.aiter_lines():
-                seen += line.startswith("data: ")
-                if seen > after_events:
-                    return  # leaving the block closes the connection mid-stream
+    def chat(after_events: int) -> tuple:
+        return "/v1/chat/completions", body(400, True, n=2 if after_events else 1), after_events
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=small.url, timeout=120) as client:
-            await asyncio.gather(drop(client, 0), drop(client, 3))
+            await asyncio.gather(drop(client, *chat(0)), drop(client, *chat(3)))
 
     asyncio.run(run())
     counts_are_zero(small.url)
@@ -141,6 +147,68 @@ def test_counts_are_exact_after_timeouts_while_running_and_in_the_queue(timing_o
     """Two long requests run past the request timeout; a third times out waiting for a slot."""
     results = asyncio.run(burst(timing_out.url, [body(1900, True) for _ in range(SLOTS + 1)]))
     for status, data in results:
+        assert status == 200 and data[-1] == "[DONE]"
+        assert json.loads(data[-2])["error"]["code"] == "timeout"
+    counts_are_zero(timing_out.url)
+    every_place_is_free(timing_out.url)
+
+
+def in_flight(url: str) -> int:
+    return httpx.get(url + "/health").json()["in_flight"]
+
+
+def completion(prompts: list[str], n: int, max_tokens: int, stream: bool = False) -> dict:
+    return {"model": MODEL, "prompt": prompts, "n": n, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
+            "temperature": 0}
+
+
+def test_one_admission_takes_a_place_per_choice_of_every_prompt_all_or_none(small):
+    # one long stream holds 1 of the 4 places: 2 prompts x n=2 need 4 (refused, nothing taken); 3 x 1 fit
+    with httpx.Client(base_url=small.url, timeout=120) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body(400, True)) as held:
+            assert held.status_code == 200 and in_flight(small.url) == 1
+            refused = client.post("/v1/completions", json=completion(["Once", "Twice"], 2, 4))
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert "4 choices but 3 free places" in refused.json()["error"]["message"]
+            assert in_flight(small.url) == 1
+            chat = client.post("/v1/chat/completions", json=body(2, False, n=2))
+            assert chat.status_code == 200 and len(chat.json()["choices"]) == 2
+            taken = client.post("/v1/completions", json=completion(["Once", "Twice", "Thrice"], 1, 2))
+            assert taken.status_code == 200 and [c["index"] for c in taken.json()["choices"]] == [0, 1, 2]
+    counts_are_zero(small.url)
+    every_place_is_free(small.url)
+
+
+def test_places_sum_to_zero_after_cancels_disconnects_refusals_and_timeouts(timing_out):
+    """Every way a request can end but finishing, one after the other, each checked to give every place back: a chat
+    stream of n=2 dropped after its first event, a completions stream of two prompts with n=2 dropped mid-way, a
+    non-stream whose client gave up, an admission refused whole for want of places, and a chat stream of n=2 and
+    a completions stream of two prompts that together fill the engine and run past the request timeout."""
+
+    async def settle(client: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + 15
+        while (await client.get("/health")).json()["in_flight"]:
+            assert time.monotonic() < deadline, "places still held after the request ended"
+            await asyncio.sleep(0.1)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=timing_out.url, timeout=120) as client:
+            await drop(client, "/v1/chat/completions", body(400, True, n=2), 1)
+            await settle(client)
+            await drop(client, "/v1/completions", completion(["Once", "Twice"], 2, 400, True), 3)
+            await settle(client)
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/chat/completions", json=body(400, False), timeout=2)
+            await settle(client)
+            refused = await client.post("/v1/completions", json=completion(["Once", "Twice", "Thrice"], 2, 4))
+            assert refused.status_code == 429
+            await settle(client)
+            return await asyncio.gather(
+                one(client, body(1900, True, n=2)), one(client, completion(["Once", "Twice"], 1, 1900, True), "/v1/completions")
+            )
+
+    for status, data in asyncio.run(run()):
         assert status == 200 and data[-1] == "[DONE]"
         assert json.loads(data[-2])["error"]["code"] == "timeout"
     counts_are_zero(timing_out.url)

@@ -220,9 +220,8 @@ def test_a_body_that_stops_half_way_gets_a_408_and_no_engine_work(keyed):
 
 
 def test_a_submission_past_its_backlog_is_cancelled_closed_and_ends_with_an_error():
-    """The backlog bound on its own (a small fake engine): what the stream test above sees from outside."""
+    """The backlog bound on its own (a counting observer, no engine): what the stream test above sees from outside."""
     import asyncio
-    from types import SimpleNamespace
 
     from oai_gemma.engine.observer import RequestObserver
     from oai_gemma.engine.submission import Submission
@@ -237,12 +236,13 @@ def test_a_submission_past_its_backlog_is_cancelled_closed_and_ends_with_an_erro
         def on_close(self, request, cancelled):
             self.closed += cancelled
 
-    engine = SimpleNamespace(cancelled=[], in_flight=1, observer=Counting())
-    engine.cancel = engine.cancelled.append
-    submission = Submission(engine, GenerationRequest("r", [1], SamplingParams(max_tokens=9)), max_backlog=3)
+    released = []
+    observer = Counting()
+    request = GenerationRequest("r", [1], SamplingParams(max_tokens=9))
+    submission = Submission([request], lambda places, running: released.append((places, running)), observer, max_backlog=3)
     for i in range(6):  # the engine runs ahead of a consumer that does not read
         submission.events.put_nowait(TokenEvent("r", i, "x", 0.0))
-    assert engine.cancelled == ["r"] and engine.in_flight == 0 and engine.observer.full == engine.observer.closed == 1
+    assert released == [(1, ["r"])] and observer.full == observer.closed == 1
 
     async def read():
         return [event async for event in submission]

@@ -244,11 +244,12 @@ def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor)
 
     loop = asyncio.new_event_loop()
     engine.start(loop)
-    request = GenerationRequest("v", vision.token_ids, SamplingParams(max_tokens=5, temperature=0.0))
-    request.pixel_values, request.crop_keys = vision.pixel_values, tuple(vision.crop_keys)
+    params = SamplingParams(max_tokens=5, temperature=0.0)
 
     async def run(request_id: str):
-        request.request_id = request_id
+        request = GenerationRequest(
+            request_id, vision.token_ids, params, pixel_values=vision.pixel_values, crop_keys=tuple(vision.crop_keys)
+        )
         events = [e async for e in engine.generate(request)]
         return [e.token_id for e in events if e.token_id is not None], events[-1].num_cached_tokens
 

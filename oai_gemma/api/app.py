@@ -68,13 +68,11 @@ class ServerState:
             raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
         return self.services
 
-    def scope_cache(self, request: Request, generations: list) -> None:
-        """Keep each engine request's cached prefixes to its API key (`engine.prefix_cache_scope`), within its salt."""
+    def cache_scope(self, request: Request) -> str:
+        """Whose cached prefixes a request may share (`engine.prefix_cache_scope`): its API key's, or everyone's ("")."""
         if self.cache_per_key:
-            tenant = owner_of(request.headers.get("authorization", "").partition(" ")[2].strip())
-            for generation in generations:
-                if generation is not None:
-                    generation.cache_salt = f"{tenant}/{generation.cache_salt}"
+            return owner_of(request.headers.get("authorization", "").partition(" ")[2].strip())
+        return ""
 
     def start_loading(self, loop: asyncio.AbstractEventLoop) -> None:
         compute_thread(lambda: self._load(loop), "oai-gemma-loader").start()  # loading and warm-up use every core

@@ -118,6 +118,7 @@ HEALTH = {
         "model": {"type": "string"},
         "running": {"type": "integer", "minimum": 0},
         "waiting": {"type": "integer", "minimum": 0},
+        "in_flight": {"type": "integer", "minimum": 0},
         "kv_cache_usage": {"type": "number", "minimum": 0, "maximum": 1},
         "prefix_cache_usage": {"type": "number", "minimum": 0, "maximum": 1},
         "weight_bytes": {"type": "integer", "minimum": 0},

@@ -72,21 +72,17 @@ class JSONSchemaResponseFormat(Struct, tag="json_schema", tag_field="type"):
 ResponseFormat = TextFormat | JSONObjectFormat | JSONSchemaResponseFormat
 
 
-class SamplingRequest(Struct, kw_only=True, omit_defaults=True):
-    """The sampling and streaming fields chat and text completions share (their names and ranges are OpenAI's,
-    then vLLM's extensions); `api/sampling.py` maps them onto the engine for both."""
+class SamplingFields(Struct, kw_only=True, omit_defaults=True):
+    """The sampling fields chat, text completions and Responses share, declared once (their names and ranges are
+    OpenAI's, then vLLM's extensions); `api/sampling.py` maps them onto the engine for all three."""
 
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
     seed: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    user: str | None = None
     # vLLM extensions
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
@@ -96,6 +92,15 @@ class SamplingRequest(Struct, kw_only=True, omit_defaults=True):
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     """Requests share cached prompt prefixes only with requests of the same salt (and, under
     `engine.prefix_cache_scope = key`, the same API key)."""
+
+
+class SamplingRequest(SamplingFields, kw_only=True, omit_defaults=True):
+    """The sampling and streaming fields chat and text completions share."""
+
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
 
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do (yet), else None."""

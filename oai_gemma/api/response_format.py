@@ -1,4 +1,5 @@
-"""`response_format` (or a forced tool call) -> the grammar the engine enforces, compiled off the event loop; schema errors as 400s.
+"""An output format (chat's `response_format`, Responses' `text.format`) or a forced tool call -> the grammar the
+engine enforces, compiled off the event loop; schema errors as 400s naming the field that asked.
 
 `json_schema_grammar` is the generic piece: anything that must constrain a request to a JSON schema
 (tool calls too) can use it with its own `param`.
@@ -7,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from ..chat.tools import ToolPlan
 from ..engine.engine import Engine
@@ -15,13 +17,21 @@ from .errors import invalid_request
 from .protocol import JSONObjectFormat, JSONSchemaResponseFormat, ResponseFormat
 
 
-async def response_format_grammar(engine: Engine, response_format: ResponseFormat | None) -> Grammar | None:
-    """None for free text (unset or `{"type": "text"}`)."""
+@dataclass(frozen=True)
+class OutputFormat:
+    """A JSON schema the answer must follow, and the request field that asked for it (named in its errors)."""
+
+    schema: dict
+    field: str
+
+
+def chat_output_format(response_format: ResponseFormat | None) -> OutputFormat | None:
+    """Chat's `response_format`; None for free text (unset or `{"type": "text"}`)."""
     if isinstance(response_format, JSONObjectFormat):
-        return await json_schema_grammar(engine, {"type": "object"}, "response_format")
+        return OutputFormat({"type": "object"}, "response_format")
     if isinstance(response_format, JSONSchemaResponseFormat):
         schema = response_format.json_schema.schema
-        return await json_schema_grammar(engine, {} if schema is None else schema, "response_format")
+        return OutputFormat({} if schema is None else schema, "response_format")
     return None
 
 
@@ -37,11 +47,11 @@ async def json_schema_grammar(engine: Engine, schema: dict, param: str) -> Gramm
         raise invalid_request(f"{exc}; send the request without `{param}`", param, "structured_output_unavailable") from None
 
 
-async def request_grammar(engine: Engine, tools: ToolPlan | None, response_format: ResponseFormat | None) -> Grammar | None:
+async def request_grammar(engine: Engine, tools: ToolPlan | None, output: OutputFormat | None) -> Grammar | None:
     """The one grammar an answer follows, decided once: a forced tool call's schema (the answer is the call),
-    else `response_format`'s, else none."""
+    else the output format's, else none."""
     schema = tools.forced_schema() if tools is not None else None
-    chosen = await response_format_grammar(engine, response_format)  # checked either way: a bad one is a 400
+    chosen = None if output is None else await json_schema_grammar(engine, output.schema, output.field)  # a bad one is a 400 either way
     if schema is not None:
         return await json_schema_grammar(engine, schema, "tools")
     return chosen

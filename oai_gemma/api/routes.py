@@ -34,8 +34,7 @@ def _json(payload, status: int = 200) -> Response:
 async def chat_completions(request: Request) -> Response:
     arrival = time.perf_counter()
     chat, exchange = _state(request).require_ready().chat, exchange_of(request.scope)
-    prepared = await chat.prepare(await request.body(), arrival)
-    _state(request).scope_cache(request, [prepared.generation])
+    prepared = await chat.prepare(await request.body(), arrival, _state(request).cache_scope(request))
     if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
         return Stream(chat.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
     return Response(content=await unless_disconnected(request, chat.complete(prepared, exchange)), media_type=JSON)
@@ -45,8 +44,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     arrival = time.perf_counter()
     service, exchange = _state(request).require_ready().completions, exchange_of(request.scope)
-    prepared = await service.prepare(await request.body(), arrival)
-    _state(request).scope_cache(request, [p.generation for p in prepared.prompts])
+    prepared = await service.prepare(await request.body(), arrival, _state(request).cache_scope(request))
     if prepared.request.stream:
         return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
     return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)

@@ -1,26 +1,31 @@
-"""The request -> engine mapping that chat and text completions share: the completion budget within the
-context window, and the sampling parameters (both wire requests name them alike)."""
+"""The request -> engine mapping every wire format shares (through `plan.py`): the completion budget within the
+context window, the sampling parameters (all three wire requests name them alike), the number of choices."""
 
 from __future__ import annotations
 
-from ..engine.types import SamplingParams
+from ..engine.types import SamplingParams, completion_room
 from .errors import context_length_exceeded, invalid_request, shown
+from .protocol import SamplingFields
 
 
 def completion_budget(prompt_len: int, asked: int | None, default: int, max_model_len: int, where: str) -> int:
     """The completion's max_tokens: `asked`, else `default` cut to the room left; a 400
-    `context_length_exceeded` (naming `where`, the request field that holds the prompt) when it cannot fit."""
-    room = max_model_len - prompt_len
+    `context_length_exceeded` (naming `where`, the request field that holds the prompt) when it cannot fit.
+
+    The rule itself is the engine's `completion_room`, which the engine's own checks read too."""
+    room = completion_room(max_model_len, prompt_len)
     if room < 1 or (asked is not None and asked > room):
         wanted = prompt_len + (asked or 1)
         raise context_length_exceeded(
             max_model_len, f"you requested {wanted} tokens ({prompt_len} in the {where}, {asked or 1} in the completion)", where
         )
-    return asked or min(default, room)
+    return min(default, room) if asked is None else asked
 
 
-def sampling_params(request, max_tokens: int, logprobs: int | None, vocab_limit: int) -> SamplingParams:
-    """SamplingParams from a ChatCompletionRequest or CompletionRequest (`max_tokens`: the budget, set or defaulted)."""
+def sampling_params(
+    request: SamplingFields, max_tokens: int, logprobs: int | None, vocab_limit: int, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    """SamplingParams from a request's sampling fields (`max_tokens`: the budget, set or defaulted)."""
     if request.min_tokens and request.min_tokens > max_tokens:
         raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
@@ -39,6 +44,7 @@ def sampling_params(request, max_tokens: int, logprobs: int | None, vocab_limit:
         min_tokens=request.min_tokens or 0,
         ignore_eos=bool(request.ignore_eos),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -3,7 +3,7 @@
     HTTP body --OpenAIServing.decode--> wire request (msgspec Struct), checked: model, unsupported parameters,
                                         `stream_options`
               --build_prompt / encode--> chat.Prompt (token ids, images, cache keys)     [chat/prompt.py]
-              --the route's own mapping--> engine GenerationRequest (built once)          [sampling.py]
+              --the route fills a GenerationPlan--> engine GenerationRequest (one builder)  [plan.py]
               --submit--> engine Submission --choices.assemble--> deltas                  [choices.py]
               --the route's encoder--> JSON response, or SSE `data: {...}` ... `data: [DONE]` (`sse`, `DONE`)
 
@@ -20,9 +20,11 @@ from typing import Any
 import msgspec
 
 from ..chat import ChatInputError, ChatMessage, Prompt, PromptBuilder
-from ..engine.engine import Engine, EngineBusyError, EngineDeadError, Submission
+from ..engine.engine import Engine, EngineBusyError, EngineDeadError
+from ..engine.submission import Submission
 from ..engine.types import GenerationRequest
 from .errors import APIError, busy, chat_input_error, decode_body, invalid_request, model_not_found, not_supported, unavailable
+from .plan import GenerationPlan, generation_request
 from .protocol import SamplingRequest, encoder
 
 DONE = b"data: [DONE]\n\n"
@@ -49,7 +51,7 @@ class ServingContext:
 
 
 class OpenAIServing:
-    """The engine handle, the served name, `max_model_len`, prompt building, the common checks, submission."""
+    """The engine handle, the served name, `max_model_len`, prompt building, the common checks, admission."""
 
     unsupported_why: dict[str, str] = {}
     """Per parameter, why it is refused, where a generic "not supported yet" would mislead."""
@@ -113,24 +115,15 @@ class OpenAIServing:
 
     # ---- the engine -------------------------------------------------------------------------------
 
-    def check_capacity(self, places: int = 1) -> None:
-        """A 429 (or 503) before the response starts unless `places` requests can take their place now."""
-        try:
-            self.engine.check_capacity()
-        except EngineBusyError as exc:
-            raise busy(exc) from None
-        except EngineDeadError as exc:
-            raise unavailable(exc) from None
-        free = self.engine.capacity - self.engine.in_flight
-        if places > free:
-            raise busy(EngineBusyError(f"{places} choices but {free} free places in the engine; retry shortly"))
+    async def generation(self, plan: GenerationPlan) -> GenerationRequest:
+        """The engine request of an endpoint's plan, built alike for every wire format (`plan.py`)."""
+        return await generation_request(plan, self.engine, self.max_model_len)
 
-    def submit(self, generation: GenerationRequest) -> Submission:
-        """The request's place in the engine (room for all its `n` choices), or a 429/503; decided at once, with no
-        await between the check and the taking, so concurrent requests cannot overfill the engine."""
-        self.check_capacity(generation.n)
+    def submit(self, *generations: GenerationRequest) -> Submission:
+        """Every request's place in the engine (one per choice), all or none, or a 429/503: the engine's one
+        `admit`, decided at once, so concurrent requests cannot overfill the engine."""
         try:
-            return self.engine.generate(generation)
+            return self.engine.admit(generations)
         except EngineBusyError as exc:
             raise busy(exc) from None
         except EngineDeadError as exc:

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..chat import Prompt
 from ..chat.tools import ToolPlan
-from ..engine.engine import Submission
+from ..engine.submission import Submission
 from ..engine.types import GenerationRequest, TokenEvent
 from .exchange import Exchange
 from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, ToolCallStart, assemble, indexed
@@ -39,10 +38,10 @@ from .protocol import (
     decoder,
     encoder,
 )
-from .response_format import request_grammar
-from .sampling import choice_count, completion_budget, sampling_params
+from .plan import GenerationPlan
+from .response_format import chat_output_format
 from .serving import DONE, OpenAIServing, ServingContext, sse, sse_error
-from .serving_tools import plan_tools, wire_calls
+from .serving_tools import chat_tools, wire_calls
 
 
 @dataclass(frozen=True)
@@ -60,29 +59,20 @@ class ChatService(OpenAIServing):
 
     # ---- request -> engine ------------------------------------------------------------------------
 
-    async def prepare(self, body: bytes, arrival: float) -> PreparedChat:
-        """The checked request and its engine request (built once), or an `APIError` before any byte is sent."""
+    async def prepare(self, body: bytes, arrival: float, cache_scope: str = "") -> PreparedChat:
+        """The checked request and its engine request (built once), or an `APIError` before any byte is sent
+        (`cache_scope`: the tenant whose cached prefixes it may share, `GenerationPlan.cache_scope`)."""
         request: ChatCompletionRequest = self.decode(decoder, body)
-        tools = plan_tools(request)
+        tools = chat_tools(request)
         prompt = await self.build_prompt(request.messages, tool_prompt=tools and tools.prompt())
-        generation = await self._generation(request, prompt, tools, arrival)
-        return PreparedChat(request, generation, int(time.time()), tools)
-
-    async def _generation(
-        self, request: ChatCompletionRequest, prompt: Prompt, tools: ToolPlan | None, arrival: float
-    ) -> GenerationRequest:
-        asked = request.max_completion_tokens or request.max_tokens
-        max_tokens = completion_budget(len(prompt.token_ids), asked, self.default_max_tokens, self.max_model_len, "messages")
         if request.top_logprobs and not request.logprobs:
             raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        sampling = sampling_params(request, max_tokens, logprobs, self.engine.vocab_limit)
-        n = choice_count(request.n, self.engine.num_slots)
-        grammar = await request_grammar(self.engine, tools, request.response_format)
-        return GenerationRequest(
-            f"chatcmpl-{uuid.uuid4().hex}", prompt.token_ids, sampling, arrival, pixel_values=prompt.pixel_values,
-            crop_keys=prompt.cache_keys, grammar=grammar, n=n, cache_salt=request.cache_salt or "",
+        plan = GenerationPlan(
+            f"chatcmpl-{uuid.uuid4().hex}", prompt, request, arrival, request.max_completion_tokens or request.max_tokens,
+            self.default_max_tokens, "messages", tools, chat_output_format(request.response_format),
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None, n=request.n, cache_scope=cache_scope,
         )
+        return PreparedChat(request, await self.generation(plan), int(time.time()), tools)
 
     def _assemblers(self, prepared: PreparedChat) -> dict[int, ChoiceAssembler]:
         logprobs = prepared.generation.sampling.logprobs is not None

@@ -1,22 +1,20 @@
 """`/v1/completions`: the legacy text-completions endpoint (LangChain's `OpenAI`, lm-eval-harness, scripts).
 
 A prompt is raw text (or token ids) continued as is, with `<bos>` first: no chat template. Each prompt is
-one engine submission (with `n` choices: choice k of prompt p has index p * n + k); they run concurrently and
-their events are merged into one `text_completion` whose choices are in that order, or into one SSE stream
-whose chunks carry each choice's `index`.
+one engine request (with `n` choices: choice k of prompt p has index p * n + k), all admitted together in one
+submission; they run concurrently and their events make one `text_completion` whose choices are in that order,
+or one SSE stream whose chunks carry each choice's `index`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 
-from ..engine.engine import Submission
+from ..chat import Prompt
+from ..engine.submission import Submission
 from ..engine.types import GenerationRequest, TokenEvent
 from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, assemble
 from .errors import APIError, generation_failure, invalid_request
@@ -30,7 +28,8 @@ from .protocol import (
     completion_decoder,
     encoder,
 )
-from .sampling import choice_count, completion_budget, sampling_params
+from .plan import GenerationPlan
+from .sampling import choice_count, completion_budget
 from .exchange import Exchange
 from .serving import DONE, OpenAIServing, sse, sse_error
 
@@ -84,15 +83,15 @@ class CompletionService(OpenAIServing):
 
     # ---- request -> engine ------------------------------------------------------------------------
 
-    async def prepare(self, body: bytes, arrival: float) -> PreparedCompletion:
+    async def prepare(self, body: bytes, arrival: float, cache_scope: str = "") -> PreparedCompletion:
         request: CompletionRequest = self.decode(completion_decoder, body)
         if request.max_tokens == 0 and not request.echo:
             raise invalid_request("`max_tokens` must be at least 1 (0 only with `echo: true`)", "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        n = choice_count(request.n, self.engine.num_slots)
+        n = choice_count(request.n, self.engine.num_slots)  # checked first, generating or not (echo only)
         prompts = []
         for index, (text, ids, bos_added) in enumerate(await self._prompts(request.prompt)):
-            generation = self._generation(request, ids, f"{rid}-{index}", arrival, n)
+            generation = await self._generation(request, ids, f"{rid}-{index}", arrival, cache_scope)
             prompts.append(PlannedPrompt(index, text, ids, bos_added, generation))
         return PreparedCompletion(request, rid, int(time.time()), prompts, n)
 
@@ -114,33 +113,22 @@ class CompletionService(OpenAIServing):
             self.check_token_ids(ids, "prompt")
         return [(self.engine.tokenizer.decode(ids), list(ids), False) for ids in lists]
 
-    def _generation(
-        self, request: CompletionRequest, ids: list[int], rid: str, arrival: float, n: int
+    async def _generation(
+        self, request: CompletionRequest, ids: list[int], rid: str, arrival: float, cache_scope: str
     ) -> GenerationRequest | None:
-        asked = request.max_tokens
-        max_tokens = completion_budget(len(ids), asked, DEFAULT_MAX_TOKENS, self.max_model_len, "prompt")
         prompt_logprobs = request.logprobs if request.echo else None
-        if asked == 0:
-            if prompt_logprobs is None:
-                return None
-            max_tokens = 0  # the engine still runs the prompt, for its logprobs
-        sampling = sampling_params(request, max_tokens, request.logprobs, self.engine.vocab_limit)
-        sampling = dataclasses.replace(sampling, prompt_logprobs=prompt_logprobs)
-        return GenerationRequest(rid, ids, sampling, arrival, n=n, cache_salt=request.cache_salt or "")
+        if request.max_tokens == 0 and prompt_logprobs is None:  # the prompt back, nothing to run (if it fits)
+            completion_budget(len(ids), 0, DEFAULT_MAX_TOKENS, self.max_model_len, "prompt")
+            return None
+        plan = GenerationPlan(
+            rid, Prompt(ids), request, arrival, request.max_tokens, DEFAULT_MAX_TOKENS, "prompt",
+            logprobs=request.logprobs, prompt_logprobs=prompt_logprobs, n=request.n, cache_scope=cache_scope,
+        )  # max_tokens 0 with echo and logprobs: the engine still runs the prompt, for its logprobs
+        return await self.generation(plan)
 
-    def _submit(self, prepared: PreparedCompletion) -> dict[int, Submission]:
-        """Every generating prompt's submission, all or none (a 429 unless all can take their places now)."""
-        self.check_capacity(prepared.n * len([p for p in prepared.prompts if p.generation is not None]))
-        submissions: dict[int, Submission] = {}
-        try:
-            for prompt in prepared.prompts:
-                if prompt.generation is not None:
-                    submissions[prompt.index] = self.submit(prompt.generation)
-        except BaseException:
-            for submission in submissions.values():
-                submission.close()
-            raise
-        return submissions
+    def _submit(self, prepared: PreparedCompletion) -> Submission:
+        """Every generating prompt in one admission: all its places or none (a 429 or 503)."""
+        return self.submit(*(p.generation for p in prepared.prompts if p.generation is not None))
 
     def _outputs(self, prepared: PreparedCompletion, lead: bool = False) -> list[ChoiceOutput]:
         """Every choice, in index order: n per prompt; with `echo`, each one's text starts with its prompt's
@@ -163,8 +151,8 @@ class CompletionService(OpenAIServing):
     async def complete(self, prepared: PreparedCompletion, exchange: Exchange) -> bytes:
         outputs = self._outputs(prepared)
         assemblers = {o.index: o.assembler for o in outputs if o.assembler is not None}
-        async with aclosing(merged(self._submit(prepared), prepared.n)) as events:
-            async for _ in assemble(events, assemblers):
+        async with self._submit(prepared) as submission:
+            async for _ in assemble(by_choice(prepared, submission), assemblers):
                 pass
         if not all(a.done for a in assemblers.values()):
             raise generation_failure(None)
@@ -182,12 +170,11 @@ class CompletionService(OpenAIServing):
     def stream(self, prepared: PreparedCompletion, exchange: Exchange) -> AsyncIterator[bytes]:
         """Takes every prompt's place in the engine now (a 429 or 503 before the status line), held by the exchange
         until the stream ends; then the stream's chunks."""
-        submissions = self._submit(prepared)
-        for submission in submissions.values():
-            exchange.hold(submission)
-        return self._stream(prepared, submissions)
+        submission = self._submit(prepared)
+        exchange.hold(submission)
+        return self._stream(prepared, submission)
 
-    async def _stream(self, prepared: PreparedCompletion, submissions: dict[int, Submission]) -> AsyncIterator[bytes]:
+    async def _stream(self, prepared: PreparedCompletion, submission: Submission) -> AsyncIterator[bytes]:
         """A chunk per event that brings text or an end; with `echo`, the prompt first (or, with logprobs, with
         the choice's first event, which brings the prompt's logprobs)."""
         request = prepared.request
@@ -198,9 +185,9 @@ class CompletionService(OpenAIServing):
                 yield self._chunk(prepared, CompletionChoice(output.index, output.plan.prompt_text, None, output.finish_reason))
         by_index = {o.index: o for o in outputs}
         assemblers = {o.index: o.assembler for o in outputs if o.assembler is not None}
-        async with aclosing(merged(submissions, prepared.n)) as events:
+        async with submission:
             try:
-                async for assembler, deltas in assemble(events, assemblers):
+                async for assembler, deltas in assemble(by_choice(prepared, submission), assemblers):
                     choice = self._stream_choice(by_index[assembler.index], deltas, prepared)
                     if choice is not None:
                         yield self._chunk(prepared, choice)
@@ -261,33 +248,11 @@ class CompletionService(OpenAIServing):
         return offset + len(text)
 
 
-async def merged(submissions: dict[int, Submission], n: int) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """The events of several submissions (by prompt index, `n` choices each) as they come, each with its choice
-    index (choice k of prompt p is p * n + k). Closing this iterator
-    (the client went away, or a choice failed) closes every submission, which cancels it in the engine."""
-    queue: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
-
-    async def pump(index: int, submission: Submission) -> None:
-        try:
-            async for event in submission:
-                queue.put_nowait((index, event))
-        finally:
-            queue.put_nowait((index, None))  # this one is done, however it ended
-
-    tasks = [asyncio.create_task(pump(index, submission)) for index, submission in submissions.items()]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, event = await queue.get()
-            if event is None:
-                remaining -= 1
-            else:
-                yield index * n + event.index, event
-    finally:
-        for task in tasks:
-            task.cancel()
-        for submission in submissions.values():
-            submission.close()
+async def by_choice(prepared: PreparedCompletion, submission: Submission) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The submission's events, each with its choice index: choice k of prompt p is p * n + k."""
+    prompt_index = {p.generation.request_id: p.index for p in prepared.prompts if p.generation is not None}
+    async for event in submission:
+        yield prompt_index[event.request_id] * prepared.n + event.index, event
 
 
 def _usage(prepared: PreparedCompletion, outputs: list[ChoiceOutput]) -> Usage:

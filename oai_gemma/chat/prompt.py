@@ -19,7 +19,7 @@ from typing import Any
 from ..settings import ImageSettings
 from .images import image_client, load_images
 from .messages import ChatInputError, ChatMessage
-from .render import ImagePart, RenderedChat, render_chat
+from .render import ImagePart, MessagePath, RenderedChat, render_chat
 from .vision import expand_images
 
 LONG_PROMPT_CHARS = 20_000
@@ -59,13 +59,15 @@ class PromptBuilder:
 
     async def build_prompt(
         self, messages: list[ChatMessage], *, tool_prompt: str | None = None, add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
+        add_special_tokens: bool = False, paths: list[MessagePath] | None = None, field: str = "messages",
     ) -> Prompt:
-        """The prompt of a conversation (`tool_prompt`: the tools' instruction, which opens the first user turn)."""
-        rendered = render_chat(messages, tool_prompt=tool_prompt, add_generation_prompt=add_generation_prompt)
+        """The prompt of a conversation (`tool_prompt`: the tools' instruction, which opens the first user turn).
+        Errors name the request's own fields: `paths` where each message sits (chat's `messages[i]` by default),
+        `field` the whole conversation."""
+        rendered = render_chat(messages, tool_prompt=tool_prompt, add_generation_prompt=add_generation_prompt, paths=paths)
         if rendered.images:
             return await self._vision_prompt(rendered)
-        return Prompt(await self.encode(rendered.prompt, "messages", add_special_tokens))
+        return Prompt(await self.encode(rendered.prompt, field, add_special_tokens))
 
     async def encode(self, text: str, where: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text` (`where`: the field that holds it); a long one (a book) is tokenized off the event

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .messages import ChatInputError, ChatMessage, ContentPart, ImageURL, TextPart, ToolCall, parse_messages
-from .tools import render_tool_calls, render_tool_result
+from .tools import MalformedToolCall, render_tool_calls, render_tool_result
 
 OFFICIAL_TEMPLATE_PATH = Path(__file__).with_name("gemma3_chat_template.jinja")
 IMAGE_TOKEN = "<start_of_image>"
@@ -38,6 +38,32 @@ class ImagePart:
     url: str
     detail: str
     param: str
+
+
+@dataclass(frozen=True)
+class MessagePath:
+    """Where one message sits in the request, so that an error's `param` names what the client sent: chat's
+    `messages[i]`; another wire format names its own (a Responses item is `input[3]`, its parts
+    `input[3].content[j]`, a tool result's `input[4].output[j]`, each tool call the item it came from)."""
+
+    where: str
+    content: str = "content"
+    """The field holding the message's parts; "" when the parts are named as the message itself."""
+    calls: tuple[str, ...] = ()
+    """Where each tool call sits, when not in the message's own `tool_calls`."""
+
+    def part(self, j: int) -> str:
+        return f"{self.where}.{self.content}[{j}]" if self.content else self.where
+
+    def call(self, exc: MalformedToolCall) -> str:
+        if exc.index < len(self.calls):
+            return f"{self.calls[exc.index]}.{exc.field}"
+        return f"{self.where}.{exc}"
+
+
+def chat_paths(count: int) -> list[MessagePath]:
+    """Chat's own: message i is `messages[i]`."""
+    return [MessagePath(f"messages[{i}]") for i in range(count)]
 
 
 @dataclass
@@ -55,13 +81,14 @@ class _Turn:
 
 def render_chat(
     messages: list[ChatMessage] | list[dict], *, tool_prompt: str | None = None, add_generation_prompt: bool = True,
-    bos_token: str = "<bos>",
+    bos_token: str = "<bos>", paths: list[MessagePath] | None = None,
 ) -> RenderedChat:
-    """The prompt text, with a `<start_of_image>` where each image goes, and the images in prompt order."""
+    """The prompt text, with a `<start_of_image>` where each image goes, and the images in prompt order
+    (`paths`: where each message sits in the request, for errors; chat's `messages[i]` by default)."""
     system: list[str] = []
     turns: list[_Turn] = []
-    for i, message in enumerate(parse_messages(messages)):
-        where = f"messages[{i}]"
+    messages = parse_messages(messages)
+    for message, where in zip(messages, paths or chat_paths(len(messages)), strict=True):
         role = _role(message, where)
         if role == "system":
             system.append(_system_text(message.content, where))
@@ -93,26 +120,26 @@ def _prefix(turns: list[_Turn], prefix: str) -> None:
         turns.insert(0, _Turn("user", prefix.strip()))
 
 
-def _role(message: ChatMessage, where: str) -> str:
+def _role(message: ChatMessage, where: MessagePath) -> str:
     if message.role == "function":
-        raise ChatInputError("messages with role 'function' are not supported: send 'tool' messages", where)
+        raise ChatInputError("messages with role 'function' are not supported: send 'tool' messages", where.where)
     return _ROLES[message.role]
 
 
-def _system_text(content: str | list[ContentPart] | None, where: str) -> str:
+def _system_text(content: str | list[ContentPart] | None, where: MessagePath) -> str:
     """Kept as sent (the official template does not trim it); images have no place in Gemma-3's system text."""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(_parts(content, where)):
-        value = _part(part, f"{where}.content[{j}]")
+        value = _part(part, where.part(j))
         if isinstance(value, ImagePart):
             raise ChatInputError("images are not allowed in system messages", value.param)
         texts.append(value)
     return "".join(texts)
 
 
-def _turn_content(role: str, message: ChatMessage, where: str) -> tuple[str, list[ImagePart]]:
+def _turn_content(role: str, message: ChatMessage, where: MessagePath) -> tuple[str, list[ImagePart]]:
     """Each text trimmed and the parts concatenated as the official template does; an image is its marker."""
     content = message.content
     if role == "model" and message.tool_calls:
@@ -123,12 +150,12 @@ def _turn_content(role: str, message: ChatMessage, where: str) -> tuple[str, lis
     return _content(content, where)
 
 
-def _content(content: str | list[ContentPart] | None, where: str) -> tuple[str, list[ImagePart]]:
+def _content(content: str | list[ContentPart] | None, where: MessagePath) -> tuple[str, list[ImagePart]]:
     if isinstance(content, str):
         return content.strip(), []
     pieces, images = [], []
     for j, part in enumerate(_parts(content, where)):
-        value = _part(part, f"{where}.content[{j}]")
+        value = _part(part, where.part(j))
         if isinstance(value, ImagePart):
             images.append(value)
             pieces.append(IMAGE_TOKEN)
@@ -137,14 +164,14 @@ def _content(content: str | list[ContentPart] | None, where: str) -> tuple[str, 
     return "".join(pieces), images
 
 
-def _tool_calls(tool_calls: list[ToolCall], where: str) -> str:
+def _tool_calls(tool_calls: list[ToolCall], where: MessagePath) -> str:
     try:
         return render_tool_calls(tool_calls)
-    except ValueError as exc:
-        raise ChatInputError("each tool call needs a function name and JSON object arguments", f"{where}.{exc}") from None
+    except MalformedToolCall as exc:
+        raise ChatInputError("each tool call needs a function name and JSON object arguments", where.call(exc)) from None
 
 
-def _tool_result(message: ChatMessage, where: str) -> str:
+def _tool_result(message: ChatMessage, where: MessagePath) -> str:
     """A tool's answer (text only, as OpenAI allows) in the block the model is told results come in."""
     text, images = _content(message.content, where)
     if images:
@@ -152,9 +179,9 @@ def _tool_result(message: ChatMessage, where: str) -> str:
     return render_tool_result(text)
 
 
-def _parts(content: list[ContentPart] | None, where: str) -> list[ContentPart]:
+def _parts(content: list[ContentPart] | None, where: MessagePath) -> list[ContentPart]:
     if content is None:
-        raise ChatInputError("content is required", where)
+        raise ChatInputError("content is required", where.where)
     return content
 
 

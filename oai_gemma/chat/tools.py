@@ -118,10 +118,19 @@ def _obligation(must_call: str | None) -> str:
     return "\nAnswer with a call of one of these functions."
 
 
+class MalformedToolCall(ValueError):
+    """Call `index` of a message's `tool_calls` is malformed at `field` (`name`, `arguments`)."""
+
+    def __init__(self, index: int, field: str):
+        super().__init__(f"tool_calls[{index}].function.{field}")
+        self.index = index
+        self.field = field
+
+
 def render_tool_calls(tool_calls: list[ToolCall] | list[dict]) -> str:
     """An assistant message's OpenAI `tool_calls` as the model would have written them.
 
-    Raises ValueError naming the field (relative to the message) when a call is malformed.
+    Raises MalformedToolCall (a ValueError naming the field, relative to the message) when a call is malformed.
     """
     rendered = []
     for j, call in enumerate(tool_calls):
@@ -129,9 +138,9 @@ def render_tool_calls(tool_calls: list[ToolCall] | list[dict]) -> str:
         try:
             parsed = json.loads(arguments or "{}")
         except json.JSONDecodeError:
-            raise ValueError(f"tool_calls[{j}].function.arguments") from None
+            raise MalformedToolCall(j, "arguments") from None
         if not isinstance(parsed, dict):
-            raise ValueError(f"tool_calls[{j}].function.arguments")
+            raise MalformedToolCall(j, "arguments")
         rendered.append({"name": name, "parameters": parsed})
     return json.dumps(rendered[0] if len(rendered) == 1 else rendered, ensure_ascii=False)
 
@@ -141,9 +150,9 @@ def _name_and_arguments(call: ToolCall | dict, j: int) -> tuple[str, str]:
         try:
             call = msgspec.convert(call, ToolCall)
         except msgspec.ValidationError:
-            raise ValueError(f"tool_calls[{j}].function.name") from None
+            raise MalformedToolCall(j, "name") from None
     if not call.function.name:
-        raise ValueError(f"tool_calls[{j}].function.name")
+        raise MalformedToolCall(j, "name")
     return call.function.name, call.function.arguments
 
 

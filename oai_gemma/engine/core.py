@@ -28,7 +28,7 @@ from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
 from .scheduler import Scheduler
 from .sequence import ParentRequest, Sequence, Step
-from .types import GenerationRequest, TokenEvent
+from .types import GenerationRequest, TokenEvent, completion_room
 
 log = logging.getLogger("oai_gemma.engine")
 
@@ -139,7 +139,7 @@ class EngineCore:
             cache_keys=list(request.prompt_token_ids),
             index=index,
             matcher=None if request.grammar is None else request.grammar.matcher(
-                budget=min(request.sampling.max_tokens, self.limits.max_model_len - len(request.prompt_token_ids) - 1)
+                budget=min(request.sampling.max_tokens, completion_room(self.limits.max_model_len, len(request.prompt_token_ids)))
             ),
         )
 
@@ -147,7 +147,7 @@ class EngineCore:
         prompt = request.prompt_token_ids
         seq = ParentRequest.fan_out(request, lambda index: self._sequence(request, sink, index))
         error = None
-        if not prompt or len(prompt) + 1 > self.limits.max_model_len:
+        if not prompt or completion_room(self.limits.max_model_len, len(prompt)) < 1:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
         elif request.pixel_values is not None:
             try:

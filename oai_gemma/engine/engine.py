@@ -1,4 +1,4 @@
-"""The engine as its users see it: submit a request, get an async stream of TokenEvents; cancel; drain.
+"""The engine as its users see it: admit requests, get an async stream of their TokenEvents; cancel; drain.
 
 `Engine` is the facade the API holds (and the tests, the benchmark, a notebook): the event-loop side of
 submission (capacity, the places in flight, timeouts, the observer) and the few model facts a route needs
@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -63,7 +64,7 @@ class Engine:
         """Events a request's consumer may fall behind before the request is cancelled (Submission); 0: no limit."""
         self.admitting = True
         self.in_flight = 0
-        """Requests between submit and their last event (touched on the event loop only)."""
+        """Places taken (one per choice) between `admit` and their submission's end (touched on the event loop only)."""
         self.observer = RequestObserver()
         self.weight_bytes = self.core.runner.weight_bytes()
         """Bytes of the weights held in memory (counted once: they do not change)."""
@@ -109,7 +110,7 @@ class Engine:
         return self.core.dead_reason
 
     def stop_admitting(self) -> None:
-        """From now on `generate` refuses new requests; running ones go on (graceful shutdown)."""
+        """From now on `admit` refuses new requests; running ones go on (graceful shutdown)."""
         self.admitting = False
 
     def abort_all(self, reason: str) -> None:
@@ -118,38 +119,58 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> Submission:
-        """Submit a request now; returns an async iterator of its events, the last one with a finish_reason.
+    def admit(self, requests: Iterable[GenerationRequest]) -> Submission:
+        """Take a place for every choice of every request now, all or none, and start them: one async iterator of
+        their events, each request's choices ending with a finish_reason.
 
-        Raises EngineBusyError / EngineDeadError at once, before any response has started. Closing the
-        submission early (a client that went away) cancels the request in the engine.
+        Raises EngineBusyError (not enough free places) or EngineDeadError (no engine, or shutting down) at once,
+        before any response has started. The places come back when the submission ends, however it ends;
+        closing it early (a client that went away) cancels its requests in the engine.
         """
-        self.check_capacity()
-        if not request.arrival_time:
-            request.arrival_time = time.perf_counter()
-        submission = Submission(self, request, self.request_timeout, self.idle_timeout, self.max_backlog)
-        self.core.add(request, submission.events)
-        self.in_flight += request.n
+        now = time.perf_counter()
+        requests = [request if request.arrival_time else replace(request, arrival_time=now) for request in requests]
+        places = sum(request.n for request in requests)
+        self._check_room(places)
+        submission = Submission(
+            requests, self._release, self.observer, self.request_timeout, self.idle_timeout, self.max_backlog
+        )
+        self.in_flight += places
+        for request in requests:
+            self.core.add(request, submission.events)
         return submission
 
-    def check_capacity(self) -> None:
-        """Raise unless a new request can be taken now (call before a response starts)."""
+    def generate(self, request: GenerationRequest) -> Submission:
+        """`admit` of one request."""
+        return self.admit([request])
+
+    def _check_room(self, places: int) -> None:
         if not self.alive:
             self.observer.on_reject("dead")
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if not self.admitting:
             raise EngineDeadError("the server is shutting down")
-        if self.in_flight >= self.capacity:
+        free = self.capacity - self.in_flight
+        if places > free:
             self.observer.on_reject("busy")
-            raise EngineBusyError(f"all {self.capacity} places (batch slots and waiting line) are taken; retry shortly")
+            taken = f"all {self.capacity} places (batch slots and waiting line) are taken" if free <= 0 else (
+                f"{places} choices but {free} free places in the engine"
+            )
+            raise EngineBusyError(f"{taken}; retry shortly")
+
+    def _release(self, places: int, running: list[str]) -> None:
+        """A submission ended: its places come back, and what it still had running is cancelled."""
+        self.in_flight -= places
+        for request_id in running:
+            self.core.cancel(request_id)
 
     def cancel(self, request_id: str) -> None:
         self.core.cancel(request_id)
 
     def stats(self) -> dict[str, float]:
         """How busy the engine is right now: running, waiting, steps, kv_cache_usage (the share of KV blocks held by
-        running requests), prefix_cache_usage (the share holding only cached prefixes)."""
-        return self.core.stats()
+        running requests), prefix_cache_usage (the share holding only cached prefixes), in_flight (the places
+        admitted and not given back yet: one per choice)."""
+        return {**self.core.stats(), "in_flight": self.in_flight}
 
     def server_info(self) -> dict[str, object]:
         """What `/health` and `/v1/server_info` show: the configuration as resolved (what each `auto` became) and

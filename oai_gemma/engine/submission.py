@@ -1,97 +1,129 @@
-"""One request's events on the event loop: an async iterator over its asyncio queue, with its time limits."""
+"""One admission's events on the event loop: an async iterator over its asyncio queue, with its time limits.
+
+It knows nothing of the engine: its places go back through the one `release` callback it was given.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
+from .observer import RequestObserver
 from .types import GenerationRequest, TokenEvent
 
-if TYPE_CHECKING:
-    from .engine import Engine
+Release = Callable[[int, list[str]], None]
+"""`release(places, running)`: give `places` back and cancel the request ids in `running` (still generating)."""
 
 
 class Submission:
-    """One request's events as an async iterator, and its place in the engine until closed.
+    """The events of one admission (one request or several, every choice of each) as one async iterator, and
+    their places in the engine until it ends.
 
-    A class, not an async generator: closing must free the place even if iteration never started.
-    A request that runs past its total time, or waits too long for its next event, ends with a last
-    event of finish_reason `timeout` (and is cancelled in the engine). One whose consumer falls `max_backlog`
-    events behind (a stream to a client that stopped reading) is cancelled and closed at once, so its KV and its
-    place are freed and its memory bounded; its consumer, should it ever read on, gets the backlog, then an `error`."""
+    A class, not an async generator: closing must give the places back even if iteration never started.
+    It ends once every choice's last event was taken, or when closed early (the consumer went away); either
+    way `release` is called exactly once. A submission that runs past its total time, or waits too long for
+    its next event, ends each request still running with a last event of finish_reason `timeout`. One whose
+    consumer falls `max_backlog` events behind (a stream to a client that stopped reading) is cancelled and closed
+    at once, so its KV and its places are freed and its memory bounded; its consumer, should it ever read on, gets
+    the backlog, then an `error` for each request.
+    """
 
     def __init__(
-        self, engine: Engine, request: GenerationRequest, timeout: float = 0.0, idle_timeout: float = 0.0, max_backlog: int = 0,
+        self, requests: Sequence[GenerationRequest], release: Release, observer: RequestObserver,
+        timeout: float = 0.0, idle_timeout: float = 0.0, max_backlog: int = 0,
     ):
-        self.engine = engine
-        self.request = request
+        self.requests = {request.request_id: request for request in requests}
+        self.places = sum(request.n for request in requests)
+        """Every choice of every request holds one place."""
         self.events: asyncio.Queue[TokenEvent] = _Backlog(self, max_backlog) if max_backlog else asyncio.Queue()
         self.overflowed = False
-        self.unfinished = request.n
-        """Choices still generating: the submission ends with the last one's last event."""
-        self.finished = False
+        self.release = release
+        self.observer = observer
+        self.live = {request.request_id: request.n for request in requests}
+        """Per request, its choices whose last event has not been taken yet."""
+        self.overdue: list[TokenEvent] = []
+        """Past a time limit: the `timeout` events still to hand out, one per request that was running."""
+        self.cut: list[str] = []
+        """Requests ended by a timeout: over for the consumer, still to cancel in the engine."""
         self.closed = False
-        self.deadline = request.arrival_time + timeout if timeout else None
+        arrival = min((request.arrival_time for request in requests), default=0.0)
+        self.deadline = arrival + timeout if timeout else None
+        self.timeout = timeout
         self.idle_timeout = idle_timeout or None
 
     def __aiter__(self) -> "Submission":
         return self
 
     async def __anext__(self) -> TokenEvent:
-        if self.finished:
+        if not self.live:
+            self.close()
             raise StopAsyncIteration
+        event = self.overdue.pop(0) if self.overdue else await self._next()
+        request = self.requests[event.request_id]
+        if not self.closed:  # (a backlog read after an overflow closed the submission is not observed)
+            self.observer.on_event(request, event)
+        if event.finish_reason is not None:
+            self._choice_ended(request, timed_out=event.finish_reason == "timeout")
+        return event
+
+    async def _next(self) -> TokenEvent:
         limit, wait = "idle", self.idle_timeout  # whichever limit comes first is the one armed
         if self.deadline is not None:
             left = self.deadline - time.perf_counter()
             if wait is None or left < wait:
                 limit, wait = "total", left
         if not self.events.empty():
-            event = self.events.get_nowait()
-        elif wait is None:
-            event = await self.events.get()
-        else:
-            try:
-                event = await asyncio.wait_for(self.events.get(), max(wait, 0.0))
-            except TimeoutError:
-                event = self._timed_out(limit)
-                self.engine.cancel(self.request.request_id)
-                self.unfinished = 1  # the timeout ends every choice
-        if event.finish_reason is not None and self.overflowed:
-            self.unfinished = 1  # the backlog's end ends every choice
-        if not self.closed:  # (a backlog read after an overflow closed the submission is not observed)
-            self.engine.observer.on_event(self.request, event)
-        if event.finish_reason is not None:
-            self.unfinished -= 1
-            if not self.unfinished:
-                self.finished = True
-                self.close()
-        return event
+            return self.events.get_nowait()
+        if wait is None:
+            return await self.events.get()
+        try:
+            return await asyncio.wait_for(self.events.get(), max(wait, 0.0))
+        except TimeoutError:
+            self.overdue = [self._timed_out(limit, request_id) for request_id in self.live]
+            return self.overdue.pop(0)
 
-    def _timed_out(self, limit: str) -> TokenEvent:
+    def _timed_out(self, limit: str, request_id: str) -> TokenEvent:
         why = (
-            f"the request ran past the server's request timeout ({self.deadline - self.request.arrival_time:g} s)"
+            f"the request ran past the server's request timeout ({self.timeout:g} s)"
             if limit == "total" else f"no token for {self.idle_timeout:g} s (the server's idle timeout)"
         )
-        return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "timeout", error=why)
+        return TokenEvent(request_id, None, "", time.perf_counter(), "timeout", error=why)
 
-    def overflow(self) -> TokenEvent:
-        """The consumer is `max_backlog` events behind: cancel the request and give its place back (its client may
-        hold the connection without reading for good); the event that ends its stream."""
+    def _choice_ended(self, request: GenerationRequest, timed_out: bool) -> None:
+        """A timeout, or the backlog's end, ends every choice of its request at once."""
+        request_id = request.request_id
+        self.live[request_id] = 0 if timed_out or self.overflowed else self.live[request_id] - 1
+        if self.live[request_id]:
+            return
+        del self.live[request_id]
+        if self.closed:  # after an overflow: its places went back and its requests were cancelled then
+            return
+        if timed_out:
+            self.cut.append(request_id)
+        self.observer.on_close(request, cancelled=False)
+        if not self.live:
+            self.close()
+
+    def overflow(self) -> list[TokenEvent]:
+        """The consumer is `max_backlog` events behind: cancel the requests and give the places back (its client may
+        hold the connection without reading for good); the events that end each request's stream."""
         self.overflowed = True
-        self.engine.observer.on_backlog_full(self.request)
+        for request_id in self.live:
+            self.observer.on_backlog_full(self.requests[request_id])
+        ending = list(self.live)
         self.close()
         why = f"the client fell {self.events.limit} events behind the stream (not reading): the request was cancelled"
-        return TokenEvent(self.request.request_id, None, "", time.perf_counter(), "error", error=why)
+        return [TokenEvent(request_id, None, "", time.perf_counter(), "error", error=why) for request_id in ending]
 
     def close(self) -> None:
+        """Give the places back (once); requests whose last event was not taken are cancelled in the engine."""
         if self.closed:
             return
         self.closed = True
-        self.engine.in_flight -= self.request.n
-        if not self.finished:
-            self.engine.cancel(self.request.request_id)
-        self.engine.observer.on_close(self.request, cancelled=not self.finished)
+        self.release(self.places, self.cut + list(self.live))
+        for request_id in self.live:
+            self.observer.on_close(self.requests[request_id], cancelled=True)
 
     async def __aenter__(self) -> "Submission":
         return self
@@ -101,7 +133,7 @@ class Submission:
 
 
 class _Backlog(asyncio.Queue):
-    """A submission's events, at most `maxsize` waiting: the event that would pass it ends the request instead
+    """A submission's events, at most `limit` waiting: the event that would pass it ends the requests instead
     (`Submission.overflow`); whatever the engine still sends before the cancel lands is dropped."""
 
     def __init__(self, submission: Submission, limit: int):
@@ -111,6 +143,8 @@ class _Backlog(asyncio.Queue):
     def put_nowait(self, event: TokenEvent) -> None:
         if self.submission.overflowed:
             return
-        if self.qsize() >= self.limit:
-            event = self.submission.overflow()
-        super().put_nowait(event)
+        if self.qsize() < self.limit:
+            super().put_nowait(event)
+            return
+        for ending in self.submission.overflow():
+            super().put_nowait(ending)

@@ -10,6 +10,13 @@ FinishReason = Literal["stop", "length", "cancelled", "error", "timeout", "abort
 `aborted`: the server ended it (shutting down); `error`: it failed (the event's `error` says why)."""
 
 
+def completion_room(max_model_len: int, tokens: int) -> int:
+    """How many more tokens fit after `tokens` (a prompt, or a prompt and its output so far): the one rule
+    prompt + completion <= max_model_len, read by the API's budget, the engine's admission, a grammar's budget
+    and the length stop alike."""
+    return max_model_len - tokens
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -44,13 +51,15 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
+    """One prompt to generate from, built once (`api/plan.py` for the API) and never changed after."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
-    """time.perf_counter() when the HTTP request arrived; set by submit() when left 0."""
+    """time.perf_counter() when the HTTP request arrived; left 0, `Engine.admit` takes the time of admission."""
     pixel_values: object | None = None
     """[crops, 3, H, W] tensor for the image soft-token blocks of the prompt, in order (multimodal models)."""
     crop_keys: tuple[int, ...] = ()

@@ -5,21 +5,22 @@ Responses and chat completions say the same things in two shapes: a `message` it
 So this module only translates, and the one chat path (template, tools, images, grammar) renders the result.
 
 Items are checked here, one by one, so that an error names the item as the client wrote it
-(`input[3].content[0]`); an error the chat path raises about `messages[i]...` is renamed back to the item it
-came from by `Conversation.param`. Validated items are kept in the stored shape (ids given, content as parts),
+(`input[3].content[0]`); each chat message carries where its item sits (`chat.MessagePath`), so an error the chat
+path raises names the item too. Validated items are kept in the stored shape (ids given, content as parts),
 which is what `GET /v1/responses/{id}/input_items` lists and what `previous_response_id` continues.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from ...chat import ChatMessage, MessagePath
+from ...chat.messages import FunctionCall, ImageURL, ImageURLPart, TextPart, ToolCall
 from ..errors import APIError, invalid_request, openai_wording, param_from_validation
 from .protocol import (
     FunctionCallItem,
@@ -147,67 +148,42 @@ def _shown(value: Any) -> str:
 
 
 @dataclass
-class _Source:
-    """Where a chat message came from: its item's param, and the items of its merged tool calls."""
-
-    param: str
-    content: str = "content"
-    calls: list[str] = field(default_factory=list)
-
-
-@dataclass
 class Conversation:
-    """The chat messages, and for each one the request field it came from (to rename chat's error params)."""
+    """The chat messages, and where each one sits in the request (so chat's errors name the item the client sent)."""
 
-    messages: list[dict]
-    sources: list[_Source]
+    messages: list[ChatMessage] = field(default_factory=list)
+    paths: list[MessagePath] = field(default_factory=list)
 
-    _PARAM = re.compile(r"^messages\[(\d+)\](?:\.(content|tool_calls)\[(\d+)\])?(.*)$")
-
-    def param(self, chat_param: str | None) -> str | None:
-        """`messages[2].content[0]` -> `input[3].content[0]`; a param about anything else is kept."""
-        if chat_param == "messages":
-            return "input"
-        match = self._PARAM.match(chat_param or "")
-        if not match or int(match.group(1)) >= len(self.sources):
-            return chat_param
-        source = self.sources[int(match.group(1))]
-        index, rest = match.group(3), match.group(4)
-        if match.group(2) == "tool_calls" and int(index) < len(source.calls):
-            return source.calls[int(index)] + rest.replace(".function", "", 1)
-        if match.group(2) == "content" and source.content:
-            return f"{source.param}.{source.content}[{index}]{rest}"
-        return source.param
+    def add(self, message: ChatMessage, path: MessagePath) -> None:
+        self.messages.append(message)
+        self.paths.append(path)
 
 
 def to_messages(instructions: str | None, items: list[StoredItem], params: list[str]) -> Conversation:
     """Chat messages for `instructions` (a system message, as OpenAI's developer message) and the items;
     `params[k]` names item k in errors (`input[3]`, or `previous_response_id` for a stored one)."""
-    messages: list[dict] = []
-    sources: list[_Source] = []
+    conversation = Conversation()
     if instructions:
-        messages.append({"role": "system", "content": instructions})
-        sources.append(_Source("instructions", ""))
+        conversation.add(ChatMessage("system", instructions), MessagePath("instructions", ""))
     for item, param in zip(items, params, strict=True):
         if isinstance(item, FunctionToolCall):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1]["role"] == "assistant":  # its text, then its calls: one model turn
-                messages[-1].setdefault("tool_calls", []).append(call)
-                sources[-1].calls.append(param)
+            call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+            last = conversation.messages[-1] if conversation.messages else None
+            if last is not None and last.role == "assistant":  # its text, then its calls: one model turn
+                last.tool_calls = [*(last.tool_calls or []), call]
+                path = conversation.paths[-1]
+                conversation.paths[-1] = MessagePath(path.where, path.content, (*path.calls, param))
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                sources.append(_Source(param, "", [param]))
+                conversation.add(ChatMessage("assistant", None, tool_calls=[call]), MessagePath(param, "", (param,)))
         elif isinstance(item, FunctionCallOutputResource):
             output = item.output if isinstance(item.output, str) else [_chat_part(p) for p in item.output]
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-            sources.append(_Source(param, "output"))
+            conversation.add(ChatMessage("tool", output, tool_call_id=item.call_id), MessagePath(param, "output"))
         else:
-            messages.append({"role": item.role, "content": [_chat_part(p) for p in item.content]})
-            sources.append(_Source(param))
-    return Conversation(messages, sources)
+            conversation.add(ChatMessage(item.role, [_chat_part(p) for p in item.content]), MessagePath(param))
+    return conversation
 
 
-def _chat_part(part) -> dict:
+def _chat_part(part) -> TextPart | ImageURLPart:
     if isinstance(part, InputImage):
-        return {"type": "image_url", "image_url": {"url": part.image_url, "detail": part.detail}}
-    return {"type": "text", "text": part.text}
+        return ImageURLPart(ImageURL(part.image_url, part.detail))
+    return TextPart(part.text)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from ..protocol import Penalty
+from ..protocol import SamplingFields
 
 # ---- request: input items ----------------------------------------------------------------------------
 
@@ -112,15 +112,15 @@ class ReasoningParam(Struct, omit_defaults=True):
     context: str | None = None
 
 
-class ResponsesRequest(Struct, kw_only=True, omit_defaults=True):
+class ResponsesRequest(SamplingFields, kw_only=True, omit_defaults=True):
+    """The sampling fields (`temperature`, `top_p`, vLLM's extensions ...) are chat's, mapped onto the engine alike."""
+
     model: str
     input: str | list[Any] | None = None
     """A string (one user message) or a list of items, decoded item by item in `responses_input.py`."""
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     """Decoded one by one: a built-in tool (`web_search`, ...) is a 400 naming it."""
@@ -136,8 +136,6 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True):
     include: list[str] | None = None
     reasoning: ReasoningParam | None = None
     prompt_cache_key: str | None = None
-    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
-    """vLLM's: requests share cached prompt prefixes only with requests of the same salt."""
     safety_identifier: str | None = None
     service_tier: str | None = None
     max_tool_calls: Annotated[int, Meta(ge=1)] | None = None
@@ -146,17 +144,6 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True):
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    # vLLM's sampling extensions, mapped onto the engine as chat's are
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
-    ignore_eos: bool | None = None
 
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do, else None."""

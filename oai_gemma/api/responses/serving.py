@@ -1,13 +1,14 @@
 """`/v1/responses`: the Responses API, a sibling of chat completions on the same request path.
 
-    wire request --responses_input--> chat messages (instructions, the previous response's conversation, input)
-                 --chat's plan_tools / build_prompt / request_grammar--> one engine request, as chat builds it
-    engine events --choices.ChoiceAssembler--> deltas --responses_events.ResponseEvents--> output items and events
+    wire request --input.py--> chat messages (instructions, the previous response's conversation, input), each
+                 with the item it came from --build_prompt--> prompt
+                 --a GenerationPlan (tools, `text.format`, sampling, budget)--> one engine request, as chat's is built
+    engine events --choices.ChoiceAssembler--> deltas --events.ResponseEvents--> output items and events
                  --> a `response` object, or SSE `event: ...` / `data: {...}` ending with `response.completed`
 
 Only the translation is this module's: tools, grammars, images, templates and the assembler are chat's, so a
-fix there lands here too. Errors that chat names after `messages[i]`, `tools[i].function` or `response_format`
-are renamed to the field the client sent (`input[3].content[0]`, `tools[0].name`, `text.format`).
+fix there lands here too. Each field is named as the client sent it from the start (`input[3].content[0]`,
+`tools[0].name`, `text.format`), so errors need no renaming.
 
 State: with `store` (default true, as OpenAI's) a finished response and its conversation go to the
 `ResponseStore` under the caller's owner (API key); `previous_response_id` reads it back.
@@ -20,28 +21,24 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
-from types import SimpleNamespace
 from typing import ClassVar
 
 import msgspec
 
-from ...chat import ChatInputError, parse_messages
-from ...chat.tools import ToolPlan
-from ...engine.engine import Submission
+from ...chat.tools import Function, ToolPlan
+from ...engine.submission import Submission
 from ...engine.types import GenerationRequest
 from ..choices import ChoiceAssembler, assemble, indexed
+from ..errors import APIError, generation_failure, invalid_request
 from ..exchange import Exchange
-from ..errors import APIError, chat_input_error, generation_failure, invalid_request
-from ..protocol import (
-    FunctionDefinition,
-    JSONObjectFormat,
-    JSONSchemaFormat,
-    JSONSchemaResponseFormat,
-    NamedFunction,
-    NamedToolChoice,
-    ToolDefinition,
-    encoder,
-)
+from ..plan import GenerationPlan
+from ..protocol import encoder
+from ..response_format import OutputFormat
+from ..serving import OpenAIServing, ServingContext
+from ..serving_chat import logprob_entries
+from ..serving_tools import DeclaredTool, plan_tools
+from .events import ResponseEvents
+from .input import decode_input, to_messages, validation_error
 from .protocol import (
     DeletedResponse,
     FunctionTool,
@@ -61,14 +58,7 @@ from .protocol import (
     stored_items_decoder,
     stored_output_decoder,
 )
-from ..response_format import request_grammar
 from .store import ResponseStore, StoreError
-from .events import ResponseEvents
-from .input import decode_input, to_messages, validation_error
-from ..sampling import completion_budget, sampling_params
-from ..serving import OpenAIServing, ServingContext
-from ..serving_chat import logprob_entries
-from ..serving_tools import plan_tools
 
 LOGPROBS = "message.output_text.logprobs"
 """The `include` value that asks for the output tokens' logprobs (`top_logprobs` sets how many alternatives)."""
@@ -102,33 +92,27 @@ class ResponsesService(OpenAIServing):
 
     # ---- request -> engine ------------------------------------------------------------------------
 
-    async def prepare(self, body: bytes, arrival: float, owner: str) -> PreparedResponse:
+    async def prepare(self, body: bytes, arrival: float, owner: str, cache_scope: str = "") -> PreparedResponse:
         request: ResponsesRequest = self.decode(request_decoder, body)
         self.check_options(request.unsupported_parameter(), request.stream_options, request.stream)
         history = await self._history(request.previous_response_id, owner)
         items = decode_input(request.input)
-        tools = _renamed(lambda: plan_tools(_chat_tools(request)), _tool_param)
+        tools = plan_tools(_declared_tools(request.tools), *_tool_choice(request.tool_choice), request.parallel_tool_calls)
         conversation = to_messages(
             request.instructions, history + items, ["previous_response_id"] * len(history) + [f"input[{i}]" for i in range(len(items))]
         )
-        try:
-            messages = parse_messages(conversation.messages)
-        except ChatInputError as exc:
-            raise _renamed_error(chat_input_error(exc, self.max_model_len), conversation.param) from None
-        prompt = await _renamed_async(self.build_prompt(messages, tool_prompt=tools and tools.prompt()), conversation.param)
-        max_tokens = completion_budget(len(prompt.token_ids), request.max_output_tokens, self.default_max_tokens, self.max_model_len, "input")
-        grammar = await _renamed_async(
-            request_grammar(self.engine, tools, _chat_format(request.text)), lambda p: "text.format" if p == "response_format" else p
+        prompt = await self.build_prompt(
+            conversation.messages, tool_prompt=tools and tools.prompt(), paths=conversation.paths, field="input"
         )
-        logprobs = (request.top_logprobs or 0) if LOGPROBS in (request.include or ()) else None
-        sampling = sampling_params(request, max_tokens, logprobs, self.engine.vocab_limit)
         response_id = f"resp_{uuid.uuid4().hex}"
-        generation = GenerationRequest(
-            response_id, prompt.token_ids, sampling, arrival, pixel_values=prompt.pixel_values, crop_keys=prompt.cache_keys,
-            grammar=grammar, cache_salt=request.cache_salt or "",
+        plan = GenerationPlan(
+            response_id, prompt, request, arrival, request.max_output_tokens, self.default_max_tokens, "input", tools,
+            _output_format(request.text), logprobs=(request.top_logprobs or 0) if LOGPROBS in (request.include or ()) else None,
+            cache_scope=cache_scope,
         )
-        self.check_capacity()
-        return PreparedResponse(request, generation, tools, self._skeleton(request, response_id, sampling), history + items, owner)
+        generation = await self.generation(plan)
+        response = self._skeleton(request, response_id, generation.sampling)
+        return PreparedResponse(request, generation, tools, response, history + items, owner)
 
     async def _history(self, previous_id: str | None, owner: str) -> list[StoredItem]:
         """The previous response's conversation: its input items, then its output."""
@@ -282,14 +266,14 @@ def _error_code(exc: APIError) -> str:
     return "rate_limit_exceeded" if exc.status == 429 else "server_error"
 
 
-# ---- Responses' tools and text format in chat's shapes --------------------------------------------------
+# ---- Responses' tools and text format, as the plan takes them ---------------------------------------------
 
 
-def _chat_tools(request: ResponsesRequest) -> SimpleNamespace:
-    """`tools`, `tool_choice` and `parallel_tool_calls` as chat's `plan_tools` reads them; a built-in tool
-    (`web_search`, `file_search`, ...) or a malformed one is a 400 naming it."""
+def _declared_tools(raw: list | None) -> list[DeclaredTool]:
+    """`tools`, each named `tools[i]`; a built-in tool (`web_search`, `file_search`, ...) or a malformed one is a
+    400 naming it."""
     tools = []
-    for i, tool in enumerate(request.tools or []):
+    for i, tool in enumerate(raw or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise invalid_request(
@@ -299,52 +283,26 @@ def _chat_tools(request: ResponsesRequest) -> SimpleNamespace:
             f = msgspec.convert(tool, FunctionTool)
         except msgspec.ValidationError as exc:
             raise validation_error(exc, f"tools[{i}]") from None
-        tools.append(ToolDefinition("function", FunctionDefinition(f.name, f.description, f.parameters, f.strict)))
-    return SimpleNamespace(tools=tools, tool_choice=_chat_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls)
+        tools.append(DeclaredTool(Function(f.name, f.description, f.parameters), f"tools[{i}]"))
+    return tools
 
 
-def _chat_tool_choice(choice):
+def _tool_choice(choice) -> tuple[str | None, str | None]:
+    """(none, auto, required or unset; the function named instead)."""
     if choice is None or choice in ("none", "auto", "required"):
-        return choice
+        return choice, None
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return NamedToolChoice("function", NamedFunction(choice["name"]))
+        return None, choice["name"]
     raise invalid_request(
         "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}", "tool_choice"
     )
 
 
-def _tool_param(param: str | None) -> str | None:
-    """chat's `tools[0].function.name` is Responses' `tools[0].name`."""
-    return param.replace(".function", "", 1) if param else param
-
-
-def _chat_format(text: TextParam | None):
-    """`text.format` as chat's `response_format` (None for plain text)."""
+def _output_format(text: TextParam | None) -> OutputFormat | None:
+    """`text.format` (None for plain text)."""
     fmt = text.format if text is not None else None
     if isinstance(fmt, TextFormatJSONObject):
-        return JSONObjectFormat()
+        return OutputFormat({"type": "object"}, "text.format")
     if isinstance(fmt, TextFormatJSONSchema):
-        return JSONSchemaResponseFormat(JSONSchemaFormat(fmt.name, fmt.schema, fmt.description, fmt.strict))
+        return OutputFormat(fmt.schema, "text.format")
     return None
-
-
-# ---- renaming chat's params to the fields the client sent ---------------------------------------------------
-
-
-def _renamed_error(exc: APIError, rename) -> APIError:
-    exc.body.error.param = rename(exc.body.error.param)
-    return exc
-
-
-def _renamed(fn, rename):
-    try:
-        return fn()
-    except APIError as exc:
-        raise _renamed_error(exc, rename) from None
-
-
-async def _renamed_async(awaitable, rename):
-    try:
-        return await awaitable
-    except APIError as exc:
-        raise _renamed_error(exc, rename) from None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..scheduler import Scheduler
 from ..sequence import Sequence
-from ..types import TokenEvent
+from ..types import TokenEvent, completion_room
 
 Events = list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]
 """(the sequence's sink, its event): what a step hands to the event loop."""
@@ -68,7 +68,8 @@ def _outcome(limits: Limits, seq: Sequence, token: int) -> tuple[str, str | None
         return "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
     if seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
         return text + seq.stopper.flush(), done, None
-    if len(seq.output_ids) >= seq.sampling.max_tokens or seq.num_computed + 1 >= limits.max_model_len:
+    # num_computed + 1: the prompt and the output so far (the token just sampled is not computed yet)
+    if len(seq.output_ids) >= seq.sampling.max_tokens or completion_room(limits.max_model_len, seq.num_computed + 1) < 1:
         return text + seq.stopper.flush(), "length", None
     return text, None, None
 
