@@ -61,3 +61,68 @@ void woq_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *w, cons
         }
     }
 }
+
+/* The same product with AVX512F, the same [N/8][K][8] layout (one stored form for both): one 16-byte load is two
+   input columns (k, k+1) of eight outputs, widened into one 512-bit register and multiplied by x[k] and x[k+1]
+   broadcast into its two halves; the halves are summed at the end. Twice the products per instruction of the
+   AVX2 loop, for steps of a few rows, where widening, not memory, is the limit. Each output is still one fixed
+   order of sums (even k, odd k, then both) whatever M, tile or thread. K must be even. */
+#define ROWS512 4
+#define WIDE512 8
+#define NARROW512 6 /* ROWS512 * NARROW512 = 24 accumulators of the 32 registers */
+
+static inline __attribute__((always_inline, target("avx512f"))) void tile512(
+    const int rows, const int groups, const float *x, int64_t K, const int8_t *w,
+    const float *scale, float *y, int64_t N)
+{
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[ROWS512][WIDE512];
+    for (int m = 0; m < rows; m++)
+        for (int g = 0; g < groups; g++) acc[m][g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512 wk[WIDE512];
+        for (int g = 0; g < groups; g++)
+            wk[g] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (g * K + k) * 8))));
+        for (int m = 0; m < rows; m++) {
+            const __m512 pair = _mm512_castpd_ps(_mm512_set1_pd(*(const double *)(x + m * K + k)));
+            const __m512 xk = _mm512_permutexvar_ps(halves, pair);
+            for (int g = 0; g < groups; g++) acc[m][g] = _mm512_fmadd_ps(xk, wk[g], acc[m][g]);
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        const __m256 s = _mm256_loadu_ps(scale + g * 8);
+        for (int m = 0; m < rows; m++) {
+            const __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(acc[m][g]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m][g]), 1)));
+            _mm256_storeu_ps(y + m * N + g * 8, _mm256_mul_ps(sum, s));
+        }
+    }
+}
+
+#define CASE512(r, g) case (r) * 16 + (g): tile512(r, g, xs, K, ws, ss, ys, N); break;
+
+/* As woq_int8_linear, with AVX512F; K even. */
+__attribute__((target("avx512f")))
+void woq_int8_linear_avx512(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, float *y)
+{
+    const int64_t per_tile = M == 1 ? WIDE512 : NARROW512;
+    const int64_t groups = N / 8, tiles = (groups + per_tile - 1) / per_tile;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t g0 = t * per_tile;
+        const int g = groups - g0 < per_tile ? (int)(groups - g0) : (int)per_tile;
+        const int8_t *ws = w + g0 * K * 8;
+        const float *ss = scale + g0 * 8;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS512) {
+            const int r = M - m0 < ROWS512 ? (int)(M - m0) : ROWS512;
+            const float *xs = x + m0 * K;
+            float *ys = y + m0 * N + g0 * 8;
+            switch (r * 16 + g) {
+                CASE512(1, 1) CASE512(1, 2) CASE512(1, 3) CASE512(1, 4) CASE512(1, 5) CASE512(1, 6) CASE512(1, 7)
+                CASE512(1, 8)
+                CASE512(2, 1) CASE512(2, 2) CASE512(2, 3) CASE512(2, 4) CASE512(2, 5) CASE512(2, 6)
+                CASE512(3, 1) CASE512(3, 2) CASE512(3, 3) CASE512(3, 4) CASE512(3, 5) CASE512(3, 6)
+                CASE512(4, 1) CASE512(4, 2) CASE512(4, 3) CASE512(4, 4) CASE512(4, 5) CASE512(4, 6)
+            }
+        }
+    }
+}
