@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .client import run_level, warm_up
 from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
+from .floor import decode_bytes, read_bandwidth
 from .prompts import PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
@@ -126,6 +127,7 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
+    server["decode_bytes"] = decode_bytes(base_url.rstrip("/").removesuffix("/v1") + "/health")
     server["cpu_busy_idle"] = busy = cpu_busy()
     if busy is not None and busy > BUSY_WARNING:
         print(f"[{label}] warning: {busy:.0%} of the CPU is busy while the server idles: other load skews the "
@@ -187,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         "bare": None,
         "servers": {},
     }
+    if not args.cpu_hog:
+        payload["meta"]["read_bandwidth"] = read_bandwidth()  # the floor's denominator (bench/floor.py)
     if args.prompts == "short" and (args.bare or (args.compare and not args.no_bare)):
         from .bare import measure_bare
 
@@ -204,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
                 with running(spec, Path(args.log_dir), args.ready_timeout) as model:
                     server = asyncio.run(_sweep(spec.base_url, model, args, name))
                 server["command"] = shlex.join(spec.argv)
+                if name == "llama-server":  # it reads its GGUF's tensors once a token
+                    server["decode_bytes"] = Path(spec.argv[spec.argv.index("-m") + 1]).stat().st_size
             except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
                 print(f"[{name}] failed: {exc}", file=sys.stderr)
                 server = {"error": str(exc), "levels": []}

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from .floor import bandwidth_line, floor_table
 from .prompts import PROMPT_SETS
 
 NOTES = (
@@ -214,6 +215,9 @@ def console_report(payload: dict) -> str:
     ratios = ratio_table(payload["servers"])
     if ratios:
         parts += ["", "output tok/s, ours / baseline:", ratios]
+    floor = floor_table(payload["servers"], payload["meta"].get("read_bandwidth"))
+    if floor:
+        parts += ["", bandwidth_line(payload["meta"].get("read_bandwidth")) + "; one stream against its floor:", floor]
     for baseline in SHARED_BASELINES if shared else ():
         table = versus_table(payload["servers"], baseline)
         if table:
@@ -266,6 +270,10 @@ def markdown_report(payload: dict) -> str:
     ratios = ratio_table(payload["servers"], markdown=True)
     if ratios:
         out += ["## Output tokens/s: ours ÷ baseline", "", ratios, ""]
+    floor = floor_table(payload["servers"], meta.get("read_bandwidth"), markdown=True)
+    if floor:
+        out += ["## One stream against the physical floor", "", bandwidth_line(meta.get("read_bandwidth")) + ". The floor is "
+                "the bytes one token reads over that bandwidth (bench/floor.py).", "", floor, ""]
     for baseline in SHARED_BASELINES if shared else ():
         table = versus_table(payload["servers"], baseline, markdown=True)
         if table:
