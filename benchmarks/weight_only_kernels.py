@@ -102,7 +102,7 @@ def _native(weight: torch.Tensor, isa: str):
     def call(x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], n)
-        kernel(x.data_ptr(), x.shape[0], k, linear.packed.data_ptr(), linear.scale.data_ptr(), n, y.data_ptr())
+        kernel(x.data_ptr(), x.shape[0], k, linear.packed.data_ptr(), linear.scale.data_ptr(), n, y.data_ptr(), 0, 0)
         return y
 
     return call

@@ -47,9 +47,19 @@ def test_the_avx512_variant_agrees_with_the_avx2_one(rows):
     for even_k in (False, True):
         out[even_k] = torch.empty(rows, 264)
         native.woq_int8_linear(even_k)(x.data_ptr(), rows, 640, linear.packed.data_ptr(), linear.scale.data_ptr(), 264,
-                                       out[even_k].data_ptr())
+                                       out[even_k].data_ptr(), 0, 0)
     assert native.woq_int8_linear(True) is not native.woq_int8_linear(False)
     torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_bf16_activations_and_results_are_converted_in_the_kernel_as_torch_converts_them(rows):
+    # a bf16 model's per-step layout hands the kernel bf16 and takes bf16 back: no conversion ops around the call
+    _, linear = layer(264, 640)
+    x = torch.randn(rows, 640).bfloat16()
+    wide = linear(x.float())
+    assert torch.equal(linear(x), wide), "bf16 in: widened exactly"
+    assert torch.equal(linear(x, torch.bfloat16), wide.bfloat16()), "bf16 out: rounded to nearest even, as torch does"
 
 
 def test_threads_do_not_change_the_result():

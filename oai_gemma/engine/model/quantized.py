@@ -129,14 +129,16 @@ class NativeInt8Linear(QuantizedLinear):
         groups, k, _ = self.packed.shape
         return self.packed.transpose(1, 2).reshape(groups * 8, k).float() * self.scale[:, None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [M, K] float32 or bf16 (widened in the kernel) -> [M, N] in `out_dtype` (float32 or bf16)."""
         if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized once beats the kernel
-            return F.linear(x, self.dequantized())
+            return F.linear(x.float(), self.dequantized()).to(out_dtype)
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
-        y = torch.empty(rows, n, dtype=torch.float32)
-        woq_int8_linear(k % 2 == 0)(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr())
+        y = torch.empty(rows, n, dtype=out_dtype)
+        woq_int8_linear(k % 2 == 0)(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr(),
+                                    x.dtype == torch.bfloat16, out_dtype == torch.bfloat16)
         return y
 
 
@@ -174,8 +176,7 @@ class PerStepLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.rows:
             return self.many(x)
-        y = self.few(x.float())
-        return y.to(x.dtype) if self.cast else y
+        return self.few(x, x.dtype if self.cast else torch.float32)  # bf16 in and out in the kernel itself
 
 
 class DynamicInt8Linear(QuantizedLinear):

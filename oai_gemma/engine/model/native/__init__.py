@@ -64,7 +64,7 @@ def _library() -> ctypes.CDLL:
     for function in (library.woq_int8_linear, library.woq_int8_linear_avx512):
         function.restype = None
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_void_p]
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     return library
 
 
@@ -75,7 +75,7 @@ def cpu_has_avx512() -> bool:
 
 
 def woq_int8_linear(even_k: bool = False):
-    """The compiled `woq_int8_linear(x, M, K, w, scale, N, y)` (woq_int8.c), compiled on first use: its AVX512
+    """The compiled `woq_int8_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16)` (woq_int8.c), compiled on first use: its AVX512
     variant where the CPU has it and K (`even_k`) is even, else the AVX2 one; raises NativeKernelUnavailable with
     the reason where it cannot run here."""
     library = _library()
