@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .client import run_level, warm_up
 from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
-from .floor import decode_bytes, read_bandwidth
+from .floor import engine_step_ms, health, read_bandwidth
 from .prompts import PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
@@ -127,7 +127,8 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
-    server["decode_bytes"] = decode_bytes(base_url.rstrip("/").removesuffix("/v1") + "/health")
+    health_url = base_url.rstrip("/").removesuffix("/v1") + "/health"
+    server["decode_bytes"] = health(health_url).get("decode_bytes")
     server["cpu_busy_idle"] = busy = cpu_busy()
     if busy is not None and busy > BUSY_WARNING:
         print(f"[{label}] warning: {busy:.0%} of the CPU is busy while the server idles: other load skews the "
@@ -138,10 +139,12 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
     for concurrency in args.concurrency:
         num = max(args.num_requests, concurrency)
         first = sent if args.prompts == "shared" else 0
+        before = health(health_url)
         run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key,
                               args.prompts, first)
         sent += num
         level = summarize_level(run)
+        level["engine_step_ms"] = engine_step_ms(before, health(health_url))
         server["levels"].append(level)
         print(f"[{label}] c={concurrency:<3} n={num:<3} {level['output_tok_s']:7.1f} tok/s  "
               f"TTFT p50 {level['ttft_ms']['p50'] or 0:8.1f} ms  ITL p50 {level['itl_ms']['p50'] or 0:7.1f} ms  "
