@@ -85,3 +85,30 @@ def test_the_tokenizer_read_by_tokenizers_answers_as_transformers_does():
     assert len(ours) == len(theirs) and ours.get_vocab() == theirs.get_vocab()
     for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id", "chat_template"):
         assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_the_grammar_compiler_is_built_after_warm_up_or_at_first_use(monkeypatch):
+    """Its token trie holds the GIL for seconds: built beside warm-up it stalled warm-up's steps on 2 cores."""
+    import threading
+
+    from oai_gemma.engine import engine as engine_module
+
+    built, during_warm_up = [], []
+    monkeypatch.setattr(engine_module, "build_grammars", lambda *inputs: built.append(inputs) or "compiler")
+    monkeypatch.setattr(engine_module, "warm_up", lambda core, grammars: during_warm_up.append(list(built)))
+
+    class Bare:
+        warm_up, build_grammars, grammars = (engine_module.Engine.warm_up, engine_module.Engine.build_grammars,
+                                             engine_module.Engine.grammars)
+
+        def __init__(self):
+            self.core, self._grammar_inputs = None, ("tokenizer", [1])
+            self._grammars, self._grammars_lock = None, threading.Lock()
+
+    engine = Bare()
+    engine.warm_up()
+    assert during_warm_up == [[]], "nothing built while warm-up ran"
+    assert engine.grammars == "compiler" and engine.grammars == "compiler"
+    assert built == [("tokenizer", [1])], "built once"
+    lazy = Bare()
+    assert lazy.grammars == "compiler" and len(built) == 2, "without warm-up: at the first structured request"
