@@ -208,9 +208,11 @@ def run(args: argparse.Namespace) -> int:
                 spec = build_spec(name, free_port(), model_dir, dtype, str(device), shlex.split(args.ours_args),
                                   max(args.concurrency))
                 print(f"[{name}] starting: {shlex.join(spec.argv)}", file=sys.stderr, flush=True)
+                started = time.monotonic()
                 with running(spec, Path(args.log_dir), args.ready_timeout) as model:
+                    ready_s = time.monotonic() - started  # process start to /health 200 (issue 27: at most 8 s warm)
                     server = asyncio.run(_sweep(spec.base_url, model, args, name))
-                server["command"] = shlex.join(spec.argv)
+                server["command"], server["ready_s"] = shlex.join(spec.argv), ready_s
                 if name == "llama-server":  # it reads its GGUF's tensors once a token
                     server["decode_bytes"] = Path(spec.argv[spec.argv.index("-m") + 1]).stat().st_size
             except (OSError, RuntimeError, TimeoutError, ValueError) as exc:

@@ -198,7 +198,8 @@ def console_report(payload: dict) -> str:
     parts = [prompt_set_line(payload["meta"])]
     shared = _prompt_set(payload["meta"]) == "shared"
     for name, server in payload["servers"].items():
-        parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')}"
+        ready = f", ready in {server['ready_s']:.1f} s" if server.get("ready_s") is not None else ""
+        parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')}{ready}"
                      f"{_busy(server.get('cpu_busy_idle'))})")
         if server.get("error"):
             parts.append(f"   FAILED: {server['error']}")
@@ -284,6 +285,8 @@ def markdown_report(payload: dict) -> str:
     out += ["## Per server (latencies in ms)", ""]
     for name, server in payload["servers"].items():
         out += [f"### {name}", "", f"`{portable(server.get('command') or server.get('base_url'))}`", ""]
+        if server.get("ready_s") is not None:
+            out += [f"Start to `/health` 200: {server['ready_s']:.1f} s.", ""]
         if server.get("cpu_busy_idle") is not None:
             out += [f"CPU busy while the server idled, before the sweep: {server['cpu_busy_idle']:.0%}.", ""]
         if server.get("error"):
