@@ -67,36 +67,51 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#define CASE(r, g) case (r) * 16 + (g): tile(r, g, xs, K, ws, ss, y, y0, N, y_bf16); break;
+/* The tile for r rows and g groups, their counts constants inside (the loops unroll). */
+typedef void (*tile_fn)(int r, int g, const float *x, int64_t K, const int8_t *w, const float *scale, void *y,
+                        int64_t y0, int64_t N, int y_bf16);
 
-/* x [M, K] float32 (bf16 if x_bf16), w [N/8, K, 8] int8, scale [N] float32 -> y [M, N] float32 (bf16 if
-   y_bf16); N a multiple of 8. */
-void woq_int8_linear(const void *x_in, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, void *y,
-                     int x_bf16, int y_bf16)
+#define CASE(fn, r, g) case (r) * 16 + (g): fn(r, g, x, K, w, scale, y, y0, N, y_bf16); break;
+
+static void tile_avx2(int r, int g, const float *x, int64_t K, const int8_t *w, const float *scale, void *y,
+                      int64_t y0, int64_t N, int y_bf16)
+{
+    switch (r * 16 + g) {
+        CASE(tile, 1, 1) CASE(tile, 1, 2) CASE(tile, 1, 3) CASE(tile, 1, 4) CASE(tile, 1, 5) CASE(tile, 1, 6)
+        CASE(tile, 1, 7) CASE(tile, 1, 8)
+        CASE(tile, 2, 1) CASE(tile, 2, 2) CASE(tile, 2, 3)
+        CASE(tile, 3, 1) CASE(tile, 3, 2) CASE(tile, 3, 3)
+        CASE(tile, 4, 1) CASE(tile, 4, 2) CASE(tile, 4, 3)
+    }
+}
+
+/* Threads share tiles of `wide` (one row) or `narrow` (several) groups of 8 outputs; each tile runs over the rows
+   ROWS at a time. */
+static void run(tile_fn tile_of, int64_t wide, int64_t narrow, const void *x_in, int64_t M, int64_t K,
+                const int8_t *w, const float *scale, int64_t N, void *y, int x_bf16, int y_bf16)
 {
     float *owned;
     const float *x = as_float(x_in, M * K, x_bf16, &owned);
-    const int64_t per_tile = M == 1 ? WIDE : NARROW;
+    const int64_t per_tile = M == 1 ? wide : narrow;
     const int64_t groups = N / 8, tiles = (groups + per_tile - 1) / per_tile;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g0 = t * per_tile;
         const int g = groups - g0 < per_tile ? (int)(groups - g0) : (int)per_tile;
-        const int8_t *ws = w + g0 * K * 8;
-        const float *ss = scale + g0 * 8;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int r = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            const float *xs = x + m0 * K;
-            const int64_t y0 = m0 * N + g0 * 8;
-            switch (r * 16 + g) {
-                CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
-                CASE(2, 1) CASE(2, 2) CASE(2, 3)
-                CASE(3, 1) CASE(3, 2) CASE(3, 3)
-                CASE(4, 1) CASE(4, 2) CASE(4, 3)
-            }
+            tile_of(r, g, x + m0 * K, K, w + g0 * K * 8, scale + g0 * 8, y, m0 * N + g0 * 8, N, y_bf16);
         }
     }
     free(owned);
+}
+
+/* x [M, K] float32 (bf16 if x_bf16), w [N/8, K, 8] int8, scale [N] float32 -> y [M, N] float32 (bf16 if
+   y_bf16); N a multiple of 8. */
+void woq_int8_linear(const void *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, void *y,
+                     int x_bf16, int y_bf16)
+{
+    run(tile_avx2, WIDE, NARROW, x, M, K, w, scale, N, y, x_bf16, y_bf16);
 }
 
 /* The same product with AVX512F, the same [N/8][K][8] layout (one stored form for both): one 16-byte load is two
@@ -104,16 +119,15 @@ void woq_int8_linear(const void *x_in, int64_t M, int64_t K, const int8_t *w, co
    broadcast into its two halves; the halves are summed at the end. Twice the products per instruction of the
    AVX2 loop, for steps of a few rows, where widening, not memory, is the limit. Each output is still one fixed
    order of sums (even k, odd k, then both) whatever M, tile or thread. K must be even. */
-#define ROWS512 4
 #define WIDE512 8
-#define NARROW512 6 /* ROWS512 * NARROW512 = 24 accumulators of the 32 registers */
+#define NARROW512 6 /* ROWS * NARROW512 = 24 accumulators of the 32 registers */
 
 static inline __attribute__((always_inline, target("avx512f"))) void tile512(
     const int rows, const int groups, const float *x, int64_t K, const int8_t *w,
     const float *scale, void *y, int64_t y0, int64_t N, int y_bf16)
 {
     const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[ROWS512][WIDE512];
+    __m512 acc[ROWS][WIDE512];
     for (int m = 0; m < rows; m++)
         for (int g = 0; g < groups; g++) acc[m][g] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 2) {
@@ -135,35 +149,25 @@ static inline __attribute__((always_inline, target("avx512f"))) void tile512(
     }
 }
 
-#define CASE512(r, g) case (r) * 16 + (g): tile512(r, g, xs, K, ws, ss, y, y0, N, y_bf16); break;
+__attribute__((target("avx512f")))
+static void tile_avx512(int r, int g, const float *x, int64_t K, const int8_t *w, const float *scale, void *y,
+                        int64_t y0, int64_t N, int y_bf16)
+{
+    switch (r * 16 + g) {
+        CASE(tile512, 1, 1) CASE(tile512, 1, 2) CASE(tile512, 1, 3) CASE(tile512, 1, 4) CASE(tile512, 1, 5)
+        CASE(tile512, 1, 6) CASE(tile512, 1, 7) CASE(tile512, 1, 8)
+        CASE(tile512, 2, 1) CASE(tile512, 2, 2) CASE(tile512, 2, 3) CASE(tile512, 2, 4) CASE(tile512, 2, 5)
+        CASE(tile512, 2, 6)
+        CASE(tile512, 3, 1) CASE(tile512, 3, 2) CASE(tile512, 3, 3) CASE(tile512, 3, 4) CASE(tile512, 3, 5)
+        CASE(tile512, 3, 6)
+        CASE(tile512, 4, 1) CASE(tile512, 4, 2) CASE(tile512, 4, 3) CASE(tile512, 4, 4) CASE(tile512, 4, 5)
+        CASE(tile512, 4, 6)
+    }
+}
 
 /* As woq_int8_linear, with AVX512F; K even. */
-__attribute__((target("avx512f")))
-void woq_int8_linear_avx512(const void *x_in, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N,
+void woq_int8_linear_avx512(const void *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N,
                             void *y, int x_bf16, int y_bf16)
 {
-    float *owned;
-    const float *x = as_float(x_in, M * K, x_bf16, &owned);
-    const int64_t per_tile = M == 1 ? WIDE512 : NARROW512;
-    const int64_t groups = N / 8, tiles = (groups + per_tile - 1) / per_tile;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t g0 = t * per_tile;
-        const int g = groups - g0 < per_tile ? (int)(groups - g0) : (int)per_tile;
-        const int8_t *ws = w + g0 * K * 8;
-        const float *ss = scale + g0 * 8;
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS512) {
-            const int r = M - m0 < ROWS512 ? (int)(M - m0) : ROWS512;
-            const float *xs = x + m0 * K;
-            const int64_t y0 = m0 * N + g0 * 8;
-            switch (r * 16 + g) {
-                CASE512(1, 1) CASE512(1, 2) CASE512(1, 3) CASE512(1, 4) CASE512(1, 5) CASE512(1, 6) CASE512(1, 7)
-                CASE512(1, 8)
-                CASE512(2, 1) CASE512(2, 2) CASE512(2, 3) CASE512(2, 4) CASE512(2, 5) CASE512(2, 6)
-                CASE512(3, 1) CASE512(3, 2) CASE512(3, 3) CASE512(3, 4) CASE512(3, 5) CASE512(3, 6)
-                CASE512(4, 1) CASE512(4, 2) CASE512(4, 3) CASE512(4, 4) CASE512(4, 5) CASE512(4, 6)
-            }
-        }
-    }
-    free(owned);
+    run(tile_avx512, WIDE512, NARROW512, x, M, K, w, scale, N, y, x_bf16, y_bf16);
 }
