@@ -166,7 +166,7 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
         assert 0 < health["decode_bytes"] <= health["weight_bytes"], "what one row's step reads (the bench's floor)"
         if served == "per-step":
             assert health["decode_bytes"] < 0.4 * health["weight_bytes"], "one row reads the int8 layout only"
-        logged = re.search(r"resident memory: \d+ MB \(weights (\d+),.*weights quantized: (\w+)", server.log_path.read_text())
+        logged = re.search(r"resident memory: \d+ MB \(weights (\d+),.*weights quantized: ([\w-]+)", server.log_path.read_text())
         assert logged and logged[2] == served and int(logged[1]) == round(health["weight_bytes"] / 2**20), "start-up log"
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         stream = client.chat.completions.create(model="gemma-3-270m", messages=user("Name a colour."), max_tokens=12,
