@@ -20,10 +20,11 @@ import torch
 
 from oai_gemma.bench.prompts import PROMPTS
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.model.loader import load, quantized_weights_file
+from oai_gemma.engine.config import resolve
+from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.quality import agreement, greedy_tokens, perplexity
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
-from oai_gemma.settings import ModelSettings
+from oai_gemma.settings import EngineSettings, ModelSettings, Settings
 
 TEXT = Path(__file__).parent.parent / "tests" / "data" / "apache-2.0.txt"
 SETTINGS = [("float32", "none"), ("float32", "int8"), ("float32", "int4"), ("bfloat16", "none"), ("bfloat16", "int8"),
@@ -31,10 +32,10 @@ SETTINGS = [("float32", "none"), ("float32", "int8"), ("float32", "int4"), ("bfl
 
 
 def measure(dtype: str, quantization: str) -> tuple[float, list[list[int]], int, float]:
-    settings = ModelSettings(dtype=dtype, quantization=quantization)
-    loaded = load(settings)
-    runner = ModelRunner(loaded.model, num_slots=32, max_len=4096, max_tokens_per_step=288, quantization=quantization,
-                         quantization_cache=quantized_weights_file(settings, loaded, quantization), own_weights=True)
+    settings = Settings(model=ModelSettings(dtype=dtype, quantization=quantization, max_model_len=4096),
+                        engine=EngineSettings(max_num_seqs=32, max_prefill_tokens=256, batch_invariant="off"))
+    loaded = load(settings.model)
+    runner = ModelRunner(loaded.model, resolve(settings, loaded), own_weights=True)
     ppl = perplexity(runner, loaded.tokenizer.encode(TEXT.read_text()))
     prompts = [loaded.tokenizer.encode(render_chat([{"role": "user", "content": p}]).prompt, add_special_tokens=False) for p in PROMPTS]
     greedy = [greedy_tokens(runner, ids, 64) for ids in prompts]

@@ -113,8 +113,10 @@ def serve(args: argparse.Namespace) -> int:
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
         access_log=False, timeout_graceful_shutdown=5,  # ours (oai_gemma.access) replaces uvicorn's
     )
-    GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace).run()
-    return 0
+    server, state = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace), app.state.server
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run()
+    return 1 if state.fatal else 0
 
 
 def _serve_replicas(settings, args: argparse.Namespace) -> int:

@@ -73,6 +73,13 @@ def configure_cpu(settings: EngineSettings) -> int:
     return threads
 
 
+def compute_thread_count() -> int:
+    """The compute threads' thread count: `configure_cpu`'s, else this thread's."""
+    import torch
+
+    return _compute_threads or torch.get_num_threads()
+
+
 def compute_thread(target: Callable[[], None], name: str) -> threading.Thread:
     """A daemon thread that runs torch work with the compute threads' count (`configure_cpu`; without it, the
     count of the thread that creates this one).
@@ -84,7 +91,7 @@ def compute_thread(target: Callable[[], None], name: str) -> threading.Thread:
     so once this thread has taken its own, that default goes back to one (see the module's docstring)."""
     import torch
 
-    threads = _compute_threads or torch.get_num_threads()
+    threads = compute_thread_count()
 
     def run() -> None:
         torch.set_num_threads(threads)

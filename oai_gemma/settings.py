@@ -47,8 +47,14 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""
-    """Where the embedded model is converted once; default `~/.cache/oai-gemma`."""
+    """The model cache: the converted embedded model, quantized weights, the compiled native kernel; default
+    `$OAI_GEMMA_CACHE`, else `~/.cache/oai-gemma`."""
     trust_remote_code: bool = False
+
+    @property
+    def cache_path(self) -> Path:
+        """`cache_dir`, or its default: the one place the model cache's directory is decided."""
+        return Path(self.cache_dir or os.environ.get("OAI_GEMMA_CACHE", "~/.cache/oai-gemma")).expanduser()
 
 
 class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):

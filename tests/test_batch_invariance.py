@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from oai_gemma.chat import render_chat
+from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
@@ -27,6 +28,10 @@ def loaded_model(dtype: str):
     return load(ModelSettings(dtype=dtype))
 
 
+def runner_config(mode: str) -> EngineConfig:
+    return EngineConfig(max_num_seqs=8, max_model_len=2048, max_prefill_tokens=56, batch_invariant=mode)  # 64 tokens a step
+
+
 class Engines:
     """Two engines on one loaded model: prompts prefilled whole (512-token chunks) with the prefix cache, and in
     16-token chunks without it."""
@@ -35,7 +40,7 @@ class Engines:
         loaded = loaded_model(dtype)
         self.loop = asyncio.new_event_loop()
         self.whole, self.chunked = (
-            Engine(loaded, max_num_seqs=8, max_prefill_tokens=chunk, max_model_len=2048, batch_invariant=mode, prefix_caching=caching)
+            Engine(loaded, EngineConfig(max_num_seqs=8, max_prefill_tokens=chunk, max_model_len=2048, batch_invariant=mode, prefix_caching=caching))
             for chunk, caching in ((512, True), (16, False))
         )
         for engine in (self.whole, self.chunked):
@@ -120,7 +125,7 @@ def chunkings(rng: random.Random, count: int):
 @pytest.mark.parametrize("dtype, mode", [("float32", "auto"), ("bfloat16", "on")])
 def test_logits_are_bitwise_equal_however_the_prompt_is_chunked_and_whatever_decodes_beside(dtype, mode):
     rng = random.Random(0)
-    runner = ModelRunner(loaded_model(dtype).model, num_slots=8, max_len=2048, max_tokens_per_step=64, batch_invariant=mode)
+    runner = ModelRunner(loaded_model(dtype).model, runner_config(mode))
     assert runner.batch_invariant
     alone = logits_under(runner, [23], [0], rng)
     for splits, beside in chunkings(rng, 12):
@@ -130,7 +135,7 @@ def test_logits_are_bitwise_equal_however_the_prompt_is_chunked_and_whatever_dec
 def test_without_the_mode_the_same_compositions_differ():
     """The check above can fail: the engine's own kernels, mode off, change a prompt's last bits."""
     rng = random.Random(0)
-    runner = ModelRunner(loaded_model("float32").model, num_slots=8, max_len=2048, max_tokens_per_step=64, batch_invariant="off")
+    runner = ModelRunner(loaded_model("float32").model, runner_config("off"))
     alone = logits_under(runner, [23], [0], rng)
     assert any(
         not all(torch.equal(a, b) for a, b in zip(logits_under(runner, splits, beside, rng), alone))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from oai_gemma.chat import render_chat
+from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -15,7 +16,7 @@ from oai_gemma.settings import ModelSettings
 class EngineHarness:
     def __init__(self):
         self.loaded = load(ModelSettings(dtype="float32"))
-        self.engine = Engine(self.loaded, max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024)
+        self.engine = Engine(self.loaded, EngineConfig(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024))
         self.loop = asyncio.new_event_loop()
         self.engine.start(self.loop)
         self.counter = 0
@@ -164,7 +165,7 @@ def test_a_step_that_fails_on_a_new_prompt_fails_that_request_alone(harness):
 def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones(harness):
     from oai_gemma.engine.engine import EngineDeadError
 
-    engine = Engine(harness.loaded, max_num_seqs=2, max_prefill_tokens=64, max_model_len=256)
+    engine = Engine(harness.loaded, EngineConfig(max_num_seqs=2, max_prefill_tokens=64, max_model_len=256))
 
     class Broken(BaseException):
         pass

@@ -9,6 +9,7 @@ import functools
 import pytest
 
 from oai_gemma.chat import render_chat
+from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -29,7 +30,7 @@ def engines():
     """The same engine with the prefix cache on and off, prefilling 128 tokens per step."""
     loop = asyncio.new_event_loop()
     pair = {
-        caching: Engine(loaded(), max_num_seqs=8, max_prefill_tokens=128, max_model_len=2048, prefix_caching=caching)
+        caching: Engine(loaded(), EngineConfig(max_num_seqs=8, max_prefill_tokens=128, max_model_len=2048, prefix_caching=caching))
         for caching in (True, False)
     }
     for engine in pair.values():

@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -17,13 +18,14 @@ import torch
 from PIL import Image
 
 from conftest import ServerProcess, user
-from oai_gemma.engine.model.loader import load, quantized_weights_file
+from oai_gemma.engine.config import EngineConfig, resolve
+from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.linear import FrozenLinear
 from oai_gemma.engine.model.quality import perplexity
 from oai_gemma.engine.model.native import native_unavailable
 from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear, PerStepLinear
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
-from oai_gemma.settings import ModelSettings
+from oai_gemma.settings import EngineSettings, ModelSettings, Settings
 
 TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
 BOUNDS = {"int8": 1.01, "int4": 1.05}
@@ -37,11 +39,13 @@ needs_native = pytest.mark.skipif(not NATIVE, reason=f"the native int8 kernel ca
 
 
 def runner_for(quantization: str, dtype: str = "bfloat16", cache: bool = True, batch_invariant: str = "off") -> tuple[ModelRunner, object]:
-    settings = ModelSettings(dtype=dtype, quantization=quantization)
-    loaded = load(settings)
-    file = quantized_weights_file(settings, loaded, quantization) if cache else None
-    runner = ModelRunner(loaded.model, num_slots=32, max_len=4096, max_tokens_per_step=288, quantization=quantization,
-                         quantization_cache=file, own_weights=True, batch_invariant=batch_invariant)
+    settings = Settings(
+        model=ModelSettings(dtype=dtype, quantization=quantization, max_model_len=4096),
+        engine=EngineSettings(max_num_seqs=32, max_prefill_tokens=256, batch_invariant=batch_invariant),
+    )
+    loaded = load(settings.model)
+    config = resolve(settings, loaded)
+    runner = ModelRunner(loaded.model, config if cache else replace(config, quantized_weights=None), own_weights=True)
     return runner, loaded
 
 
@@ -138,7 +142,7 @@ def test_in_float32_int4_puts_the_lm_head_through_fbgemm_within_its_bounds(float
 @needs_bf16
 def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
     first, loaded = runner_for("int4")
-    file = quantized_weights_file(ModelSettings(quantization="int4"), loaded, "int4")
+    file = resolve(Settings(model=ModelSettings(quantization="int4")), loaded).quantized_weights
     assert file.exists()
     second, _ = runner_for("int4")  # from the file
     prompt = [StepItem(first.sequence_blocks(0), list(range(1000, 1020)), 0)]
@@ -148,7 +152,7 @@ def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
 def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_supported():
     loaded = load(ModelSettings(dtype="float32"))
     with pytest.raises(ValueError, match="CPU path only"):
-        ModelRunner(loaded.model, num_slots=2, max_len=256, max_tokens_per_step=64, static_decode=True, quantization="int8")
+        ModelRunner(loaded.model, EngineConfig(max_num_seqs=2, max_model_len=256, static_decode=True, quantization="int8"))
 
 
 @pytest.mark.parametrize("quantization, dtype, served, most_mb", [
@@ -168,6 +172,10 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
             assert health["decode_bytes"] < 0.4 * health["weight_bytes"], "one row reads the int8 layout only"
         logged = re.search(r"resident memory: \d+ MB \(weights (\d+),.*weights quantized: ([\w-]+)", server.log_path.read_text())
         assert logged and logged[2] == served and int(logged[1]) == round(health["weight_bytes"] / 2**20), "start-up log"
+        info = httpx.get(server.url + "/v1/server_info").json()  # what `auto` became, in the configuration served
+        assert info["engine_config"]["quantization"] == served and info["engine_config"]["max_num_seqs"] == 4
+        assert health["engine_config"] == info["engine_config"]
+        assert f'"quantization": "{served}"' in re.search(r"engine config: (.*)", server.log_path.read_text())[1]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         stream = client.chat.completions.create(model="gemma-3-270m", messages=user("Name a colour."), max_tokens=12,
                                                 stream=True, logprobs=True, top_logprobs=2)
@@ -200,6 +208,20 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
             ])
         answers = asyncio.run(batch())  # 6 requests through 4 slots: batched, some waiting
         assert all(a.choices[0].message.content and a.usage.completion_tokens > 0 for a in answers)
+
+
+def test_an_explicit_int8_the_native_kernel_cannot_serve_stops_the_server_with_the_reason(tmp_path):
+    cache = tmp_path / "cache"  # a fresh model cache (no compiled kernel in it) holding the converted model
+    cache.mkdir()
+    (cache / "gemma-3-270m").symlink_to(ModelSettings().cache_path / "gemma-3-270m")
+    server = ServerProcess("--quantization", "int8", log=tmp_path / "server.log",
+                           env={"CC": str(tmp_path / "no-such-cc"), "OAI_GEMMA_MODEL__CACHE_DIR": str(cache)})
+    try:
+        assert server.proc.wait(timeout=300) == 1
+    finally:
+        server.stop()
+    log = server.log_path.read_text()
+    assert 'model.quantization = "int8" in float32 needs the native int8 kernel' in log and "cannot compile" in log
 
 
 @needs_native

@@ -1,10 +1,14 @@
 """The scheduler and its block pool on their own: no model, no tensors beyond the image-row bookkeeping."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from oai_gemma.engine.cache.block_pool import BlockPool, block_hashes
-from oai_gemma.engine.scheduler import Scheduler, Sequence
+from oai_gemma.engine.sampling.postprocess import finish
+from oai_gemma.engine.scheduler import Scheduler
+from oai_gemma.engine.sequence import ParentRequest, Sequence
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 
 SIZE = 4  # tokens per block in these tests
@@ -294,11 +298,23 @@ def test_forks_share_the_full_prompt_blocks_and_copy_the_last_one_and_the_rest_w
     scheduler = scheduler_of(max_seqs=2)
     parent = seq([1, 2, 3, 4, 5, 6], "n3")
     children = [seq([1, 2, 3, 4, 5, 6], "n3", index=i) for i in (1, 2)]
-    parent.forks = list(children)
+    fan_out = iter([parent, *children])
+    assert ParentRequest.fan_out(replace(parent.request, n=3), lambda index: next(fan_out)) is parent
     prefilled(scheduler, parent)
     started = scheduler.fork(parent, 2.0)
-    assert [child for child, _ in started] == [children[0]] and parent.forks == []
+    assert [child for child, _ in started] == [children[0]] and parent.parent.pending == []
     (child, copy), = started
     assert child.num_computed == 6 and child.blocks == [parent.blocks[0], copy] and copy != parent.blocks[1]
     assert list(scheduler.waiting) == [children[1]]
     assert [s.request_id for s in scheduler.find("n3")] == ["n3"] * 3
+
+
+def test_choices_that_never_started_end_with_the_first():
+    scheduler = scheduler_of(max_seqs=2)
+    made = iter([seq([1, 2, 3, 4, 5, 6], "n3", index=i) for i in range(3)])
+    first = ParentRequest.fan_out(replace(seq([1], "n3").request, n=3), lambda index: next(made))
+    scheduler.add(first)
+    events: list = []
+    finish(scheduler, first, "cancelled", events)
+    assert [(e.index, e.finish_reason) for _, e in events] == [(0, "cancelled"), (1, "cancelled"), (2, "cancelled")]
+    assert first.parent.pending == [] and not scheduler.has_work()

@@ -1,13 +1,16 @@
 """Start-up says where its time and memory went (issue 18 items 6 and 9); not timed: the numbers are only logged."""
 
+import json
 import re
 import subprocess
 import sys
 import types
 from pathlib import Path
 
+import httpx
 import torch
 
+from conftest import MAX_MODEL_LEN
 from oai_gemma.engine.cache.kv_cache import KVCache
 
 PHASES = re.compile(r"start-up phases: load ([\d.]+) s, relayout ([\d.]+) s, KV cache ([\d.]+) s, invariance check ([\d.]+) s, warm-up ([\d.]+) s")
@@ -27,6 +30,17 @@ def test_the_server_logs_its_start_up_phases_and_resident_memory_by_part(server)
     total, weights, kv, allocated, other = map(int, MEMORY.search(log).groups())
     assert weights > 200 and total >= weights + kv  # gemma-3-270m in float32 is ~1 GB of weights
     assert allocated > kv  # the KV cache's untouched pages are not resident
+
+
+def test_the_engine_configuration_is_logged_once_and_served_with_every_auto_decided(server):
+    info = httpx.get(server.url + "/v1/server_info").json()
+    config = info["engine_config"]
+    assert config["dtype"] == "float32" and config["quantization"] == "none" and config["max_model_len"] == MAX_MODEL_LEN
+    assert config["kv_blocks"] > 0 and config["threads"] > 0 and config["native_dir"].endswith("native")
+    assert isinstance(info["batch_invariant"], bool)  # `auto`, as the runner's start-up check found it
+    assert httpx.get(server.url + "/health").json()["engine_config"] == config
+    logged = re.findall(r"engine config: (.*)", server.log_path.read_text())
+    assert len(logged) == 1 and json.loads(logged[0]) == config
 
 
 def test_the_kv_cache_takes_memory_only_where_it_is_written():

@@ -15,6 +15,7 @@ from PIL import Image
 
 from conftest import ServerProcess
 from oai_gemma.chat import render_chat
+from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -223,7 +224,7 @@ def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor)
     """Our runner (vision embeddings spliced in, bidirectional attention inside each image, a prefill
     budget smaller than one image) gives transformers' own greedy tokens for an image prompt."""
     loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
-    engine = Engine(loaded, max_num_seqs=2, max_prefill_tokens=64, max_model_len=1024)
+    engine = Engine(loaded, EngineConfig(max_num_seqs=2, max_prefill_tokens=64, max_model_len=1024))
     from oai_gemma.chat.vision import expand_images
 
     messages = ask(image_part("x"))
@@ -276,7 +277,7 @@ def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vis
     with torch.inference_mode():
         reference = loaded.model(**inputs).logits[0, -1, :vocab]
         causal_only = loaded.model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, -1, :vocab]
-    runner = ModelRunner(loaded.model, num_slots=1, max_len=1024, max_tokens_per_step=512)
+    runner = ModelRunner(loaded.model, EngineConfig(max_num_seqs=1, max_model_len=1024, max_prefill_tokens=511, batch_invariant="off"))
     spans = tuple(token_runs(ids, vocab))
     rows = torch.tensor([i for start, end in spans for i in range(start, end)])
     ours = runner.forward([StepItem(runner.sequence_blocks(0), ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]

@@ -12,6 +12,7 @@ from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
 from ..cpu import compute_thread
+from ..engine.config import ConfigError
 from ..engine.engine import Engine
 from ..engine.factory import load_engine
 from ..settings import Settings
@@ -40,6 +41,10 @@ class ServerState:
         self.services: Services | None = None
         self.store = ResponseStore(settings.responses.path, settings.responses.max_stored, settings.responses.max_age)
         self.load_error: str | None = None
+        self.fatal = False
+        """Start-up failed for a setting this machine cannot honour (engine/config.py's ConfigError)."""
+        self.on_fatal = lambda: None
+        """Called then, from the loader thread: `serve` stops the server and exits non-zero."""
         self.draining = False
         self.metrics = ServerMetrics(
             self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
@@ -65,6 +70,11 @@ class ServerState:
         started = time.monotonic()
         try:
             engine = load_engine(self.settings)
+        except ConfigError as exc:  # no use answering 503 for ever: the operator must change a setting
+            self.load_error, self.fatal = f"bad settings: {exc}", True
+            log.error("oai-gemma: %s", exc)
+            self.on_fatal()
+            return
         except Exception as exc:
             self.load_error = f"loading the model failed: {exc!r}"
             log.exception("loading the model failed")

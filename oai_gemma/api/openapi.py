@@ -124,8 +124,23 @@ HEALTH = {
         "decode_bytes": {"type": "integer", "minimum": 0},
         "quantization": {"enum": ["none", "int8", "int4", "per-step"]},
         "batch_invariant": {"type": "boolean"},
+        "engine_config": {"type": "object"},
         "reason": {"type": "string"},
     },
     "required": ["status"],
 }
 """`/health`: 200 with the engine's load when ready, 503 (`unavailable`, with the reason) while loading."""
+
+SERVER_INFO = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "engine_config": {"type": "object", "description": "engine/config.py's EngineConfig as resolved: every `auto` decided"},
+        "weight_bytes": {"type": "integer", "minimum": 0},
+        "decode_bytes": {"type": "integer", "minimum": 0},
+        "quantization": {"enum": ["none", "int8", "int4", "per-step"]},
+        "batch_invariant": {"type": "boolean"},
+    },
+    "required": ["model", "engine_config"],
+}
+"""`/v1/server_info`: what the engine runs with."""

@@ -11,7 +11,7 @@ from litestar.response import Stream
 from .exchange import exchange_of
 from .errors import APIError, model_not_found
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .openapi import HEALTH, documented
+from .openapi import HEALTH, SERVER_INFO, documented
 from .protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, encoder,
 )
@@ -83,9 +83,17 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.ready and not state.draining:
-        return _json({"status": "ok", "model": state.served_name, **state.engine.stats(), **state.engine.weights_report()})
+        return _json({"status": "ok", "model": state.served_name, **state.engine.stats(), **state.engine.server_info()})
     reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
     return _json({"status": "unavailable", "reason": reason}, status=503)
+
+
+@get("/v1/server_info", operation_class=documented(SERVER_INFO, errors=(401, 503)))
+async def server_info(request: Request) -> Response:
+    """The engine's configuration as resolved at start-up (vLLM serves one too): what each `auto` became."""
+    state = _state(request)
+    state.require_ready()
+    return _json({"model": state.served_name, **state.engine.server_info()})
 
 
 @get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
@@ -93,7 +101,9 @@ async def metrics(request: Request) -> Response:
     return Response(content=_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
-ROUTES = [chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, metrics]
+ROUTES = [
+    chat_completions, completions, tokenize_route, detokenize_route, list_models, retrieve_model, health, server_info, metrics,
+]
 
 
 async def unless_disconnected(request: Request, work) -> bytes:

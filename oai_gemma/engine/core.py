@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -22,44 +21,34 @@ from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
 from .sampling.grammar import GrammarMasks
 from .model.loader import LoadedModel
 from .cache.block_pool import BlockPool
-from .cache.memory import blocks_within_budget, release_free_memory
+from .cache.memory import release_free_memory
+from .config import EngineConfig
 from .sampling.postprocess import Events, Limits, finish, postprocess
 from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
-from .scheduler import Scheduler, Sequence, Step
+from .scheduler import Scheduler
+from .sequence import ParentRequest, Sequence, Step
 from .types import GenerationRequest
 
 log = logging.getLogger("oai_gemma.engine")
 
 
 class EngineCore:
-    def __init__(
-        self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
-        kv_cache_gib: float = 0.0, compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False,
-        batch_invariant: str = "auto", quantization: str = "none", quantization_cache: Path | None = None,
-        prefix_caching: bool = True,
-    ):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, own_weights: bool = False):
         self.tokenizer = loaded.tokenizer
-        config = loaded.model.config
-        self.image_token_id = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        model_config = loaded.model.config
+        self.image_token_id = getattr(model_config, "image_token_id", None) or getattr(model_config, "image_token_index", None)
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
-        self.limits = Limits(frozenset(loaded.eos_token_ids), max_model_len)
+        self.limits = Limits(frozenset(loaded.eos_token_ids), config.max_model_len)
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
-        num_blocks = blocks_within_budget(loaded.text_config, loaded.dtype, max_num_seqs, max_model_len, kv_cache_gib)
-        # a prefill chunk is never cut inside an image block, so one chunk can be a whole image
-        longest_chunk = max(max_prefill_tokens, getattr(config, "mm_tokens_per_image", 0))
-        self.runner = ModelRunner(
-            loaded.model, num_slots=max_num_seqs, max_len=max_model_len, max_tokens_per_step=longest_chunk + max_num_seqs,
-            num_blocks=num_blocks, compile=compile, static_decode=static_decode, own_weights=own_weights, batch_invariant=batch_invariant,
-            quantization=quantization, quantization_cache=quantization_cache,
-        )
+        self.runner = ModelRunner(loaded.model, config, own_weights)
         cache = self.runner.cache
-        log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", num_blocks, cache.block_size,
-                 cache.nbytes / 2**30, "on" if prefix_caching else "off")
+        log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,
+                 cache.nbytes / 2**30, "on" if config.prefix_caching else "off")
         self.scheduler = Scheduler(
-            BlockPool(num_blocks, cache.block_size, caching=prefix_caching), max_num_seqs, max_prefill_tokens,
-            max_model_len, reuse_decoded=not self.runner.batch_invariant,
+            BlockPool(cache.num_blocks, cache.block_size, caching=config.prefix_caching), config.max_num_seqs,
+            config.max_prefill_tokens, config.max_model_len, reuse_decoded=not self.runner.batch_invariant,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,8 +148,7 @@ class EngineCore:
 
     def _admit(self, request: GenerationRequest, sink) -> None:
         prompt = request.prompt_token_ids
-        seq = self._sequence(request, sink, 0)
-        seq.forks = [self._sequence(request, sink, index) for index in range(1, request.n)]
+        seq = ParentRequest.fan_out(request, lambda index: self._sequence(request, sink, index))
         error = None
         if not prompt or len(prompt) + 1 > self.limits.max_model_len:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
@@ -175,8 +163,8 @@ class EngineCore:
             finish(self.scheduler, seq, "error", events, error=error)
             self._deliver(events)
             return
-        for fork in seq.forks:  # should a fork prefill on its own after all (no free slot), it needs these too
-            fork.cache_keys, fork.image_spans, fork.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
+        for child in seq.parent.pending if seq.parent else ():  # one that prefills on its own after all needs these
+            child.cache_keys, child.image_spans, child.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
         self.scheduler.add(seq)
 
     def _attach_images(self, seq: Sequence) -> None:
@@ -237,7 +225,7 @@ class EngineCore:
         of its last, partial block) and sample from its logits row, each with its own randomness."""
         rows, children = [], []
         for row, seq in enumerate(sampled):
-            if seq.forks:
+            if seq.parent is not None and seq.parent.pending:
                 for child, copy in self.scheduler.fork(seq, time.perf_counter()):
                     if copy is not None:
                         self.runner.cache.copy_block(seq.blocks[-1], copy)

@@ -10,22 +10,25 @@ events come back onto each request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 from ..settings import Settings
+from .config import EngineConfig, resolve as resolve_config
 from .core import EngineCore
 from .sampling.detokenizer import TokenBytes
 from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
-from .model.loader import LoadedModel, quantized_weights_file
+from .model.loader import LoadedModel
 from .observer import RequestObserver
-from .model.quantized import resolve as resolve_quantization
 from .submission import Submission
 from .types import GenerationRequest
 from .warmup import build_grammars, warm_up
+
+log = logging.getLogger("oai_gemma.engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -37,19 +40,11 @@ class EngineBusyError(RuntimeError):
 
 
 class Engine:
-    def __init__(
-        self, loaded: LoadedModel, *, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
-        kv_cache_gib: float = 0.0, max_waiting: int = 256, request_timeout: float = 0.0, idle_timeout: float = 0.0,
-        compile: str = "auto", static_decode: bool | None = None, own_weights: bool = False, batch_invariant: str = "auto",
-        quantization: str = "none", quantization_cache: Path | None = None, prefix_caching: bool = True,
-    ):
-        """`own_weights`: the engine may free the model's weights it keeps its own copy of (see ModelRunner)."""
-        self.core = EngineCore(
-            loaded, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
-            kv_cache_gib=kv_cache_gib, compile=compile, static_decode=static_decode, own_weights=own_weights,
-            batch_invariant=batch_invariant, quantization=quantization, quantization_cache=quantization_cache,
-            prefix_caching=prefix_caching,
-        )
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), own_weights: bool = False):
+        """`config`: resolved once (engine/config.py), handed down whole. `own_weights`: the engine may free the
+        model's weights it keeps its own copy of (see ModelRunner)."""
+        self.config = config
+        self.core = EngineCore(loaded, config, own_weights)
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
         """The multimodal processor (image crops), or None for a text-only model."""
@@ -57,13 +52,13 @@ class Engine:
         """token id -> (its own text, its UTF-8 bytes), as logprobs report them."""
         self.vocab_limit = self.core.vocab_limit
         """Token ids a request may use or be given: [0, vocab_limit)."""
-        self.max_model_len = max_model_len
-        self.num_slots = max_num_seqs
+        self.max_model_len = config.max_model_len
+        self.num_slots = config.max_num_seqs
         """Sequences decoded together: also the most choices (`n`) one request may ask for."""
-        self.capacity = self.num_slots + max_waiting
-        self.request_timeout = request_timeout
+        self.capacity = self.num_slots + config.max_waiting
+        self.request_timeout = config.request_timeout
         """Seconds from arrival to the last token; 0 means no limit."""
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = config.idle_timeout
         """Longest wait for a request's next event (queue included); 0 means no limit."""
         self.admitting = True
         self.in_flight = 0
@@ -89,23 +84,10 @@ class Engine:
 
     @classmethod
     def from_settings(cls, loaded: LoadedModel, settings: Settings, own_weights: bool = False) -> Engine:
-        quantization = resolve_quantization(settings.model.quantization, loaded.dtype, loaded.device)
-        return cls(
-            loaded,
-            max_num_seqs=settings.engine.max_num_seqs,
-            max_prefill_tokens=settings.engine.max_prefill_tokens,
-            max_model_len=settings.model.max_model_len,
-            kv_cache_gib=settings.engine.kv_cache_gib,
-            max_waiting=settings.engine.max_waiting,
-            request_timeout=settings.server.request_timeout,
-            idle_timeout=settings.server.idle_timeout,
-            compile=settings.model.compile,
-            own_weights=own_weights,
-            batch_invariant=settings.engine.batch_invariant,
-            quantization=quantization,
-            quantization_cache=quantized_weights_file(settings.model, loaded, quantization),
-            prefix_caching=settings.engine.prefix_caching,
-        )
+        """The engine with the configuration `settings` resolve to on this model (logged once, as plain data)."""
+        config = resolve_config(settings, loaded)
+        log.info("engine config: %s", json.dumps(config.as_dict()))
+        return cls(loaded, config, own_weights)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -179,6 +161,11 @@ class Engine:
         """How busy the engine is right now: running, waiting, steps, kv_cache_usage (the share of KV blocks held by
         running requests), prefix_cache_usage (the share holding only cached prefixes)."""
         return self.core.stats()
+
+    def server_info(self) -> dict[str, object]:
+        """What `/health` and `/v1/server_info` show: the configuration as resolved (what each `auto` became) and
+        the weights as built (`batch_invariant`: the mode as the runner's start-up check found it)."""
+        return {"engine_config": self.config.as_dict(), **self.weights_report()}
 
     def weights_report(self) -> dict[str, object]:
         """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on."""

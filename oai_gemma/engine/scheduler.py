@@ -9,86 +9,11 @@ from the longest prefix any earlier or running request has written into the KV c
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from .cache.block_pool import BlockPool, block_hashes
-from .model.runner import StepItem
-from .sampling.sampler import RowRandom
-from .types import GenerationRequest
-
-
-@dataclass(eq=False)
-class Sequence:
-    request: GenerationRequest
-    sink: object
-    """Where this sequence's events go (the engine hands them to the event loop)."""
-    random: RowRandom
-    detokenizer: object
-    stopper: object
-    blocks: list[int] = field(default_factory=list)
-    """Its KV blocks, position p in blocks[p // block_size] (engine/block_pool.py)."""
-    hashes: list[int] = field(default_factory=list)
-    """The prefix hash of each of its full blocks whose tokens are known (engine/block_pool.py)."""
-    most_blocks: int = 0
-    """The blocks it may come to hold (prompt and max_tokens): kept free for it from admission on."""
-    num_computed: int = 0
-    """Prompt + output tokens whose KV is in the cache."""
-    num_cached: int = 0
-    """Prompt tokens whose KV was reused from an earlier request (prefix cache hit)."""
-    cache_keys: list[int] = field(default_factory=list)
-    """The prompt as the prefix cache sees it: token ids, with each image block's ids replaced by its hash."""
-    image_spans: tuple[tuple[int, int], ...] = ()
-    image_embeds: object | None = None
-    """[image tokens, hidden] from the vision tower, in prompt order."""
-    output_ids: list[int] = field(default_factory=list)
-    matcher: object | None = None
-    """This sequence's place in its request's grammar (structured output), else None."""
-    prompt_logprobs: list | None = None
-    """The prompt's logprobs so far, chunk by chunk (when the request asks for them)."""
-    scheduled_time: float | None = None
-    finished: bool = False
-    index: int = 0
-    """Which choice of its request this sequence generates (n > 1)."""
-    forks: list["Sequence"] = field(default_factory=list)
-    """The request's other choices, waiting for this sequence's prefill to finish: they then share its prompt's
-    KV blocks and sample from its last logits instead of prefilling the same prompt again."""
-
-    @property
-    def sampling(self):
-        return self.request.sampling
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def scores_prompt(self) -> bool:
-        """The request wants the prompt's logprobs: every position's logits, so no prefix-cache reuse."""
-        return self.sampling.prompt_logprobs is not None
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
-
-
-@dataclass
-class Step:
-    prefills: list[StepItem]
-    decodes: list[StepItem]
-    prefill_owners: list[Sequence]
-    decode_owners: list[Sequence]
-
-    @property
-    def sampled(self) -> list[Sequence]:
-        """The sequences that get a token this step, in the order of the logits rows."""
-        done = [seq for seq, item in zip(self.prefill_owners, self.prefills) if item.want_logits]
-        return done + self.decode_owners
+from .sequence import Sequence, Step, StepItem
 
 
 def _chunk_end(start: int, end: int, spans) -> int:
@@ -173,12 +98,13 @@ class Scheduler:
         return True
 
     def fork(self, seq: Sequence, now: float) -> list[tuple[Sequence, int | None]]:
-        """Start `seq`'s forks now that its prompt is in the cache: each that gets room shares its full prompt
-        blocks and is returned with the block to which the caller copies `seq`'s last, partial one (or None);
-        the others wait and start like any request (from the cached prompt)."""
+        """Start the choices waiting for `seq`'s prompt (its ParentRequest's pending children) now that the prompt
+        is in the cache: each that gets room shares its full prompt blocks and is returned with the block to which
+        the caller copies `seq`'s last, partial one (or None); the others wait and start like any request (from
+        the cached prompt)."""
         started = []
         full = len(seq.prompt_ids) // self.size
-        for child in seq.forks:
+        for child in seq.parent.take_pending() if seq.parent is not None else ():
             child.most_blocks = self._most_blocks(child)
             if len(self.running) >= self.max_seqs or self._room() < child.most_blocks - full:
                 self.waiting.append(child)
@@ -191,7 +117,6 @@ class Scheduler:
             child.scheduled_time = now
             self.running.append(child)
             started.append((child, copy))
-        seq.forks = []
         return started
 
     def finish(self, seq: Sequence, cache_valid: bool = True) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .sampling.grammar import GrammarCompiler, GrammarMasks, StructuredOutputUnavailable
-from .model.runner import StepItem
+from .sequence import StepItem
 from .sampling.sampler import PlainRow, RowRandom, sample_with_logprobs
 from .types import SamplingParams
 

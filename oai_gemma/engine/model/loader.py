@@ -23,7 +23,6 @@ import torch
 
 from ...cpu import cpu_flags
 from ...settings import EMBEDDED, ModelSettings
-from .quantized import FORMAT
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("oai_gemma.loader")
@@ -36,12 +35,6 @@ def chat_template_text() -> str:
     return resources.files("oai_gemma.chat").joinpath("gemma3_chat_template.jinja").read_text()
 
 
-def cache_root(settings: ModelSettings) -> Path:
-    if settings.cache_dir:
-        return Path(settings.cache_dir).expanduser()
-    return Path(os.environ.get("OAI_GEMMA_CACHE", "~/.cache/oai-gemma")).expanduser()
-
-
 def _is_converted(target: Path) -> bool:
     return (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
 
@@ -51,7 +44,7 @@ def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
 
     A file lock makes concurrent first starts (a server and a test, say) convert once."""
     settings = settings or ModelSettings()
-    target = cache_root(settings) / EMBEDDED_DIR_NAME
+    target = settings.cache_path / EMBEDDED_DIR_NAME
     if _is_converted(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -126,17 +119,6 @@ class LoadedModel:
     def text_config(self):
         config = self.model.config
         return getattr(config, "text_config", config)
-
-
-def quantized_weights_file(settings: ModelSettings, loaded: LoadedModel, quantization: str) -> Path | None:
-    """Where weights quantized as `quantization` (`model.quantization`, resolved) are kept between starts (None:
-    nothing to keep): in the model cache, named by the model, the setting, the dtype, torch's version (its int4
-    layout is torch's own) and the stored layout's version."""
-    if quantization == "none" or settings.load_format == "dummy":
-        return None
-    model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(loaded.source_dir).resolve()).strip("/"))
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    return cache_root(settings) / "quantized" / f"{model}-{quantization}-{dtype}-torch{torch.__version__}-f{FORMAT}.safetensors"
 
 
 def _eos_ids(tokenizer, source_dir: str) -> tuple[int, ...]:

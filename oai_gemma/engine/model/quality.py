@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from .runner import ModelRunner, StepItem
+from ..sequence import StepItem
+from .runner import ModelRunner
 
 
 @torch.inference_mode()

@@ -24,30 +24,14 @@ from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention, signed_sin
 from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
+from ..config import ConfigError, EngineConfig
 from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
 from .quantized import PerStepLinear, quantize_all
 from .static_decode import StaticDecode, flash_kernel
+from ..sequence import StepItem
 
 log = logging.getLogger("oai_gemma.engine")
-
-
-@dataclass
-class StepItem:
-    """One sequence's share of a step: `token_ids` written at positions `start`, `start + 1`, ... of the sequence
-    whose KV lives in `blocks` (its block table: position p in blocks[p // block_size])."""
-
-    blocks: list[int]
-    token_ids: list[int]
-    start: int
-    want_logits: bool = True
-    image_spans: tuple[tuple[int, int], ...] = ()
-    """[start, end) positions of image soft-token blocks: each attends to itself both ways (Gemma-3)."""
-    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(rows within this chunk, their embeddings): the vision tower's output replaces those tokens' embeddings."""
-    keep_hidden: bool = False
-    """Keep every position's last hidden state in `hidden` (prompt logprobs: see `ModelRunner.logits_of`)."""
-    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -78,48 +62,43 @@ def _text_parts(model):
 
 
 class ModelRunner:
-    """`static_decode` (default: on a GPU) runs decode-only steps at static shapes, CUDA graphs where possible
-    (engine/static_decode.py); `compile` (`auto` = with the static path) compiles its layer functions.
+    """Built from the engine's configuration (engine/config.py): `static_decode` runs decode-only steps at static
+    shapes, CUDA graphs where possible (engine/static_decode.py), `compile` compiles its layer functions.
     `own_weights`: the runner may take the model's layer projections: once re-laid out for oneDNN (a copy), the
     module's originals are freed, so one copy stays in memory; the transformers model can then no longer run its
     own forward (the server's case; tests that hold the engine against transformers keep it whole)."""
 
-    def __init__(
-        self, model, num_slots: int, max_len: int, max_tokens_per_step: int, num_blocks: int | None = None,
-        static_decode: bool | None = None, compile: str = "auto", own_weights: bool = False,
-        batch_invariant: str = "off", quantization: str = "none", quantization_cache: Path | None = None,
-    ):
+    def __init__(self, model, config: EngineConfig, own_weights: bool = False):
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
-        config = self.text_model.config
-        check_supported(config)
-        self.config = config
+        text_config = self.text_model.config
+        check_supported(text_config)
+        self.config = text_config
         self.device = self.lm_head.weight.device
         self.input_device = self.text_model.embed_tokens.weight.device
         self.layer_devices = [layer.self_attn.q_proj.weight.device for layer in self.text_model.layers]
         """Each layer's device: several GPUs when the model was loaded with device_map="auto"."""
         self.dtype = self.lm_head.weight.dtype
-        self.num_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.num_heads = text_config.num_attention_heads
+        self.kv_heads = text_config.num_key_value_heads
+        self.head_dim = text_config.head_dim
         self.shape = (self.num_heads, self.kv_heads, self.head_dim)
-        self.eps = config.rms_norm_eps
-        self.scaling = config.query_pre_attn_scalar**-0.5
-        self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        self.layer_types = list(config.layer_types)
-        self.max_len = max_len
-        static = self.device.type == "cuda" if static_decode is None else static_decode
+        self.eps = text_config.rms_norm_eps
+        self.scaling = text_config.query_pre_attn_scalar**-0.5
+        self.final_softcap = getattr(text_config, "final_logit_softcapping", None)
+        self.layer_types = list(text_config.layer_types)
+        self.max_len = max_len = config.max_model_len
+        num_slots, static, quantization = config.max_num_seqs, config.static_decode, config.quantization
         flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
         started = time.monotonic()
-        if num_blocks is None:  # room for num_slots sequences of max_len
-            num_blocks = num_slots * -(-max_len // BLOCK_SIZE)
-        self.cache = KVCache(config, num_blocks, self.dtype, self.device, self.layer_devices)
+        num_blocks = config.kv_blocks or num_slots * -(-max_len // BLOCK_SIZE)  # 0: room for num_slots of max_len
+        self.cache = KVCache(text_config, num_blocks, self.dtype, self.device, self.layer_devices)
         allocated = time.monotonic()
         self.mapped_embedding = False
         """The token embedding is read from the checkpoint file on demand (engine/mapped.py), not held in memory."""
         if own_weights and not static:  # all but what is re-laid out below: then the checkpoint's map can close
             copy_out_of_checkpoint(model, {id(t) for t in self._projections()} | {id(self.lm_head.weight)})
-        make = self._quantized(quantization, quantization_cache, static) if quantization != "none" else FrozenLinear
+        make = self._quantized(quantization, config.quantized_weights, static) if quantization != "none" else FrozenLinear
         self.weights = [LayerWeights.of(layer, make) for layer in self.text_model.layers]
         """Each layer's weights, its projections pre-packed for oneDNN on a CPU (engine/linear.py), or quantized
         (engine/quantized.py)."""
@@ -137,20 +116,19 @@ class ModelRunner:
         self.num_slots = num_slots
         """Most rows a step samples (the scheduler's batch size)."""
         self.row_buckets = buckets(num_slots)
-        self.token_buckets = buckets(max_tokens_per_step)
-        if batch_invariant == "on" and quantization == "per-step":  # one layout whatever a step's rows
+        self.token_buckets = buckets(config.max_tokens_per_step)
+        if config.batch_invariant == "on" and config.quantization == "per-step":  # one layout whatever a step's rows
             for linear in [self.lm_head_linear, *(p for w in self.weights for p in w)]:
                 if isinstance(linear, PerStepLinear):
                     linear.pin()
         measured = time.monotonic()
-        self.invariance = self._measure_invariance(batch_invariant, static, max_tokens_per_step, num_slots)
+        self.invariance = self._measure_invariance(config.batch_invariant, static, config.max_tokens_per_step, num_slots)
         """Batch-invariant mode (engine/invariance.py): tiled linears, grid-aligned padded attention; None: off."""
         self.batch_invariant = self.invariance is not None
         self.timings["invariance check"] = time.monotonic() - measured
         self.static = None
         if static:
-            compiled = compile == "on" or (compile == "auto" and self.device.type == "cuda")
-            self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=compiled, flash=flash)
+            self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=config.compile, flash=flash)
 
     def _measure_invariance(self, setting: str, static: bool, most_tokens: int, most_rows: int) -> Invariance | None:
         """`on`: on, or a start-up error where this CPU's kernels cannot be made invariant; `auto`: on where that
@@ -159,7 +137,7 @@ class ModelRunner:
             return None
         if static or self.device.type != "cpu":
             if setting == "on":
-                raise ValueError("engine.batch_invariant = \"on\" is implemented for the CPU path only; use auto or off")
+                raise ConfigError("engine.batch_invariant = \"on\" is implemented for the CPU path only; use auto or off")
             return None
         w, hidden, most_tokens = self.weights[0], self.config.hidden_size, bucket(most_tokens, self.token_buckets)
         tile = tile_rows({
@@ -174,7 +152,7 @@ class ModelRunner:
         step = span_step(*self.shape, self.dtype)
         if tile is None or step is None:
             if setting == "on":
-                raise ValueError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")
+                raise ConfigError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")
             log.warning("batch-invariant mode off: this CPU's kernels are not batch-invariant (linears: %s, attention: %s)",
                         "ok" if tile else "differ", "ok" if step else "differ")
             return None
@@ -185,7 +163,7 @@ class ModelRunner:
         """weight -> its quantized linear (`model.quantization`; CPU only), all quantized at once, or read back
         from `cache_file`."""
         if static or self.device.type != "cpu":
-            raise ValueError(
+            raise ConfigError(
                 f"model.quantization = {quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
             )
         weights = dict(zip((f"projection.{i}" for i in range(len(self._projections()))), self._projections()))

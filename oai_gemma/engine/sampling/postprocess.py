@@ -7,13 +7,15 @@ max_tokens, context), and free the slot of every sequence that finished.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
-from ..scheduler import Scheduler, Sequence
+from ..scheduler import Scheduler
+from ..sequence import Sequence
 from ..types import TokenEvent
 
-Events = list[tuple[object, TokenEvent]]
+Events = list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]
 """(the sequence's sink, its event): what a step hands to the event loop."""
 
 
@@ -90,6 +92,6 @@ def finish(scheduler: Scheduler, seq: Sequence, reason: str, events: Events, err
     """End a sequence outside the token path (cancelled, failed, aborted): its last event, its slot freed."""
     scheduler.finish(seq, cache_valid)
     events.append((seq.sink, make_event(seq, None, "", time.perf_counter(), reason, error)))
-    for fork in seq.forks:  # choices that never started end with the one they were waiting for
-        finish(scheduler, fork, reason, events, error)
-    seq.forks = []
+    # choices of its request that never started (ParentRequest.pending) end with the one they waited for
+    for child in seq.parent.take_pending() if seq.parent is not None else ():
+        finish(scheduler, child, reason, events, error)

@@ -1,5 +1,6 @@
 """The project's own CPU kernels (C files beside this one), compiled once with the system's C compiler and kept
-in `$OAI_GEMMA_CACHE/native` (default ~/.cache/oai-gemma), as torch.compile's inductor does for its CPU code. Plain C called through ctypes: no torch
+in a directory start-up passes in (`build`: the model cache's `native`, engine/config.py), as torch.compile's
+inductor does for its CPU code. Used before any `build` (tests, benchmarks), they go to the default model cache. Plain C called through ctypes: no torch
 headers (a 1 s compile instead of a minute), and its OpenMP calls bind to the libgomp torch already loaded
 (same soname), so they use the engine thread's pool and thread count. Where there is no compiler or no AVX2,
 `woq_int8_linear()` says why and the callers keep PyTorch's kernels."""
@@ -34,11 +35,23 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and cpu_flags() >= {"avx2", "fma"}
 
 
-def _library_path() -> Path:
-    from ..loader import cache_root  # here: the loader imports this package (through engine/quantized.py)
+_directory: Path | None = None
+"""Where the kernel is compiled and kept: the last `build`'s directory (None: the default model cache's)."""
 
+
+def build(directory: Path) -> str | None:
+    """Compile (once) or load the kernel kept in `directory`, which later calls then use; None where it runs
+    here, else why not."""
+    global _directory
+    if directory != _directory:
+        _directory = directory
+        _library.cache_clear()
+    return native_unavailable()
+
+
+def _library_path() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_root(ModelSettings()) / "native" / f"woq_int8-{digest}.so"
+    return (_directory or ModelSettings().cache_path / "native") / f"woq_int8-{digest}.so"
 
 
 @functools.cache
