@@ -88,7 +88,8 @@ def test_per_step_uses_both_layouts_in_one_run_each_within_its_bounds(float32_pe
     runner.forward([StepItem(runner.sequence_blocks(0), ids[:-1], 0)], [])  # 12 tokens: a 16-row bucket, bf16
     last = [StepItem(runner.sequence_blocks(0), ids[-1:], len(ids) - 1)]
     one = runner.forward([], last)  # one row: int8
-    runner.forward([], last + [StepItem(runner.sequence_blocks(i), [1234], 40) for i in range(1, 16)])  # 16: bf16
+    others = [StepItem(runner.sequence_blocks(i, 64), [1234], 40) for i in range(100, 115)]  # past slot 0's blocks
+    runner.forward([], last + others)  # 16 rows: bf16
     assert calls["few"] >= len(per_step) and calls["many"] >= len(per_step), f"both layouts in one run: {calls}"
     for linear in per_step:
         linear.pin()
