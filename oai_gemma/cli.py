@@ -11,7 +11,8 @@ import msgspec
 import msgspec.inspect
 
 from .cpu import configure_cpu
-from .settings import SECTIONS, field_docs, load_settings
+from .logs import configure_logging
+from .settings import SECTIONS, ServerSettings, field_docs, load_settings
 
 # The settings operators change most, as flags of `serve` and `prepare`: (section, field, flag name when it is
 # not the field's). Type, choices, default and help come from the settings tree, so a flag cannot drift from it.
@@ -31,11 +32,9 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("engine", "threads", None),
     ("engine", "cpu_wait", None),
     ("engine", "batch_invariant", None),
-    ("server", "api_keys", "api-key"),
-    ("server", "request_timeout", None),
-    ("server", "idle_timeout", None),
 )
-SERVE_ONLY_FLAGS = (("server", "host", None), ("server", "port", None), ("server", "log_level", None))
+# every server setting is a flag of `serve` (`api_keys` as the repeatable `--api-key`)
+SERVE_ONLY_FLAGS = tuple(("server", field, {"api_keys": "api-key"}.get(field)) for field in ServerSettings.__struct_fields__)
 
 
 def flag_name(section: str, field: str, name: str | None) -> str:
@@ -97,21 +96,24 @@ def _settings(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.server.log_level, settings.server.log_format)
     # before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads
     configure_cpu(settings.engine)
-    _log_access_as_json_lines()
     if args.replicas or args.max_replicas:
         return _serve_replicas(settings, args)
     import uvicorn
 
     from .api.app import create_app
     from .api.graceful import GracefulServer
+    from .api.connections import http_protocol
 
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
         access_log=False, timeout_graceful_shutdown=5,  # ours (oai_gemma.access) replaces uvicorn's
+        http=http_protocol(settings.server.header_timeout, settings.server.send_buffer_bytes),
+        timeout_keep_alive=settings.server.keep_alive_timeout,
+        log_config=None,  # uvicorn's lines in the console's one format
     )
     server, state = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace), app.state.server
     state.on_fatal = lambda: setattr(server, "should_exit", True)
@@ -144,15 +146,6 @@ def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
     ray.add_argument("--routing", choices=["prefix", "least-ongoing"], default="prefix", help="replica choice (default: prefix affinity, then load)")
     ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
-
-
-def _log_access_as_json_lines() -> None:
-    """The access log's lines are JSON objects alone, so a log shipper can parse them as they are."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access = logging.getLogger("oai_gemma.access")
-    access.addHandler(handler)
-    access.propagate = False
 
 
 def prepare(args: argparse.Namespace) -> int:

@@ -67,6 +67,10 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     prefix_caching: bool = True
     """A prompt starts from the longest prefix any earlier or running request computed (automatic prefix caching,
     in 16-token blocks); off for A/B runs (`--no-prefix-caching`)."""
+    prefix_cache_scope: Literal["auto", "global", "key"] = "auto"
+    """Who shares cached prefixes: `key`: requests under one API key share, different keys never do (a fast first
+    token would tell one tenant what another sent); `global`: every request; `auto`: `key` when API keys are
+    configured, else `global`. A request's `cache_salt` narrows it further."""
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
@@ -114,6 +118,10 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """TCP port to listen on."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Server log level (the access log is always on)."""
+    log_format: Literal["text", "json"] = "text"
+    """Console lines: `text` for a person (time, level, logger, message), `json` (one object per line) for log shippers."""
+    log_probes: bool = False
+    """Access-log lines for `/health` and `/metrics` too (off: load balancers and Prometheus would bury the rest)."""
     api_keys: tuple[str, ...] = ()
     """Bearer keys clients must send (also `OAI_GEMMA_API_KEYS=k1,k2`); none means open."""
     health_requires_key: bool = False
@@ -132,6 +140,24 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     idle_timeout: Annotated[float, msgspec.Meta(ge=0)] = 120.0
     """Longest wait for a request's next token, time in the queue included (a stream that goes quiet
     this long ends the same way). 0 means no limit."""
+    max_stream_backlog: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    """Events (tokens) a stream may have waiting for a client that reads slower than they come; past it the request
+    is cancelled and its KV freed (`oai_gemma:stream_backlog_cancels_total`), so a client that stops reading holds
+    bounded memory. 0 means no limit."""
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The kernel send buffer of each connection (SO_SNDBUF); 0 leaves the OS's autotuning (Linux: up to 4 MB per
+    connection). A small one makes a client that stops reading show sooner in `max_stream_backlog`."""
+    keep_alive_timeout: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """Seconds an idle kept-alive connection stays open (uvicorn's `timeout_keep_alive`, same default)."""
+    header_timeout: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    """Seconds a new or kept-alive connection has to send its request's headers in full; past it the connection is
+    closed (slowloris). uvicorn has no such limit. 0 means none."""
+    body_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    """Longest wait for the next part of a request body; past it a 408 and the connection closes (a body that stops
+    half way holds no worker; nothing reaches the engine). uvicorn has no such limit. 0 means none."""
+    exit_on_engine_failure: bool = True
+    """When the engine thread dies (an error outside any one request, e.g. out of memory), end every open stream with
+    an error event, answer 503 (`/health` says why), then exit non-zero so Kubernetes, Ray or systemd restart it."""
     shutdown_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """On SIGTERM/SIGINT: seconds running requests get to finish while new ones get 503; the rest are then
     ended (503, or an error event then `[DONE]`) and the process exits 0."""

@@ -29,14 +29,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *extra: str, env: dict[str, str] | None = None, log: Path = LOG):
+    def __init__(self, *extra: str, env: dict[str, str] | None = None, log: Path = LOG, launcher: tuple[str, ...] = ("-m", "oai_gemma.cli")):
+        """`launcher`: what python runs with `serve ...` (tests/fault_server.py injects faults)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_seen: list[int] = []
         # unquantized float32: the batch-invariant mode is on there by default (README, Reproducibility), so tests
         # that compare two requests token for token hold whatever else the shared server runs (`extra` may override)
         cmd = [
-            sys.executable, "-m", "oai_gemma.cli", "serve", "--port", str(self.port),
+            sys.executable, *launcher, "serve", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--quantization", "none", *extra,
         ]
         self.log_path = log
@@ -47,7 +48,7 @@ class ServerProcess:
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**store, **os.environ, **(env or {})}
         )
 
-    def wait_ready(self, timeout: float = 600) -> None:
+    def wait_ready(self, timeout: float = float(os.environ.get("OAI_GEMMA_TEST_READY_TIMEOUT", "600"))) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -137,3 +137,29 @@ def test_unknown_route_is_404_in_envelope(http):
 def test_wrong_method_is_405_in_envelope(http):
     error_of(http.get("/v1/chat/completions"), 405)
     error_of(http.delete("/v1/models"), 405)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"max_tokens": 0}, "Invalid value for 'max_tokens': expected an integer >= 1."),
+    ({"max_tokens": "many"}, "Invalid type for 'max_tokens': expected an integer or null, but got a string instead."),
+    ({"temperature": 3}, "Invalid value for 'temperature': expected a number <= 2.0."),
+    ({"stop": 5}, "Invalid type for 'stop': expected a string, an array or null, but got an integer instead."),
+    ({"model": None}, "Invalid type for 'model': expected a string, but got null instead."),
+    ({"response_format": {"type": "yaml"}}, "Invalid value for 'response_format.type': 'yaml' is not one of the supported values."),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "Invalid value for 'messages[0].role': 'wizard' is not one of the supported values."),
+])
+def test_validation_messages_are_in_openais_words(http, patch, message):
+    error = error_of(post(http, {"model": MODEL, "messages": user("hi"), **patch}), 400)
+    assert error["message"] == message and error["param"]
+
+
+def test_a_missing_parameter_is_named_as_openai_names_it(http):
+    error = error_of(post(http, {"messages": user("hi")}), 400)
+    assert (error["message"], error["param"]) == ("Missing required parameter: 'model'.", "model")
+
+
+def test_malformed_json_says_where_with_a_null_param(http):
+    error = error_of(post(http, content=b'{"model": "x",\n  "max_tokens": 5,,}'), 400)
+    assert error["param"] is None
+    assert error["message"].startswith("We could not parse the JSON body of your request: ")
+    assert "line 2, column 19" in error["message"], error["message"]

@@ -170,6 +170,10 @@ def test_timing_panel_shows_numbers_and_one_mark_per_token(chat):
         median, peak = (float(v) for v in chat.stat(answer, "gap").split("/"))
         assert 0 <= median <= peak
         expect(answer.locator("svg.plot rect.mark")).to_have_count(TOKENS)
+        # the chart's scale (its tallest gap, in ms) and legend; the prefix-cache count explained on hover
+        assert re.fullmatch(r"[\d.]+ ms", answer.locator('[data-axis="top"]').inner_text())
+        assert "wait since the token before (ms" in answer.locator(".legend").inner_text()
+        assert "prefix cache" in answer.locator('.stat:has([data-stat="cached"])').get_attribute("title")
     # the second turn resends the first: its prompt is longer
     first, second = chat.answers().all()
     assert int(chat.stat(second, "prompt")) > int(chat.stat(first, "prompt"))
@@ -266,6 +270,66 @@ def test_markdown_is_rendered_safely(chat):
     assert html["code"] == ['print("<b>")', "unfinished"]  # an open fence (mid-stream) is a code block too
     assert html["tags"] == ["H1", "STRONG", "LI", "LI"]
     assert "&lt;script&gt;" in html["html"]
+
+
+def set_up_plain_answers(p) -> None:
+    p.click("#clear")
+    p.select_option("#format", "text")
+    p.fill("#max_tokens", str(TOKENS))
+    p.fill("#extra", '{"ignore_eos": true}')
+
+
+@browser_tests
+def test_no_key_notice_on_a_server_without_keys(chat):
+    expect(chat.page.locator("#key-row")).to_be_hidden()  # /v1/models answered 200 without a key
+
+
+@browser_tests
+def test_an_exported_conversation_imports_back_and_goes_on(chat, tmp_path):
+    exported = {  # what Export JSON writes
+        "model": MODEL, "temperature": 0, "top_p": 1, "max_tokens": TOKENS, "seed": 7, "ignore_eos": True,
+        "messages": [
+            {"role": "system", "content": "You are a poet."}, {"role": "user", "content": "A haiku about fog."},
+            {"role": "assistant", "content": "Grey **fog** on the bay"},
+        ],
+    }
+    p = chat.page
+    p.click("#clear")
+    p.fill("#system", "")
+    (tmp_path / "conversation.json").write_text(json.dumps(exported))
+    p.set_input_files("#import-file", str(tmp_path / "conversation.json"))
+    expect(p.locator(".msg")).to_have_count(2)  # the system prompt goes to its field
+    expect(p.locator(".msg.assistant strong")).to_have_text("fog")  # rendered as an answer is
+    assert p.input_value("#system") == "You are a poet." and p.input_value("#format") == "text"
+    assert chat.exported() == exported  # imported as it was exported
+    p.fill("#prompt", "And one about snow.")
+    p.press("#prompt", "Enter")
+    expect(p.locator(".msg.assistant[data-done]")).to_have_count(1, timeout=ANSWER_TIMEOUT)
+    assert chat.bodies[-1]["messages"] == [*exported["messages"], {"role": "user", "content": "And one about snow."}]
+    assert not chat.errors
+
+
+@browser_tests
+def test_compare_mode_answers_with_two_settings_side_by_side(chat):
+    p = chat.page
+    set_up_plain_answers(p)
+    p.fill("#temperature", "0")
+    p.click("#compare-mode")
+    p.fill("#compare", '{"temperature": 1.5, "seed": 11}')
+    before = len(chat.bodies)
+    p.fill("#prompt", "Name three rivers.")
+    p.press("#prompt", "Enter")
+    pair = p.locator(".pair")
+    expect(pair.locator(".msg.assistant[data-done]")).to_have_count(2, timeout=ANSWER_TIMEOUT)
+    a, b = chat.bodies[before:]
+    assert (a["temperature"], b["temperature"], b["seed"]) == (0, 1.5, 11) and a["messages"] == b["messages"]
+    for answer in pair.locator(".msg.assistant").all():
+        expect(answer.locator("svg.plot rect.mark")).to_have_count(TOKENS)
+        assert int(chat.stat(answer, "completion")) == TOKENS
+    expect(pair.locator(".variant")).to_have_text(["A: the settings", 'B: {"temperature": 1.5, "seed": 11}'])
+    chat.page.screenshot(path=str(chat.shot.with_name("compare.png")))
+    p.click("#compare-mode")  # off again: one answer per message
+    assert not chat.errors
 
 
 @browser_tests
@@ -365,6 +429,8 @@ def test_api_key_is_asked_once_and_an_image_is_answered(browser, vision_guarded)
         expect(p.locator("#model")).to_have_text("tiny-vision")
         expect(form).to_be_hidden()
         assert p.evaluate("localStorage.getItem('oai-gemma.api-key')") == KEY
+        expect(p.locator("#key-row")).to_be_visible()  # a server with keys: the notice says one is stored
+        expect(p.locator("#key-state")).to_have_text("API key stored in this browser")
 
         p.fill("#max_tokens", "6")
         attach_by_upload_and_paste(p)
@@ -406,6 +472,8 @@ def test_page_and_files_are_served_without_a_cdn():
         imports = re.findall(r'from "([^"]+)"', script.text)
         assert all(i.startswith("./") for i in imports), imports  # modules of the package, nothing from the network
     assert client.get("/playground/missing.js").status_code == 404
+    icon = client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml" and icon.text.startswith("<svg")
 
 
 def test_playground_off_is_404():
@@ -418,7 +486,7 @@ def test_playground_off_is_404():
 def test_with_api_keys_the_page_is_open_but_the_api_is_not():
     client = app_client({"OAI_GEMMA_API_KEYS": KEY})
     assert client.get("/").status_code == 200
-    assert client.get("/playground/app.js").status_code == 200
+    assert client.get("/playground/app.js").status_code == 200 and client.get("/favicon.ico").status_code == 200
     assert client.get("/v1/models").status_code == 401
     assert client.post("/v1/chat/completions", json={}).status_code == 401
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200

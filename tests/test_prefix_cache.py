@@ -123,3 +123,22 @@ def test_structured_output_from_a_cached_prefix_equals_it_without_cache(runs):
     tokens, cached = runs.run(True, ids, max_tokens=24, grammar=grammar)
     assert cached > 600 and runs.pair[True].tokenizer.decode(tokens[0]).lstrip().startswith("{")
     assert tokens == runs.run(False, ids, max_tokens=24, grammar=runs.pair[False].grammars.json_object())[0]
+
+
+def test_with_every_block_hash_colliding_no_prompt_gets_another_prompts_kv(runs, monkeypatch):
+    """Issue 29 item 1: the hash is replaced by a constant (a crafted collision for every block). A hit needs the
+    block's tokens and predecessor to match, so another prompt's blocks are never taken and outputs stay exact."""
+    import oai_gemma.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "block_hashes", lambda keys, size, parent=None: [0] * (len(keys) // size))
+    engine = runs.pair[True]
+    first = prompt(engine, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp room?"}])
+    second = prompt(engine, [{"role": "system", "content": SYSTEM.upper()}, {"role": "user", "content": "Where is the lamp room?"}])
+    assert len(first) > 4 * BLOCK and first[1:BLOCK] != second[1:BLOCK]
+    assert runs.run(True, first)[1] == 0
+    tokens, cached = runs.run(True, second)
+    assert cached == 0  # every hash points at `first`'s block; its tokens differ
+    assert tokens == runs.run(False, second)[0]
+    again, cached = runs.run(True, first)
+    assert cached == BLOCK  # only the chain's first block is findable at all (the index holds one entry per hash)
+    assert again == runs.run(False, first)[0]

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from oai_gemma.engine.cache.block_pool import BlockPool, block_hashes
+from oai_gemma.engine.cache.block_pool import BlockPool, block_hashes, salt_root
 from oai_gemma.engine.sampling.postprocess import finish
 from oai_gemma.engine.scheduler import Scheduler
 from oai_gemma.engine.sequence import ParentRequest, Sequence
@@ -58,55 +58,78 @@ def test_block_hashes_are_equal_exactly_as_far_as_the_prefixes_are():
     assert block_hashes([5, 6, 7, 8], 4) != [a[1]]  # the same tokens after another prefix are another block
 
 
+def indexed(pool: BlockPool, keys: list[int], hashes: list[int], pending: bool, salt: str = "") -> list[int]:
+    """Allocate and index one block per hash, a chain holding `keys` (what the scheduler does at admission)."""
+    blocks = pool.allocate(len(hashes))
+    for i, (block, h) in enumerate(zip(blocks, hashes)):
+        pool.index(block, h, keys[i * SIZE : (i + 1) * SIZE], blocks[i - 1] if i else salt, pending)
+    return blocks
+
+
 def test_lookup_finds_the_longest_written_prefix_and_says_when_the_next_block_is_being_written():
     pool = BlockPool(8, SIZE)
-    hashes = block_hashes(list(range(12)), SIZE)
-    blocks = pool.allocate(3)
-    for block, h in zip(blocks, hashes):
-        pool.index(block, h, pending=True)
+    keys = list(range(12))
+    hashes = block_hashes(keys, SIZE)
+    blocks = indexed(pool, keys, hashes, pending=True)
     pool.written(blocks[0])
-    assert pool.lookup(hashes) == ([blocks[0]], True)
+    assert pool.lookup(hashes, keys) == ([blocks[0]], True)
     pool.written(blocks[1])
     pool.written(blocks[2])
-    assert pool.lookup(hashes + [123]) == (blocks, False)
-    assert pool.lookup([hashes[1]]) == ([blocks[1]], False)  # (the caller only ever asks for chains from the start)
+    assert pool.lookup(hashes + [123], keys + [0] * 4) == (blocks, False)
+    assert pool.lookup([hashes[1]], keys[4:]) == ([], False)  # a chain is only ever found from its start
 
 
 def test_released_indexed_blocks_stay_cached_until_their_memory_is_needed_oldest_first():
     pool = BlockPool(4, SIZE)
-    first, second = pool.allocate(2), pool.allocate(2)
-    for block, h in zip(first + second, (11, 12, 21, 22)):
-        pool.index(block, h, pending=False)
+    one, two = list(range(8)), list(range(10, 18))
+    first, second = indexed(pool, one, [11, 12], pending=False), indexed(pool, two, [21, 22], pending=False)
     pool.release(first)
     pool.release(second)
     assert pool.available == 4 and not pool.free
-    assert pool.lookup([11, 12]) == (first, False)
-    pool.take(pool.lookup([21, 22])[0])  # in use again: out of the eviction order
+    assert pool.lookup([11, 12], one) == (first, False)
+    pool.take(pool.lookup([21, 22], two)[0])  # in use again: out of the eviction order
     pool.release(second)  # ... and back in, as the most recently used
     new = pool.allocate(2)
     assert sorted(new) == sorted(first)  # the least recently used went first
-    assert pool.lookup([11]) == ([], False) and pool.lookup([21, 22]) == (second, False)
+    assert pool.lookup([11], one) == ([], False) and pool.lookup([21, 22], two) == (second, False)
     with pytest.raises(MemoryError):
         pool.allocate(3)
 
 
 def test_a_pending_block_let_go_before_it_was_written_is_forgotten_and_so_is_an_invalid_one():
     pool = BlockPool(4, SIZE)
-    a, b = pool.allocate(2)
-    pool.index(a, 1, pending=True)
-    pool.index(b, 2, pending=False)
+    (a,), (b,) = indexed(pool, [1] * 4, [1], pending=True), indexed(pool, [2] * 4, [2], pending=False)
     pool.release([a])
     pool.release([b], valid=False)
-    assert pool.lookup([1]) == ([], False) and pool.lookup([2]) == ([], False)
+    assert pool.lookup([1], [1] * 4) == ([], False) and pool.lookup([2], [2] * 4) == ([], False)
     assert len(pool.free) == 4
 
 
 def test_with_caching_off_nothing_is_indexed_and_released_blocks_are_free():
     pool = BlockPool(4, SIZE, caching=False)
-    (a,) = pool.allocate(1)
-    pool.index(a, 1, pending=False)
+    (a,) = indexed(pool, [1] * 4, [1], pending=False)
     pool.release([a])
-    assert pool.lookup([1]) == ([], False) and len(pool.free) == 4 and not pool.cached
+    assert pool.lookup([1], [1] * 4) == ([], False) and len(pool.free) == 4 and not pool.cached
+
+
+def test_a_hash_collision_is_a_miss_never_another_prompts_block():
+    """Every hash the same (a crafted or unlucky collision): only a block whose tokens, predecessor and salt are
+    the ones asked for is a hit."""
+    pool = BlockPool(8, SIZE)
+    keys = [1, 2, 3, 4, 5, 6, 7, 8]
+    blocks = indexed(pool, keys, [0, 0], pending=False)
+    assert pool.lookup([0, 0], [9, 9, 9, 9, 5, 6, 7, 8]) == ([], False)  # another first block, same hash
+    assert pool.lookup([0, 0], keys) == ([blocks[0]], False)  # the second block's hash points at the first block
+    assert pool.lookup([0], keys, salt="other tenant") == ([], False)  # the same tokens under another salt
+    assert block_hashes(keys, SIZE, salt_root("a")) != block_hashes(keys, SIZE, salt_root("b"))
+
+
+def test_a_block_freed_and_indexed_again_is_not_the_parent_its_old_children_followed():
+    pool = BlockPool(2, SIZE)
+    parent, child = indexed(pool, list(range(8)), [1, 2], pending=False)
+    pool._forget(parent)  # evicted before its child (not the usual order, but possible)
+    pool.index(parent, 1, [0, 1, 2, 3], "", pending=False)  # the same block id indexed afresh
+    assert pool.lookup([1, 2], list(range(8))) == ([parent], False)
 
 
 # ---- the scheduler -------------------------------------------------------------------------------
@@ -173,6 +196,17 @@ def test_any_earlier_or_running_sequence_donates_its_prompt_in_whole_blocks():
     third = seq(system + [50, 51, 52], "third")  # both finished: their blocks are cached
     admitted(scheduler, third)
     assert third.num_cached == 12
+
+
+def test_sequences_share_cached_blocks_only_under_the_same_salt():
+    scheduler = scheduler_of(max_seqs=4)
+    prompt = list(range(1, 11))
+    requests = {}
+    for name, salt in (("a", "tenant a"), ("b", "tenant b"), ("a again", "tenant a"), ("unsalted", "")):
+        requests[name] = s = seq(prompt, name)
+        s.request.cache_salt = salt
+        prefilled(scheduler, s)
+    assert {name: s.num_cached for name, s in requests.items()} == {"a": 0, "b": 0, "a again": 8, "unsalted": 0}
 
 
 def test_a_conversation_that_resends_its_history_reuses_the_blocks_of_the_reply_too():

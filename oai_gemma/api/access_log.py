@@ -1,4 +1,4 @@
-"""One structured (JSON) access-log line per HTTP request, and the request id that names it.
+"""One structured access-log line per HTTP request (key=value text, or JSON with `server.log_format = "json"`), and the request id that names it.
 
 The line says who asked what of whom and how it went (method, path, status, model, tokens, time to first
 token, duration, outcome), never the prompt or the output text unless `server.log_request_text` is set.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-import msgspec
+from ..logs import ACCESS_FIELDS, access_message
 
 log = logging.getLogger("oai_gemma.access")
 
@@ -114,9 +114,12 @@ def request_id_from(headers) -> str:
     return uuid.uuid4().hex
 
 
-def access_log_middleware(app, on_done: Callable[[AccessRecord], None], keep_body: bool = False):
+def access_log_middleware(
+    app, on_done: Callable[[AccessRecord], None], keep_body: bool = False, quiet_paths: frozenset[str] = frozenset(),
+):
     """Wrap an ASGI app: a request id per HTTP request (also sent back as `X-Request-Id`), the record that
-    collects the engine's news, `on_done(record)` and the log line once the response is over."""
+    collects the engine's news, `on_done(record)` and the log line once the response is over (none for the
+    `quiet_paths`: probes that would bury the other lines)."""
 
     async def middleware(scope, receive, send):
         if scope["type"] != "http":
@@ -151,6 +154,8 @@ def access_log_middleware(app, on_done: Callable[[AccessRecord], None], keep_bod
             if record.status is None:  # the app raised before answering: the server answers 500
                 record.status = 500
             on_done(record)
-            log.info(msgspec.json.encode(record.line(time.perf_counter())).decode())
+            if record.path not in quiet_paths:
+                entry = record.line(time.perf_counter())
+                log.info("%s", access_message(entry), extra={ACCESS_FIELDS: entry})
 
     return middleware

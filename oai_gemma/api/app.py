@@ -18,11 +18,12 @@ from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .exchange import exchange_middleware
+from .connections import body_timeout_middleware
 from .errors import APIError
 from .metrics import ServerMetrics
 from .openapi import add_wire_components
 from .playground import playground_paths, playground_routes
-from .responses.store import ResponseStore
+from .responses.store import ResponseStore, owner_of
 from .routes import JSON, ROUTES
 from .responses.routes import RESPONSES_ROUTES
 from .services import Services
@@ -39,17 +40,21 @@ class ServerState:
         self.created = int(time.time())
         self.engine: Engine | None = None
         self.services: Services | None = None
-        self.store = ResponseStore(settings.responses.path, settings.responses.max_stored, settings.responses.max_age)
         self.load_error: str | None = None
         self.fatal = False
-        """Start-up failed for a setting this machine cannot honour (engine/config.py's ConfigError)."""
+        """Start-up failed for a setting this machine cannot honour (engine/config.py's ConfigError), or the engine
+        died (`server.exit_on_engine_failure`)."""
         self.on_fatal = lambda: None
-        """Called then, from the loader thread: `serve` stops the server and exits non-zero."""
+        """Called then (from the loader thread, or the event loop): `serve` stops the server and exits non-zero."""
         self.draining = False
+        scope = settings.engine.prefix_cache_scope
+        self.cache_per_key = scope == "key" or (scope == "auto" and bool(settings.server.api_keys))
         self.metrics = ServerMetrics(
             self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
             settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
         )
+        responses = settings.responses
+        self.store = ResponseStore(responses.path, responses.max_stored, responses.max_age, self.metrics.store_errors.inc)
 
     @property
     def ready(self) -> bool:
@@ -62,6 +67,14 @@ class ServerState:
             reason = self.load_error or (self.engine and self.engine.dead_reason) or "the model is still loading"
             raise APIError(503, f"server not ready: {reason}", "server_error", None, "not_ready")
         return self.services
+
+    def scope_cache(self, request: Request, generations: list) -> None:
+        """Keep each engine request's cached prefixes to its API key (`engine.prefix_cache_scope`), within its salt."""
+        if self.cache_per_key:
+            tenant = owner_of(request.headers.get("authorization", "").partition(" ")[2].strip())
+            for generation in generations:
+                if generation is not None:
+                    generation.cache_salt = f"{tenant}/{generation.cache_salt}"
 
     def start_loading(self, loop: asyncio.AbstractEventLoop) -> None:
         compute_thread(lambda: self._load(loop), "oai-gemma-loader").start()  # loading and warm-up use every core
@@ -80,10 +93,34 @@ class ServerState:
             log.exception("loading the model failed")
             return
         engine.observer = self.metrics
+        engine.max_backlog = self.settings.server.max_stream_backlog
         engine.start(loop)
         self.engine = engine
         self.services = Services.build(engine, self.settings, self.store)
-        log.warning("ready: %s (%s) in %.1f s", self.served_name, engine.description, time.monotonic() - started)
+        asyncio.run_coroutine_threadsafe(self._watch(engine), loop)
+        log.info("ready: %s (%s) in %.1f s; %s", self.served_name, engine.description, time.monotonic() - started, self.where())
+
+    def where(self) -> str:
+        """The URLs to open, for the "ready" line."""
+        server = self.settings.server
+        host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
+        base = f"http://{f'[{host}]' if ':' in host else host}:{server.port}"
+        playground = f"playground {base}/, " if server.playground else ""
+        return f"{playground}API base URL {base}/v1"
+
+    async def _watch(self, engine: Engine) -> None:
+        """Once the engine thread has died (its requests already failed): say so, and with
+        `server.exit_on_engine_failure` exit non-zero once the streams have sent their error events."""
+        while engine.alive:
+            await asyncio.sleep(0.5)
+        if self.draining:
+            return
+        log.error("the engine died: %s; /health and new requests answer 503", engine.dead_reason)
+        if self.settings.server.exit_on_engine_failure:
+            await _until(lambda: engine.in_flight == 0, 10.0)
+            log.error("exiting (server.exit_on_engine_failure), so that the supervisor restarts the server")
+            self.fatal = True
+            self.on_fatal()
 
     async def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new requests (503), give running ones `grace` seconds, then end the rest."""
@@ -136,13 +173,15 @@ def create_app(settings: Settings) -> Litestar:
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         request_max_body_size=settings.server.max_body_bytes,
+        logging_config=None,  # the console's one format is set up by `oai_gemma.logs`, not Litestar's own
     )
     add_wire_components(app)
     app.state.server = state
     # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
     # the exchange inside the access log: what a request still holds in the engine is given back before its line
-    handler = exchange_middleware(app.asgi_handler)
-    app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text)
+    handler = exchange_middleware(body_timeout_middleware(app.asgi_handler, settings.server.body_timeout))
+    quiet = frozenset() if settings.server.log_probes else frozenset({"/health", "/metrics"})
+    app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text, quiet)
     return app
 
 

@@ -57,15 +57,67 @@ def context_length_exceeded(max_model_len: int, detail: str, where: str = "messa
 
 
 def decode_body(decoder: msgspec.json.Decoder, body: bytes):
-    """The request Struct, or a 400 naming the offending field (or saying the JSON is malformed)."""
+    """The request Struct, or a 400 naming the offending field (or saying where the JSON is malformed)."""
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise invalid_request(str(exc), param_from_validation(str(exc))) from None
+        param = param_from_validation(str(exc))
+        raise invalid_request(openai_wording(str(exc), param), param) from None
     except msgspec.DecodeError as exc:
-        raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+        raise invalid_request(f"We could not parse the JSON body of your request: {_where_malformed(str(exc), body)}.") from None
     except RecursionError:  # msgspec's guard against a stack overflow on `[[[[...` thousands deep
-        raise invalid_request("the request body is nested too deeply") from None
+        raise invalid_request("We could not parse the JSON body of your request: it is nested too deeply.") from None
+
+
+# ---- msgspec's validation messages in OpenAI's words --------------------------------------------------
+
+_TYPE_WORDS = {
+    "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "object": "an object",
+    "array": "an array", "null": "null", "bytes": "a base64 string",
+}
+_EXPECTED_GOT = re.compile(r"Expected `([^`]+)`, got `([^`]+)`")
+_EXPECTED_BOUND = re.compile(r"Expected `([^`]+)` (.+)")
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`")
+_ENUM = re.compile(r"Invalid (?:enum )?value (.+)")
+_BYTE = re.compile(r"\(byte (\d+)\)")
+
+
+def _kind(types: str) -> str:
+    """msgspec's `str | array | null` -> `a string, an array or null`."""
+    words = [_TYPE_WORDS.get(t, f"`{t}`") for t in types.split(" | ")]
+    return " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+
+
+def openai_wording(message: str, param: str | None) -> str:
+    """msgspec's `Expected `int` >= 1 - at `$.max_tokens`` as OpenAI says it: `Invalid value for 'max_tokens':
+    expected an integer >= 1.`; a message that is not msgspec's comes back as it is."""
+    text = message.split(" - at `")[0]
+    name = f"'{param}'" if param else "the request body"
+    if _MISSING.match(text.removeprefix("Object ")):
+        return f"Missing required parameter: '{param}'."
+    if found := _UNKNOWN_FIELD.fullmatch(text):
+        return f"Unrecognized request argument supplied: {param or found.group(1)}"
+    if found := _EXPECTED_GOT.fullmatch(text):
+        return f"Invalid type for {name}: expected {_kind(found.group(1))}, but got {_kind(found.group(2))} instead."
+    if found := _EXPECTED_BOUND.fullmatch(text):
+        return f"Invalid value for {name}: expected {_kind(found.group(1))} {found.group(2)}."
+    if found := _ENUM.fullmatch(text):
+        return f"Invalid value for {name}: {found.group(1)} is not one of the supported values."
+    if " - at `" in message:  # msgspec's, in no shape above ("Number out of range")
+        return f"Invalid value for {name}: {text[:1].lower()}{text[1:]}."
+    return message
+
+
+def _where_malformed(message: str, body: bytes) -> str:
+    """msgspec's `JSON is malformed: invalid character (byte 9)` with the line and column a person looks for."""
+    detail = message.removeprefix("JSON is malformed: ")
+    at = _BYTE.search(detail)
+    if at is None:
+        return "it ends early" if "truncated" in detail else detail
+    offset = int(at.group(1))
+    line = body.count(b"\n", 0, offset) + 1
+    column = offset - body.rfind(b"\n", 0, offset)
+    return f"{detail[: at.start()].strip()} at line {line}, column {column} (byte {offset})"
 
 
 _AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
@@ -89,7 +141,7 @@ def chat_input_error(exc: ChatInputError, max_model_len: int) -> APIError:
     """A `ChatInputError` (a message, an image, a prompt too long) as a 400 naming its field."""
     if isinstance(exc, PromptTooLong):
         return context_length_exceeded(max_model_len, exc.detail, exc.param)
-    return invalid_request(exc.message, exc.param, exc.code)
+    return invalid_request(openai_wording(exc.message, exc.param), exc.param, exc.code)
 
 
 def busy(exc: Exception) -> APIError:

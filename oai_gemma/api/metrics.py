@@ -74,6 +74,10 @@ class ServerMetrics(RequestObserver):
             labels + ["finished_reason"], registry=self.registry,
         )
         self.outcomes = {reason: outcomes.labels(model_name, reason) for reason in OUTCOMES}
+        self.backlog_cancels = counter(
+            "oai_gemma:stream_backlog_cancels", "Requests cancelled because their client fell server.max_stream_backlog events behind.",
+        )
+        self.store_errors = counter("oai_gemma:response_store_errors", "Writes to the Responses store that failed (disk full, read-only).")
         self.registry.register(_StatsCollector(model_name, stats))
         self.prefix_cache = PrefixCacheCounts()
         self.registry.register(PrefixCacheCollector("oai_gemma:", model_name, self.prefix_cache))
@@ -135,6 +139,9 @@ class ServerMetrics(RequestObserver):
             record.rejected = True
             record.model = self.model_name
         self._count("rejected")
+
+    def on_backlog_full(self, request: GenerationRequest) -> None:
+        self.backlog_cancels.inc()
 
     def count_outcomes(self, record: AccessRecord) -> None:
         """The response is over: count the outcomes of its engine requests (the access log's `on_done`).

@@ -15,7 +15,7 @@ from litestar.exceptions import NotFoundException
 from ..settings import Settings
 
 STATIC = Path(__file__).parent / "static" / "playground"
-MEDIA_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}  # Litestar adds the utf-8 charset
+MEDIA_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml"}  # Litestar adds the utf-8 charset to text/
 HEADERS = {
     "Cache-Control": "no-cache",
     "X-Content-Type-Options": "nosniff",
@@ -45,13 +45,19 @@ async def asset(name: str) -> Response:
     return _file(name)
 
 
+@get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    """What a browser asks for on every page of this server: the playground's icon (an SVG, which browsers take)."""
+    return _file("favicon.svg")
+
+
 def playground_routes(settings: Settings) -> list:
     """The page's routes, none when `server.playground` is off (then `/` is a 404 like any unknown path)."""
-    return [page, asset] if settings.server.playground else []
+    return [page, asset, favicon] if settings.server.playground else []
 
 
 def playground_paths(settings: Settings) -> frozenset[str]:
     """The paths served without an API key: the page and its files (not the API it calls)."""
     if not settings.server.playground:
         return frozenset()
-    return frozenset({"/", "/playground", *(f"/playground/{name}" for name in FILES)})
+    return frozenset({"/", "/playground", "/favicon.ico", *(f"/playground/{name}" for name in FILES)})

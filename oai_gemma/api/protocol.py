@@ -93,6 +93,9 @@ class SamplingRequest(Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     ignore_eos: bool | None = None
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+    """Requests share cached prompt prefixes only with requests of the same salt (and, under
+    `engine.prefix_cache_scope = key`, the same API key)."""
 
     def unsupported_parameter(self) -> str | None:
         """The first known parameter set to something this server does not do (yet), else None."""

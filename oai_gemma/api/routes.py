@@ -35,6 +35,7 @@ async def chat_completions(request: Request) -> Response:
     arrival = time.perf_counter()
     chat, exchange = _state(request).require_ready().chat, exchange_of(request.scope)
     prepared = await chat.prepare(await request.body(), arrival)
+    _state(request).scope_cache(request, [prepared.generation])
     if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
         return Stream(chat.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
     return Response(content=await unless_disconnected(request, chat.complete(prepared, exchange)), media_type=JSON)
@@ -45,6 +46,7 @@ async def completions(request: Request) -> Response:
     arrival = time.perf_counter()
     service, exchange = _state(request).require_ready().completions, exchange_of(request.scope)
     prepared = await service.prepare(await request.body(), arrival)
+    _state(request).scope_cache(request, [p.generation for p in prepared.prompts])
     if prepared.request.stream:
         return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
     return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
@@ -98,7 +100,8 @@ async def server_info(request: Request) -> Response:
 
 @get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
 async def metrics(request: Request) -> Response:
-    return Response(content=_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+    # the header given whole: Litestar would append a second `charset` to a `text/` media type that has one
+    return Response(content=_state(request).metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
 
 
 ROUTES = [

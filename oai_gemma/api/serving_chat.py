@@ -81,7 +81,7 @@ class ChatService(OpenAIServing):
         grammar = await request_grammar(self.engine, tools, request.response_format)
         return GenerationRequest(
             f"chatcmpl-{uuid.uuid4().hex}", prompt.token_ids, sampling, arrival, pixel_values=prompt.pixel_values,
-            crop_keys=prompt.cache_keys, grammar=grammar, n=n,
+            crop_keys=prompt.cache_keys, grammar=grammar, n=n, cache_salt=request.cache_salt or "",
         )
 
     def _assemblers(self, prepared: PreparedChat) -> dict[int, ChoiceAssembler]:

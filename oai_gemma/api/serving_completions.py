@@ -126,7 +126,7 @@ class CompletionService(OpenAIServing):
             max_tokens = 0  # the engine still runs the prompt, for its logprobs
         sampling = sampling_params(request, max_tokens, request.logprobs, self.engine.vocab_limit)
         sampling = dataclasses.replace(sampling, prompt_logprobs=prompt_logprobs)
-        return GenerationRequest(rid, ids, sampling, arrival, n=n)
+        return GenerationRequest(rid, ids, sampling, arrival, n=n, cache_salt=request.cache_salt or "")
 
     def _submit(self, prepared: PreparedCompletion) -> dict[int, Submission]:
         """Every generating prompt's submission, all or none (a 429 unless all can take their places now)."""

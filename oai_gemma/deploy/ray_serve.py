@@ -305,7 +305,7 @@ def run(settings: Settings, options: ReplicaOptions, address: str | None = None)
     serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
     started = time.monotonic()
     serve.run(build_app(settings, options), name=APP_NAME, route_prefix="/", blocking=False)
-    log.warning("ready: Ray Serve on http://%s:%d in %.1f s", settings.server.host, settings.server.port, time.monotonic() - started)
+    log.info("ready: Ray Serve on http://%s:%d in %.1f s", settings.server.host, settings.server.port, time.monotonic() - started)
     while stop["signal"] is None:
         time.sleep(0.2)
     log.warning("shutting down: Ray Serve drains the replicas (up to %g s)", settings.server.shutdown_grace)

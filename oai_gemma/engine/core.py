@@ -28,7 +28,7 @@ from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
 from .scheduler import Scheduler
 from .sequence import ParentRequest, Sequence, Step
-from .types import GenerationRequest
+from .types import GenerationRequest, TokenEvent
 
 log = logging.getLogger("oai_gemma.engine")
 
@@ -111,6 +111,7 @@ class EngineCore:
             self.dead_reason = f"engine loop died: {exc!r}"
             log.exception("engine loop died")
             self._fail_all(self.dead_reason)
+            self._fail_inbox(self.dead_reason)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -240,6 +241,17 @@ class EngineCore:
         events: Events = []
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
             finish(self.scheduler, seq, finish_reason, events, error=reason)
+        self._deliver(events)
+
+    def _fail_inbox(self, reason: str) -> None:
+        """End the requests sent to a dead engine before it was seen dead (an error event per choice)."""
+        events: Events = []
+        while not self._inbox.empty():
+            message = self._inbox.get_nowait()
+            if message is not None and message[0] == "add":
+                _, request, sink = message
+                now = time.perf_counter()
+                events += [(sink, TokenEvent(request.request_id, None, "", now, "error", i, error=reason)) for i in range(request.n)]
         self._deliver(events)
 
     def _deliver(self, events: Events) -> None:

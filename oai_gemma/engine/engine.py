@@ -60,6 +60,8 @@ class Engine:
         """Seconds from arrival to the last token; 0 means no limit."""
         self.idle_timeout = config.idle_timeout
         """Longest wait for a request's next event (queue included); 0 means no limit."""
+        self.max_backlog = 0
+        """Events a request's consumer may fall behind before the request is cancelled (Submission); 0: no limit."""
         self.admitting = True
         self.in_flight = 0
         """Requests between submit and their last event (touched on the event loop only)."""
@@ -138,7 +140,7 @@ class Engine:
         self.check_capacity()
         if not request.arrival_time:
             request.arrival_time = time.perf_counter()
-        submission = Submission(self, request, self.request_timeout, self.idle_timeout)
+        submission = Submission(self, request, self.request_timeout, self.idle_timeout, self.max_backlog)
         self.core.add(request, submission.events)
         self.in_flight += request.n
         return submission

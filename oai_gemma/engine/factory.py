@@ -11,7 +11,7 @@ import time
 
 from ..settings import Settings
 from .engine import Engine
-from .model.loader import load
+from .model.loader import load, start_plan
 from .cache.memory import release_free_memory, resident_bytes
 
 log = logging.getLogger("oai_gemma.engine")
@@ -21,12 +21,15 @@ MB = 2**20
 
 def load_engine(settings: Settings) -> Engine:
     """Everything start-up does before the server may say it is ready (seconds: run it off the event loop)."""
+    log.info("start-up: %s; /health answers 503 until ready", start_plan(settings.model))
     started = time.monotonic()
     loaded = load(settings.model)
     loaded_at = time.monotonic()
     engine = Engine.from_settings(loaded, settings, own_weights=True)  # nothing else uses this model: one copy of its weights
     built_at = time.monotonic()
+    log.info("warm-up: running every step shape once, so no request pays for it")
     engine.warm_up()
+    log.info("warm-up done in %.1f s", time.monotonic() - built_at)
     release_free_memory()  # warm-up's activations
     runner = engine.core.runner
     phases = {"load": loaded_at - started, **runner.timings, "warm-up": time.monotonic() - built_at}

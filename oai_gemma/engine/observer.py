@@ -20,3 +20,6 @@ class RequestObserver:
 
     def on_reject(self, reason: str) -> None:
         """A request was refused before it started: `busy` (no place) or `dead` (no engine)."""
+
+    def on_backlog_full(self, request: GenerationRequest) -> None:
+        """The request's consumer fell `engine.max_backlog` events behind (a client not reading): it was cancelled."""

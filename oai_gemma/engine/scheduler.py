@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from .cache.block_pool import BlockPool, block_hashes
+from .cache.block_pool import BlockPool, block_hashes, salt_root
 from .sequence import Sequence, Step, StepItem
 
 
@@ -78,11 +78,12 @@ class Scheduler:
         being written by a running step, so `seq` waits for it rather than computing it again."""
         if len(self.running) >= self.max_seqs:
             return False
+        salt = seq.request.cache_salt
         if not seq.hashes:  # once per sequence: its prompt does not change while it waits
-            seq.hashes = block_hashes(seq.cache_keys, self.size)
+            seq.hashes = block_hashes(seq.cache_keys, self.size, salt_root(salt))
         hashes = seq.hashes
         usable = (len(seq.prompt_ids) - 1) // self.size  # at least one prompt token is computed, for the logits
-        hit, wait = ([], False) if seq.scores_prompt else self.pool.lookup(hashes[:usable])
+        hit, wait = ([], False) if seq.scores_prompt else self.pool.lookup(hashes[:usable], seq.cache_keys, salt)
         if wait:
             return None
         seq.most_blocks = self._most_blocks(seq)
@@ -90,8 +91,8 @@ class Scheduler:
             return False
         self.pool.take(hit)
         seq.blocks = hit + self.pool.allocate(-(-len(seq.prompt_ids) // self.size) - len(hit))
-        for block, block_hash in zip(seq.blocks[len(hit) :], hashes[len(hit) :]):
-            self.pool.index(block, block_hash, pending=True)
+        for index in range(len(hit), len(hashes)):
+            self._index(seq, index, seq.cache_keys, pending=True)
         seq.num_computed = seq.num_cached = len(hit) * self.size
         seq.scheduled_time = now
         self.running.append(seq)
@@ -140,9 +141,17 @@ class Scheduler:
                     self._index_generated(seq, index)
 
     def _index_generated(self, seq: Sequence, index: int) -> None:
-        tokens = (seq.cache_keys + seq.output_ids)[index * self.size : (index + 1) * self.size]
-        seq.hashes += block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else None)
-        self.pool.index(seq.blocks[index], seq.hashes[-1], pending=False)
+        keys = seq.cache_keys + seq.output_ids
+        tokens = keys[index * self.size : (index + 1) * self.size]
+        seq.hashes += block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else salt_root(seq.request.cache_salt))
+        if len(seq.hashes) > index:
+            self._index(seq, index, keys, pending=False)
+
+    def _index(self, seq: Sequence, index: int, keys: list[int], pending: bool) -> None:
+        """Offer `seq`'s block `index` (holding keys[index * size:][:size]) to later requests."""
+        after = seq.blocks[index - 1] if index else seq.request.cache_salt
+        tokens = keys[index * self.size : (index + 1) * self.size]
+        self.pool.index(seq.blocks[index], seq.hashes[index], tokens, after, pending)
 
     def schedule(self, now: float) -> Step:
         for seq in list(self.waiting):

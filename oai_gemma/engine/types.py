@@ -59,6 +59,9 @@ class GenerationRequest:
     """A compiled `engine.grammar.Grammar` the output must follow (structured output), else None."""
     n: int = 1
     """Choices to generate from the one prompt: its prefill runs once, then each choice samples on its own."""
+    cache_salt: str = ""
+    """Requests share cached prompt prefixes only with requests of the same salt (vLLM's `cache_salt`; the API
+    puts the caller's tenant in it where `engine.prefix_cache_scope` is `key`)."""
 
 
 @dataclass

@@ -190,6 +190,13 @@ class ResponseEvents:
         )
         return events + [self._event(FINAL_EVENTS[status], self.response)]
 
+    def refinish(self, status: str) -> list:
+        """After `finish`, another outcome after all (the response could not be stored): the final event that
+        replaces the one `finish` returned (with its sequence number)."""
+        self.response.status = status
+        self.sequence -= 1
+        return [self._event(FINAL_EVENTS[status], self.response)]
+
     # ---- items ---------------------------------------------------------------------------------------
 
     def _text_delta(self, text: str, entries: list) -> list:

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from ..errors import APIError, invalid_request, param_from_validation
+from ..errors import APIError, invalid_request, openai_wording, param_from_validation
 from .protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -81,7 +81,8 @@ def _decode_item(item: Any, where: str) -> InputItem:
 def validation_error(exc: msgspec.ValidationError, where: str) -> APIError:
     """msgspec's complaint about a value decoded on its own, as a 400 naming it from the request's root."""
     inner = param_from_validation(str(exc))
-    return invalid_request(str(exc).split(" - at `")[0], f"{where}.{inner}" if inner else where)
+    param = f"{where}.{inner}" if inner else where
+    return invalid_request(openai_wording(str(exc), param), param)
 
 
 def _check_part_types(item: dict, where: str) -> None:

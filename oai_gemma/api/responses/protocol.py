@@ -136,6 +136,8 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True):
     include: list[str] | None = None
     reasoning: ReasoningParam | None = None
     prompt_cache_key: str | None = None
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+    """vLLM's: requests share cached prompt prefixes only with requests of the same salt."""
     safety_identifier: str | None = None
     service_tier: str | None = None
     max_tool_calls: Annotated[int, Meta(ge=1)] | None = None

@@ -35,6 +35,7 @@ async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     service = _service(request)
     prepared = await service.prepare(await request.body(), arrival, _owner(request))
+    request.app.state.server.scope_cache(request, [prepared.generation])
     exchange = exchange_of(request.scope)
     if prepared.request.stream:
         return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)

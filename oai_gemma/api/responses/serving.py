@@ -62,7 +62,7 @@ from .protocol import (
     stored_output_decoder,
 )
 from ..response_format import request_grammar
-from .store import ResponseStore
+from .store import ResponseStore, StoreError
 from .events import ResponseEvents
 from .input import decode_input, to_messages, validation_error
 from ..sampling import completion_budget, sampling_params
@@ -125,7 +125,7 @@ class ResponsesService(OpenAIServing):
         response_id = f"resp_{uuid.uuid4().hex}"
         generation = GenerationRequest(
             response_id, prompt.token_ids, sampling, arrival, pixel_values=prompt.pixel_values, crop_keys=prompt.cache_keys,
-            grammar=grammar,
+            grammar=grammar, cache_salt=request.cache_salt or "",
         )
         self.check_capacity()
         return PreparedResponse(request, generation, tools, self._skeleton(request, response_id, sampling), history + items, owner)
@@ -199,7 +199,11 @@ class ResponsesService(OpenAIServing):
                 yield sse_event(event)
             return
         last = builder.finish(self._end(prepared, assembler, exchange))
-        await self._keep(prepared, encoder.encode(builder.response))
+        try:
+            await self._keep(prepared, encoder.encode(builder.response))
+        except APIError as exc:  # not stored: the client must not take it for a response it can continue from
+            prepared.response.error = ResponseError("server_error", exc.body.error.message)
+            last[-1:] = builder.refinish("failed")
         for event in last:
             yield sse_event(event)
 
@@ -220,8 +224,12 @@ class ResponsesService(OpenAIServing):
         return "completed"
 
     async def _keep(self, prepared: PreparedResponse, body: bytes) -> None:
+        """Store the response (`store: true`) before it is sent; a 503 if that fails (disk full, read-only store)."""
         if prepared.response.store:
-            await self.store.put(prepared.owner, prepared.response.id, body, encoder.encode(prepared.items))
+            try:
+                await self.store.put(prepared.owner, prepared.response.id, body, encoder.encode(prepared.items))
+            except StoreError as exc:
+                raise APIError(503, f"{exc}; `store: false` requests are served", "server_error", None, "store_unavailable") from None
 
     # ---- stored responses -------------------------------------------------------------------------
 

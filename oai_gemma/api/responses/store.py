@@ -6,17 +6,27 @@ connection, never on the event loop (a disk write can stall for milliseconds). T
 than `max_age` seconds are never returned and are deleted, and beyond `max_responses` rows the oldest go, at each
 write. Each row belongs to an owner (a hash of the API key that created it, "" on an open server): every read
 and delete names the owner, so one key never sees another's responses (a 404, as for an unknown id).
+
+Durability: WAL journal, `synchronous=NORMAL`. A write is committed before the response that caused it is sent
+(`response.completed` comes after the commit), and a commit survives the process being killed at any moment (it is
+in the WAL file, which the next open replays). On power loss or an OS crash the last commits before the crash may
+be lost (they were not yet fsynced; a checkpoint fsyncs), but the file stays consistent. A write that fails (disk
+full, read-only file) raises `StoreError`, is logged and counted (`on_error`), and leaves the store as it was: once
+space returns, the next write succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("oai_gemma.store")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -41,18 +51,30 @@ def owner_of(api_key: str | None) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
 
 
+class StoreError(RuntimeError):
+    """A response could not be stored (the disk is full, the file read-only, ...)."""
+
+
 class ResponseStore:
-    def __init__(self, path: str | Path, max_responses: int, max_age: float):
+    def __init__(self, path: str | Path, max_responses: int, max_age: float, on_error=lambda: None):
+        """`on_error()`: called on each failed write (the metrics count them)."""
         self.path = str(path)
         self.max_responses = max_responses
         self.max_age = max_age
+        self.on_error = on_error
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oai-gemma-store")
         self._db: sqlite3.Connection | None = None
 
     # ---- the asyncio side ----------------------------------------------------------------------------
 
     async def put(self, owner: str, response_id: str, response: bytes, input_items: bytes) -> None:
-        await self._run(self._put, owner, response_id, response, input_items)
+        """Store a response (committed when this returns), or raise StoreError."""
+        try:
+            await self._run(self._put, owner, response_id, response, input_items)
+        except (sqlite3.Error, OSError) as exc:
+            log.error("storing response %s in %s failed: %s", response_id, self.path, exc)
+            self.on_error()
+            raise StoreError(f"the response could not be stored ({exc})") from exc
 
     async def get(self, owner: str, response_id: str) -> StoredResponse | None:
         return await self._run(self._get, owner, response_id)
@@ -98,7 +120,8 @@ class ResponseStore:
             )
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # SQLite rolls back by itself on some errors (a full disk)
+                db.execute("ROLLBACK")
             raise
 
     def _get(self, owner: str, response_id: str) -> StoredResponse | None:

@@ -1,8 +1,12 @@
 """Which KV blocks each sequence holds, and the prefix index that lets any later request reuse them.
 
-A block is identified for reuse by the hash of every token before and in it (a chain: the hash of the block
-before it, then its own tokens; image tokens count as their image's content hash), so two prompts share a
-block exactly when they share everything up to its end. Only full blocks are indexed. A block is referenced by
+A block is found for reuse by the hash of every token before and in it (a chain: the hash of the block before
+it, then its own tokens; image tokens count as their image's content hash; the chain starts from the request's
+cache salt, keyed with a per-process secret), so two prompts share a block exactly when they share their salt and
+everything up to its end. A hash only finds a candidate: a hit is taken only when the block's own tokens and the
+block before it (or, for a chain's first block, the salt) are the ones asked for, so a collision, by chance or
+crafted, costs a miss and never serves another prompt's KV (vLLM's advisory on predictable prefix hashes;
+docs/engine.md, "Prefix cache integrity"). Only full blocks are indexed. A block is referenced by
 each sequence whose table holds it; when the last one lets go, an indexed block stays cached (least recently
 used first out) until its memory is needed, and any other block is simply free.
 
@@ -13,7 +17,17 @@ behaviour), and is admitted once it is ready.
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from collections import OrderedDict
+
+_SECRET = secrets.randbits(64)
+"""Keys every chain's start: hashes are not predictable from outside this process."""
+
+
+def salt_root(salt: str) -> int:
+    """The hash a chain of blocks under `salt` continues from."""
+    return hash((_SECRET, salt))
 
 
 def block_hashes(keys: list[int], block_size: int, parent: int | None = None) -> list[int]:
@@ -38,6 +52,12 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.hash_of: dict[int, int] = {}
         self.block_of: dict[int, int] = {}
+        self.key_of: dict[int, tuple] = {}
+        """Indexed block -> (what it follows: the salt, or (the block before it, that block's serial), its tokens):
+        what a hit must match, whatever the hash says."""
+        self.serial_of: dict[int, int] = {}
+        """Indexed block -> a number never given twice, so a block freed and indexed again is not its old self."""
+        self._serials = itertools.count()
         self.pending: set[int] = set()
         """Indexed blocks whose KV a running step has yet to write."""
 
@@ -46,17 +66,19 @@ class BlockPool:
         """Blocks that can be handed out now (free, or cached and evictable)."""
         return len(self.free) + len(self.cached)
 
-    def lookup(self, hashes: list[int]) -> tuple[list[int], bool]:
-        """(the blocks of the longest indexed prefix of `hashes` whose KV is written, whether the prefix goes on
-        in a block that is being written: then the caller should wait for it)."""
-        blocks = []
-        for h in hashes:
+    def lookup(self, hashes: list[int], keys: list[int], salt: str = "") -> tuple[list[int], bool]:
+        """(the blocks of the longest indexed prefix of `hashes` (the chain of `keys` under `salt`) whose KV is
+        written, whether the prefix goes on in a block that is being written: then the caller should wait for it)."""
+        blocks: list[int] = []
+        after: object = salt
+        for i, h in enumerate(hashes):
             block = self.block_of.get(h)
-            if block is None:
-                return blocks, False
+            if block is None or self.key_of[block] != (after, tuple(keys[i * self.block_size : (i + 1) * self.block_size])):
+                return blocks, False  # not indexed, or a collision: another prefix's block
             if block in self.pending:
                 return blocks, True
             blocks.append(block)
+            after = (block, self.serial_of[block])
         return blocks, False
 
     def take(self, blocks: list[int]) -> None:
@@ -80,11 +102,17 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def index(self, block: int, block_hash: int, pending: bool) -> None:
-        """Make a held block findable by its prefix hash (unless caching is off or that prefix is indexed already)."""
+    def index(self, block: int, block_hash: int, tokens: list[int], after: str | int, pending: bool) -> None:
+        """Make a held block findable by its prefix hash (unless caching is off or that prefix is indexed already).
+        `after`: the salt for a chain's first block, else the block before it (which must be indexed itself)."""
         if not self.caching or block_hash in self.block_of or block in self.hash_of:
             return
+        if isinstance(after, int):
+            if after not in self.serial_of:
+                return
+            after = (after, self.serial_of[after])
         self.hash_of[block], self.block_of[block_hash] = block_hash, block
+        self.key_of[block], self.serial_of[block] = (after, tuple(tokens)), next(self._serials)
         if pending:
             self.pending.add(block)
 
@@ -110,4 +138,4 @@ class BlockPool:
         self.pending.discard(block)
         block_hash = self.hash_of.pop(block, None)
         if block_hash is not None:
-            del self.block_of[block_hash]
+            del self.block_of[block_hash], self.key_of[block], self.serial_of[block]

@@ -7,13 +7,14 @@ import { Timing, drawTiming, timingPanel } from "./timing.js";
 
 const $ = (id) => document.getElementById(id);
 const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
-const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed", "format", "schema", "extra"];
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed", "format", "schema", "extra", "compare"];
 
 const history = []; // {role, content}: content a string, or text and image_url parts
 let model = null;
 let attachments = []; // data: URLs of the images for the next message
 let running = null; // {controller} while an answer streams
 let retry = null; // what to do once the user has given an API key
+let keyNeeded = false; // the server answered 401 without a key (a server without keys answers 200)
 
 // ---- settings -> request ----------------------------------------------------------------------------------
 
@@ -46,6 +47,15 @@ function parameters() {
   return { ...params, ...extra };
 }
 
+/** Settings B of the compare mode: merged over the parameters for the second answer. */
+function compareParameters() {
+  const b = parseJson("compare", "Compare settings B");
+  if (typeof b !== "object" || Array.isArray(b) || b === null) throw new Error("Compare settings B must be a JSON object.");
+  return b;
+}
+
+const comparing = () => $("compare-mode").getAttribute("aria-pressed") === "true";
+
 function messages() {
   const system = $("system").value.trim();
   return system ? [{ role: "system", content: system }, ...history] : [...history];
@@ -64,7 +74,7 @@ function textOf(content) {
   return typeof content === "string" ? content : content.filter((p) => p.type === "text").map((p) => p.text).join("\n");
 }
 
-function addMessage(role, content) {
+function addMessage(role, content, parent = $("messages")) {
   const item = document.createElement("article");
   item.className = `msg ${role}`;
   item.setAttribute("aria-label", role === "user" ? "You" : "Assistant");
@@ -82,7 +92,7 @@ function addMessage(role, content) {
     }
   }
   item.append(body);
-  $("messages").append(item);
+  parent.append(item);
   item.scrollIntoView({ block: "end" });
   return item;
 }
@@ -148,17 +158,10 @@ function renderAttachments() {
 
 // ---- one answer -------------------------------------------------------------------------------------------
 
-/** Streams the answer to the current history into a new assistant message. */
-async function answer() {
-  let body;
-  try {
-    body = { ...parameters(), messages: messages(), stream: true, stream_options: { include_usage: true }, logprobs: true };
-  } catch (e) {
-    showError(e.message);
-    return false;
-  }
-  showError("");
-  const item = addMessage("assistant", "");
+/** Streams the answer to `body` into a new assistant message in `parent`; resolves to {item, text, error}. */
+async function streamInto(body, signal, parent, label) {
+  const item = addMessage("assistant", "", parent);
+  if (label) item.prepend(Object.assign(document.createElement("div"), { className: "variant muted", textContent: label }));
   const content = item.querySelector(".content");
   const panel = timingPanel();
   item.append(panel);
@@ -167,6 +170,7 @@ async function answer() {
   const timing = new Timing();
   let dirty = false;
   let finish = null;
+  let error = null;
   const draw = () => {
     if (!dirty) return;
     dirty = false;
@@ -177,10 +181,8 @@ async function answer() {
     if (following) box.scrollTop = box.scrollHeight;
   };
   const schedule = () => { if (!dirty) { dirty = true; requestAnimationFrame(draw); } };
-  const controller = new AbortController();
-  setRunning({ controller });
   try {
-    await streamChat(body, controller.signal, (chunk) => {
+    await streamChat(body, signal, (chunk) => {
       if (chunk.usage) timing.usage = chunk.usage;
       const choice = chunk.choices[0];
       if (choice) {
@@ -194,20 +196,50 @@ async function answer() {
     });
     status.textContent = finish === "length" ? "stopped: max tokens reached" : "";
   } catch (e) {
-    if (e.name === "AbortError") {
-      status.textContent = "stopped";
-    } else {
-      failed(e, item, text);
-      return false;
-    }
-  } finally {
-    setRunning(null);
+    if (e.name === "AbortError") status.textContent = "stopped";
+    else error = e;
   }
   dirty = true;
   draw();
-  item.dataset.done = "true";
-  if (!item.isConnected) return false; // "New chat" ended it: the answer belongs to no conversation
-  history.push({ role: "assistant", content: text });
+  return { item, text, error };
+}
+
+/** Answers the current history: one answer, or in compare mode two side by side (A: the settings, B: them with
+ * settings B merged over), each with its own timing. The conversation goes on with A's answer. */
+async function answer() {
+  let bodies;
+  try {
+    const body = { ...parameters(), messages: messages(), stream: true, stream_options: { include_usage: true }, logprobs: true };
+    bodies = comparing() ? [body, { ...body, ...compareParameters() }] : [body];
+  } catch (e) {
+    showError(e.message);
+    return false;
+  }
+  showError("");
+  let parent = $("messages");
+  const labels = [null];
+  if (bodies.length > 1) {
+    parent = Object.assign(document.createElement("div"), { className: "pair" });
+    $("messages").append(parent);
+    labels.splice(0, 1, "A: the settings", `B: ${$("compare").value.trim()}`);
+  }
+  const controller = new AbortController();
+  setRunning({ controller });
+  let results;
+  try {
+    results = await Promise.all(bodies.map((body, i) => streamInto(body, controller.signal, parent, labels[i])));
+  } finally {
+    setRunning(null);
+  }
+  results.forEach((r) => { r.item.dataset.done = "true"; });
+  const [first, ...others] = results;
+  others.forEach((r) => { if (r.error) r.item.querySelector(".finish").textContent = `failed: ${r.error.message}`; });
+  if (first.error) {
+    failed(first.error, (first.text || parent === $("messages")) ? first.item : parent, first.text);
+    return false;
+  }
+  if (!first.item.isConnected) return false; // "New chat" ended it: the answer belongs to no conversation
+  history.push({ role: "assistant", content: first.text });
   $("regenerate").disabled = false;
   return true;
 }
@@ -273,9 +305,11 @@ function askForKey(error, then) {
   $("api-key").focus();
 }
 
+/** The key notice only where keys matter: a key is stored, or the server asked for one. */
 function showKeyState() {
   $("key-state").textContent = apiKey.get() ? "API key stored in this browser" : "No API key stored";
   $("forget-key").hidden = !apiKey.get();
+  $("key-row").hidden = !apiKey.get() && !keyNeeded;
 }
 
 async function loadModel() {
@@ -283,7 +317,11 @@ async function loadModel() {
     model = (await listModels())[0].id;
     $("model").textContent = model;
   } catch (e) {
-    if (e instanceof ApiError && e.status === 401) askForKey(e, loadModel);
+    if (e instanceof ApiError && e.status === 401) {
+      keyNeeded = true;
+      showKeyState();
+      askForKey(e, loadModel);
+    }
     else showError(`Could not read the model list: ${e.message}`);
   }
 }
@@ -308,14 +346,40 @@ function download(name, text) {
   setTimeout(() => URL.revokeObjectURL(link.href), 1000);
 }
 
+/** Loads an exported conversation (the Export JSON file): its system prompt, parameters and messages. */
+function importConversation(data) {
+  if (!Array.isArray(data?.messages)) throw new Error("This file has no `messages` array: not an exported conversation.");
+  const { messages: all, model: _model, temperature, top_p, max_tokens, seed, response_format, ...extra } = data;
+  if (running) running.controller.abort();
+  $("system").value = all.filter((m) => m.role === "system").map((m) => textOf(m.content)).join("\n\n");
+  for (const [id, value] of Object.entries({ temperature, top_p, max_tokens, seed })) $(id).value = value ?? "";
+  $("format").value = response_format?.type ?? "text";
+  if (response_format?.type === "json_schema") $("schema").value = JSON.stringify(response_format.json_schema.schema);
+  $("schema-box").hidden = $("format").value !== "json_schema";
+  $("extra").value = Object.keys(extra).length ? JSON.stringify(extra) : "";
+  saveSettings();
+  history.length = 0;
+  $("messages").replaceChildren();
+  for (const message of all.filter((m) => m.role !== "system")) {
+    history.push(message);
+    const item = addMessage(message.role, message.content ?? "");
+    if (message.role !== "user") item.querySelector(".content").innerHTML = renderMarkdown(textOf(message.content ?? ""));
+  }
+  showError("");
+  setRunning(null);
+}
+
 // ---- wiring -----------------------------------------------------------------------------------------------
+
+function saveSettings() {
+  localStorage.setItem("oai-gemma.settings", JSON.stringify(Object.fromEntries(SETTINGS.map((id) => [id, $(id).value]))));
+}
 
 function restoreSettings() {
   const saved = JSON.parse(localStorage.getItem("oai-gemma.settings") || "{}");
   for (const id of SETTINGS) if (id in saved) $(id).value = saved[id];
   $("schema-box").hidden = $("format").value !== "json_schema";
-  const save = () => localStorage.setItem("oai-gemma.settings", JSON.stringify(Object.fromEntries(SETTINGS.map((id) => [id, $(id).value]))));
-  for (const id of SETTINGS) $(id).addEventListener("change", save);
+  for (const id of SETTINGS) $(id).addEventListener("change", saveSettings);
   if (matchMedia("(max-width: 760px)").matches) $("settings-panel").open = false;
 }
 
@@ -336,6 +400,19 @@ document.addEventListener("keydown", (e) => { if (e.key === "Escape" && running)
 $("regenerate").addEventListener("click", regenerate);
 $("format").addEventListener("change", () => { $("schema-box").hidden = $("format").value !== "json_schema"; });
 $("export").addEventListener("click", () => download("conversation.json", JSON.stringify(exported(), null, 2)));
+$("import").addEventListener("click", () => $("import-file").click());
+$("import-file").addEventListener("change", async (e) => {
+  const [file] = e.target.files;
+  e.target.value = "";
+  if (!file) return;
+  try { importConversation(JSON.parse(await file.text())); } catch (err) { showError(`Could not import ${file.name}: ${err.message}`); }
+});
+$("compare-mode").addEventListener("click", () => {
+  const on = !comparing();
+  $("compare-mode").setAttribute("aria-pressed", String(on));
+  $("compare-box").hidden = !on;
+  if (on) $("settings-panel").open = true;
+});
 $("clear").addEventListener("click", () => {
   if (running) running.controller.abort();
   history.length = 0;

@@ -48,13 +48,14 @@ export function drawTiming(panel, timing) {
   set("prompt", u ? String(u.prompt_tokens) : "–");
   set("cached", u ? String(u.prompt_tokens_details?.cached_tokens ?? 0) : "–");
   set("completion", u ? String(u.completion_tokens) : "–");
-  drawPlot(panel.querySelector("svg"), timing, gaps);
+  const top = Math.max(gaps ? gaps.max : 0, 1); // the first token's wait (TTFT) is drawn full height, in its own colour
+  panel.querySelector('[data-axis="top"]').textContent = `${fmt(top, top < 10 ? 1 : 0)} ms`;
+  drawPlot(panel.querySelector("svg"), timing, top);
 }
 
-function drawPlot(svg, timing, gaps) {
+function drawPlot(svg, timing, top) {
   const n = timing.marks.length;
   const width = Math.max(n, 60);
-  const top = Math.max(gaps ? gaps.max : 0, 1); // the first token's wait (TTFT) is drawn full height, in its own colour
   svg.setAttribute("viewBox", `0 0 ${width} 100`);
   const bars = document.createDocumentFragment();
   timing.marks.forEach((mark, i) => {
@@ -79,17 +80,21 @@ export function timingPanel() {
   const panel = document.createElement("section");
   panel.className = "timing";
   panel.setAttribute("aria-label", "Timing");
-  const stat = (name, label, unit = "") =>
-    `<span class="stat"><span class="label">${label}</span> <span data-stat="${name}">–</span>${unit}</span>`;
+  const stat = (name, label, unit = "", title = "") =>
+    `<span class="stat"${title ? ` title="${title}"` : ""}><span class="label">${label}</span> <span data-stat="${name}">–</span>${unit}</span>`;
+  const cached = "prompt tokens served from the server's prefix cache: an earlier request computed them, this one did not";
   panel.innerHTML =
     `<div class="stats">${stat("ttft", "TTFT", " ms")}${stat("tps", "speed", " tok/s")}${stat("tokens", "tokens")}` +
     `${stat("gap", "gap median/max", " ms")}</div>` +
-    `<div class="stats usage">${stat("prompt", "prompt")}${stat("cached", "cached")}${stat("completion", "completion")}</div>`;
+    `<div class="stats usage">${stat("prompt", "prompt")}${stat("cached", "cached", "", cached)}${stat("completion", "completion")}</div>` +
+    `<div class="plot-box"><span class="axis top" data-axis="top">– ms</span><span class="axis zero">0 ms</span></div>` +
+    `<p class="legend">one bar per token, its height the wait since the token before (ms, to the scale on the left); ` +
+    `<span class="swatch first"></span> the first token, after the TTFT (not to scale)</p>`;
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("class", "plot");
   svg.setAttribute("preserveAspectRatio", "none");
   svg.setAttribute("role", "img");
-  svg.setAttribute("aria-label", "Gap before each token (one bar per token)");
-  panel.append(svg);
+  svg.setAttribute("aria-label", "Wait before each token in ms (one bar per token)");
+  panel.querySelector(".plot-box").prepend(svg);
   return panel;
 }
