@@ -6,7 +6,7 @@ with its own weights, so they stream from memory as in the engine (the per-shape
 the cache keeps).
 
     python benchmarks/weight_only_kernels.py --rows 1,8,32 --markdown
-    python benchmarks/weight_only_kernels.py --step --rows 1,2,4,8,16,32
+    python benchmarks/weight_only_kernels.py --step --rows 1,2,4,8,16,32 [--lm-head]
 
 Run it on a quiet machine (`uptime`): it reports the median of many calls per cell.
 """
@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from oai_gemma.engine.model import native
 from oai_gemma.engine.model.native import native_unavailable
 from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear
 
@@ -92,23 +93,57 @@ def candidates(weight: torch.Tensor, bf16: bool):
         yield f"int4 g{group} ({'bf16' if bf16 else 'float32'} act.)", act, int4_pack_mm(weight, group, act)
 
 
-def step(rows: list[int], repeats: int) -> list[str]:
-    """A decode step's projections (18 layers x q, k, v, o, gate, up, down), each its own weight: float32 packed
-    against the native int8 kernel, in float32, median ms of the whole step."""
+def _native(weight: torch.Tensor, isa: str):
+    """A NativeInt8Linear held to one instruction set's variant of the kernel."""
+    linear = NativeInt8Linear(weight)
+    kernel = getattr(native._library(), "woq_int8_linear_avx512" if isa == "AVX512" else "woq_int8_linear")
+    n, k = weight.shape
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], n)
+        kernel(x.data_ptr(), x.shape[0], k, linear.packed.data_ptr(), linear.scale.data_ptr(), n, y.data_ptr(), 0, 0)
+        return y
+
+    return call
+
+
+def step(rows: list[int], repeats: int, lm_head: bool) -> list[str]:
+    """A decode step's projections (18 layers x q, k, v, o, gate, up, down), each its own weight (and with
+    `lm_head`, the 262k-row lm_head too), through each layout this CPU has: median ms of the whole step, the
+    layouts' repetitions interleaved so that a busy machine's load falls on all of them alike. The bf16 rows take
+    bf16 activations, the native rows float32 (cast from bf16 and back in the bf16 engine: not included)."""
     shapes = [(n, k) for name, n, k in SHAPES if name != "lm_head" for _ in range(PER_LAYER[name])] * LAYERS
+    if lm_head:
+        shapes.append(SHAPES[-1][1:])
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
-    kinds = {"float32 packed": [packed(w) for w in weights]}
+    kinds = {"float32 packed": (torch.float32, [packed(w) for w in weights])}
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        kinds["bf16 packed"] = (torch.bfloat16, [packed(w.bfloat16()) for w in weights])
     if native_unavailable() is None:
-        kinds["int8 native AVX2"] = [NativeInt8Linear(w) for w in weights]
+        kinds["int8 native AVX2"] = (torch.float32, [_native(w, "AVX2") for w in weights])
+        if native.cpu_has_avx512():
+            kinds["int8 native AVX512"] = (torch.float32, [_native(w, "AVX512") for w in weights])
     del weights
-    lines = ["| a step's 126 projections | " + " | ".join(f"{m} row{'s' if m > 1 else ''} (ms)" for m in rows) + " |",
+    what = "126 projections" + (" and the lm_head" if lm_head else "")
+    lines = [f"| a step's {what} | " + " | ".join(f"{m} row{'s' if m > 1 else ''} (ms)" for m in rows) + " |",
              "|---|" + "---:|" * len(rows)]
-    for label, linears in kinds.items():
-        cells = []
-        for m in rows:
-            inputs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
-            cells.append(f"{timed(lambda: [f(inputs[k]) for f, (_, k) in zip(linears, shapes)], repeats):.2f}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    cells: dict[str, list[str]] = {label: [] for label in kinds}
+    for m in rows:
+        calls = {}
+        for label, (dtype, linears) in kinds.items():
+            inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in shapes}}
+            calls[label] = lambda linears=linears, inputs=inputs: [f(inputs[k]) for f, (_, k) in zip(linears, shapes)]
+            calls[label](), calls[label]()
+        samples: dict[str, list[float]] = {label: [] for label in kinds}
+        for _ in range(repeats):
+            for label, call in calls.items():
+                start = time.perf_counter()
+                call()
+                samples[label].append((time.perf_counter() - start) * 1e3)
+        for label in kinds:
+            cells[label].append(f"{statistics.median(samples[label]):.2f}")
+    lines += [f"| {label} | " + " | ".join(row) + " |" for label, row in cells.items()]
     return lines
 
 
@@ -119,6 +154,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--step", action="store_true", help="a whole decode step's projections, streamed from memory")
+    parser.add_argument("--lm-head", action="store_true", help="with --step: the lm_head in the step too")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,7 +165,7 @@ def main() -> None:
     print(f"CPU: {cpu}; flags: {' '.join(flags)}; torch {torch.__version__}, {torch.get_num_threads()} threads; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     torch.manual_seed(0)
     if args.step:
-        print("\n".join(step(rows, args.repeats)))
+        print("\n".join(step(rows, args.repeats, args.lm_head)))
         return
     totals: dict[tuple[str, int], float] = {}
     lines = ["| shape (out x in) | kernel | " + " | ".join(f"{m} row{'s' if m > 1 else ''} (ms)" for m in rows) + " |",

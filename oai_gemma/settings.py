@@ -36,13 +36,14 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
-    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4", "per-step"] = "auto"
     """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/quantized.py),
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.
-    `auto`: `int8` where the CPU computes in float32 and the project's AVX2 kernel compiles (faster at every
-    load there, +0.5% perplexity), else `none` (with bf16, quantized weights are faster for one stream and slower
-    for batches). docs/engine.md, "Weight-only quantized weights"."""
+    `per-step`: bf16 only, each linear kept twice, int8 for steps of few rows (native kernel) and packed bf16 for
+    the others, chosen per step by its row count. `auto`: where the project's native kernel compiles, `int8` if
+    the CPU computes in float32 (faster at every load there, +0.5% perplexity) and `per-step` if in bf16; else
+    `none`. docs/engine.md, "Weight-only quantized weights"."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""

@@ -84,3 +84,24 @@ def test_report_commands_carry_no_absolute_paths_of_the_machine_they_ran_on():
         f"{Path(sys.executable).name} benchmarks/tutorial_server.py --model-dir ~/.cache/oai-gemma/gemma-3-270m"
     )
     assert portable(f"{Path(sys.executable).parent}/transformers serve x") == "transformers serve x"
+
+
+def test_one_stream_is_reported_beside_the_floor_its_bytes_imply_and_the_engine_step():
+    from oai_gemma.bench.floor import engine_step_ms, floor_table, read_bandwidth
+
+    step = engine_step_ms({"steps": 10, "step_seconds": 1.0}, {"steps": 74, "step_seconds": 1.576})
+    assert step == pytest.approx(9.0)
+    assert engine_step_ms({}, {"status": "ok"}) is None and engine_step_ms({"steps": 3, "step_seconds": 0.1},
+                                                                           {"steps": 3, "step_seconds": 0.1}) is None
+    servers = {
+        "ours": {"decode_bytes": 100 * 2**20, "levels": [{"concurrency": 1, "itl_ms": {"p50": 10.0}, "engine_step_ms": step}]},
+        "llama-server": {"decode_bytes": 200 * 2**20, "levels": [{"concurrency": 1, "itl_ms": {"p50": 12.0}}]},
+        "no-bytes": {"decode_bytes": None, "levels": [{"concurrency": 1, "itl_ms": {"p50": 9.0}}]},
+        "failed": {"error": "x", "levels": []},
+    }
+    table = floor_table(servers, 20e9, markdown=True)
+    assert "| ours | 100 | 5.2 | 10.0 | 1.91x | 9.0 | 1.0 |" in table  # 104.9 MB / 20 GB/s = 5.24 ms
+    assert "| llama-server | 200 | 10.5 | 12.0 | 1.14x | - | - |" in table
+    assert "no-bytes" not in table and "failed" not in table
+    assert "ours" in floor_table(servers, None) and "llama-server" not in floor_table(servers, None)
+    assert read_bandwidth(repeats=2, size=1 << 24) > 1e8  # a streaming read: far above 100 MB/s anywhere

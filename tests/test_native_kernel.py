@@ -43,6 +43,31 @@ def test_a_rows_result_ignores_the_rows_beside_it():
         assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows together differ from each alone"
 
 
+@pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX512 here (or ATEN_CPU_CAPABILITY limits it)")
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+def test_the_avx512_variant_agrees_with_the_avx2_one(rows):
+    # one stored layout for both; the AVX512 loop sums even and odd input columns apart, then adds them
+    _, linear = layer(264, 640)
+    x = torch.randn(rows, 640)
+    out = {}
+    for even_k in (False, True):
+        out[even_k] = torch.empty(rows, 264)
+        native.woq_int8_linear(even_k)(x.data_ptr(), rows, 640, linear.packed.data_ptr(), linear.scale.data_ptr(), 264,
+                                       out[even_k].data_ptr(), 0, 0)
+    assert native.woq_int8_linear(True) is not native.woq_int8_linear(False)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_bf16_activations_and_results_are_converted_in_the_kernel_as_torch_converts_them(rows):
+    # a bf16 model's per-step layout hands the kernel bf16 and takes bf16 back: no conversion ops around the call
+    _, linear = layer(264, 640)
+    x = torch.randn(rows, 640).bfloat16()
+    wide = linear(x.float())
+    assert torch.equal(linear(x), wide), "bf16 in: widened exactly"
+    assert torch.equal(linear(x, torch.bfloat16), wide.bfloat16()), "bf16 out: rounded to nearest even, as torch does"
+
+
 def test_threads_do_not_change_the_result():
     _, linear = layer(640, 2048)
     x = torch.randn(6, 2048)
@@ -76,10 +101,10 @@ def test_output_sizes_not_divisible_by_eight_are_refused():
         NativeInt8Linear(torch.randn(12, 64))
 
 
-def test_auto_quantizes_to_int8_only_where_the_cpu_computes_in_float32():
+def test_auto_quantizes_to_int8_where_the_cpu_computes_in_float32_and_per_step_in_bf16():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve("auto", torch.float32, cpu) == "int8"
-    assert resolve("auto", torch.bfloat16, cpu) == "none"
+    assert resolve("auto", torch.bfloat16, cpu) == "per-step"  # int8 for steps of few rows, packed bf16 for the others
     assert resolve("auto", torch.float32, gpu) == "none"
     assert resolve("int4", torch.bfloat16, cpu) == "int4" and resolve("none", torch.float32, cpu) == "none"
     assert linear_for("int8", "lm_head", torch.float32) is NativeInt8Linear

@@ -23,7 +23,7 @@ from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.linear import FrozenLinear
 from oai_gemma.engine.model.quality import perplexity
 from oai_gemma.engine.model.native import native_unavailable
-from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear
+from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear, PerStepLinear
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import EngineSettings, ModelSettings, Settings
 
@@ -69,6 +69,46 @@ def test_perplexity_and_resident_weights_stay_within_bounds(quantization, float3
     print(f"{quantization}: perplexity {ratio:.4f}x float32's, weights {runner.weight_bytes() / bf16_weight_bytes:.2f}x bf16's")
     assert runner.weight_bytes() <= {"int8": 0.55, "int4": 0.35}[quantization] * bf16_weight_bytes
     assert runner.mapped_embedding, "the embedding is read from the checkpoint, not kept as a copy"
+
+
+@needs_bf16
+@needs_native
+def test_per_step_uses_both_layouts_in_one_run_each_within_its_bounds(float32_perplexity, bf16_weight_bytes):
+    # bf16's default: every linear kept as int8 (native kernel) for steps of few rows and packed bf16 for the others
+    none, _ = runner_for("none")
+    runner, loaded = runner_for("per-step")
+    per_step = [runner.lm_head_linear, *(p for w in runner.weights for p in w if isinstance(p, PerStepLinear))]
+    assert len(per_step) == 1 + 7 * len(runner.weights), "the lm_head and every projection"
+    calls = {"few": 0, "many": 0}
+    for linear in per_step:
+        for layout in calls:
+            inner = getattr(linear, layout)
+            setattr(linear, layout, lambda x, *dtype, inner=inner, layout=layout: calls.__setitem__(layout, calls[layout] + 1) or inner(x, *dtype))
+    ids = loaded.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    runner.forward([StepItem(runner.sequence_blocks(0), ids[:-1], 0)], [])  # 12 tokens: a 16-row bucket, bf16
+    last = [StepItem(runner.sequence_blocks(0), ids[-1:], len(ids) - 1)]
+    one = runner.forward([], last)  # one row: int8
+    others = [StepItem(runner.sequence_blocks(i, 64), [1234], 40) for i in range(100, 115)]  # past slot 0's blocks
+    runner.forward([], last + others)  # 16 rows: bf16
+    assert calls["few"] >= len(per_step) and calls["many"] >= len(per_step), f"both layouts in one run: {calls}"
+    for linear in per_step:
+        linear.pin()
+    pinned = runner.forward([], last)
+    assert one.dtype == torch.float32 and pinned.dtype == torch.bfloat16  # int8's logits stay float32
+    assert loaded.tokenizer.decode([int(one[0].argmax())]).strip() == "Berlin" == loaded.tokenizer.decode([int(pinned[0].argmax())]).strip()
+    assert (one[0] - pinned[0].float()).abs().max() < 1.5, "the two layouts' logits differ by int8's rounding only"
+
+    for linear in per_step:
+        linear.rows = 10**9  # every call through the int8 layout
+    ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
+    assert ratio <= BOUNDS["int8"], f"per-step's int8 layout: perplexity {ratio:.4f}x float32's"
+    for linear in per_step:
+        linear.pin()  # every call through packed bf16: `none`'s kernels (the embedding, read from the float32
+    prompt = [StepItem(runner.sequence_blocks(0), ids, 0)]  # checkpoint as under every quantized setting, differs)
+    ours, theirs = runner.forward(prompt, [])[0].float(), none.forward(prompt, [])[0].float()
+    assert int(ours.argmax()) == int(theirs.argmax()) and (ours - theirs).abs().max() < 1.5
+    assert runner.weight_bytes() <= 1.4 * bf16_weight_bytes, "the int8 copy adds a third of bf16's bytes"
+    assert runner.mapped_embedding
 
 
 @needs_native
@@ -120,6 +160,7 @@ def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_su
     pytest.param("int8", "bfloat16", "int8", 300, marks=needs_bf16),
     pytest.param("int4", "bfloat16", "int4", 300, marks=needs_bf16),
     pytest.param("auto", "float32", "int8", 300, marks=needs_native),  # float32's default: the native kernel
+    pytest.param("auto", "bfloat16", "per-step", 1000, marks=[needs_bf16, needs_native]),  # bf16's default
     ("int4", "float32", "int4", 600),
 ])
 def test_the_server_serves_under_each_setting(quantization, dtype, served, most_mb, tmp_path):
@@ -127,7 +168,10 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
                        log=tmp_path / "server.log") as server:
         health = httpx.get(server.url + "/health").json()
         assert health["quantization"] == served and 0 < health["weight_bytes"] < most_mb * 2**20
-        logged = re.search(r"resident memory: \d+ MB \(weights (\d+),.*weights quantized: (\w+)", server.log_path.read_text())
+        assert 0 < health["decode_bytes"] <= health["weight_bytes"], "what one row's step reads (the bench's floor)"
+        if served == "per-step":
+            assert health["decode_bytes"] < 0.4 * health["weight_bytes"], "one row reads the int8 layout only"
+        logged = re.search(r"resident memory: \d+ MB \(weights (\d+),.*weights quantized: ([\w-]+)", server.log_path.read_text())
         assert logged and logged[2] == served and int(logged[1]) == round(health["weight_bytes"] / 2**20), "start-up log"
         info = httpx.get(server.url + "/v1/server_info").json()  # what `auto` became, in the configuration served
         assert info["engine_config"]["quantization"] == served and info["engine_config"]["max_num_seqs"] == 4

@@ -70,3 +70,59 @@ def test_importing_the_app_pulls_in_neither_dynamo_nor_xgrammar():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_tokenizer_read_by_tokenizers_answers_as_transformers_does():
+    """Start-up reads tokenizer.json with the `tokenizers` library (engine/model/tokenizer.py) instead of
+    transformers' AutoTokenizer, whose Python pass over Gemma-3's added tokens was most of the tokenizer's load."""
+    from transformers import AutoTokenizer
+
+    from oai_gemma.engine.model.loader import embedded_model_dir
+    from oai_gemma.engine.model.tokenizer import RustTokenizer, load_tokenizer
+
+    source = embedded_model_dir()
+    ours, theirs = load_tokenizer(str(source)), AutoTokenizer.from_pretrained(source)
+    assert isinstance(ours, RustTokenizer)
+    texts = ["Hello, world!", "  two  spaces\tand a tab\n\nnewlines", "<start_of_turn>user\nHi<end_of_turn>\n",
+             "ünïcödé 😀 中文 \u00a0nbsp", "<bos><eos><pad><unk>", "", "def f(x):\n    return x ** 2  # code"]
+    for text in texts:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == theirs.encode(text, add_special_tokens=special), (text, special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    ids = ours.encode(texts[3])
+    assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+    assert ours.convert_ids_to_tokens(ids[1]) == theirs.convert_ids_to_tokens(ids[1])
+    for token in ("<end_of_turn>", "<start_of_image>", "no-such-token-here"):
+        assert ours.convert_tokens_to_ids(token) == theirs.convert_tokens_to_ids(token)
+    assert len(ours) == len(theirs) and ours.get_vocab() == theirs.get_vocab()
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id", "chat_template"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_the_grammar_compiler_is_built_after_warm_up_or_at_first_use(monkeypatch):
+    """Its token trie holds the GIL for seconds: built beside warm-up it stalled warm-up's steps on 2 cores."""
+    import threading
+
+    from oai_gemma.engine import engine as engine_module
+
+    built, during_warm_up = [], []
+    monkeypatch.setattr(engine_module, "build_grammars", lambda *inputs: built.append(inputs) or "compiler")
+    monkeypatch.setattr(engine_module, "warm_up", lambda core, grammars: during_warm_up.append(list(built)))
+
+    class Bare:
+        warm_up, build_grammars, grammars = (engine_module.Engine.warm_up, engine_module.Engine.build_grammars,
+                                             engine_module.Engine.grammars)
+
+        def __init__(self):
+            self.core, self._grammar_inputs = None, ("tokenizer", [1])
+            self._grammars, self._grammars_lock = None, threading.Lock()
+
+    engine = Bare()
+    engine.warm_up()
+    assert during_warm_up == [[]], "nothing built while warm-up ran"
+    assert engine.grammars == "compiler" and engine.grammars == "compiler"
+    assert built == [("tokenizer", [1])], "built once"
+    lazy = Bare()
+    assert lazy.grammars == "compiler" and len(built) == 2, "without warm-up: at the first structured request"

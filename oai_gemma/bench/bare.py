@@ -17,6 +17,7 @@ def _measure(prefill_reps: int, decode_steps: int, warmup_steps: int) -> dict:
     import torch
     from transformers import DynamicCache
 
+    from ..chat import render_chat
     from ..engine.model.loader import load
     from ..settings import load_settings
     from .prompts import PROMPTS, messages_for
@@ -27,10 +28,8 @@ def _measure(prefill_reps: int, decode_steps: int, warmup_steps: int) -> dict:
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def prompt_ids(index: int) -> torch.Tensor:
-        encoded = tokenizer.apply_chat_template(
-            messages_for(index), add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        return encoded["input_ids"].to(loaded.device)
+        text = render_chat(messages_for(index)).prompt  # what the server renders (it starts with <bos>)
+        return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device=loaded.device)
 
     def prefill(ids: torch.Tensor, stock: bool = False):
         """Fill a fresh cache with the prompt and pick the first token.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .client import run_level, warm_up
 from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
+from .floor import engine_step_ms, health, read_bandwidth
 from .prompts import PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
@@ -126,6 +127,8 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
+    health_url = base_url.rstrip("/").removesuffix("/v1") + "/health"
+    server["decode_bytes"] = health(health_url).get("decode_bytes")
     server["cpu_busy_idle"] = busy = cpu_busy()
     if busy is not None and busy > BUSY_WARNING:
         print(f"[{label}] warning: {busy:.0%} of the CPU is busy while the server idles: other load skews the "
@@ -136,10 +139,12 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
     for concurrency in args.concurrency:
         num = max(args.num_requests, concurrency)
         first = sent if args.prompts == "shared" else 0
+        before = health(health_url)
         run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key,
                               args.prompts, first)
         sent += num
         level = summarize_level(run)
+        level["engine_step_ms"] = engine_step_ms(before, health(health_url))
         server["levels"].append(level)
         print(f"[{label}] c={concurrency:<3} n={num:<3} {level['output_tok_s']:7.1f} tok/s  "
               f"TTFT p50 {level['ttft_ms']['p50'] or 0:8.1f} ms  ITL p50 {level['itl_ms']['p50'] or 0:7.1f} ms  "
@@ -187,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         "bare": None,
         "servers": {},
     }
+    if not args.cpu_hog:
+        payload["meta"]["read_bandwidth"] = read_bandwidth()  # the floor's denominator (bench/floor.py)
     if args.prompts == "short" and (args.bare or (args.compare and not args.no_bare)):
         from .bare import measure_bare
 
@@ -201,9 +208,13 @@ def run(args: argparse.Namespace) -> int:
                 spec = build_spec(name, free_port(), model_dir, dtype, str(device), shlex.split(args.ours_args),
                                   max(args.concurrency))
                 print(f"[{name}] starting: {shlex.join(spec.argv)}", file=sys.stderr, flush=True)
+                started = time.monotonic()
                 with running(spec, Path(args.log_dir), args.ready_timeout) as model:
+                    ready_s = time.monotonic() - started  # process start to /health 200 (issue 27: at most 8 s warm)
                     server = asyncio.run(_sweep(spec.base_url, model, args, name))
-                server["command"] = shlex.join(spec.argv)
+                server["command"], server["ready_s"] = shlex.join(spec.argv), ready_s
+                if name == "llama-server":  # it reads its GGUF's tensors once a token
+                    server["decode_bytes"] = Path(spec.argv[spec.argv.index("-m") + 1]).stat().st_size
             except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
                 print(f"[{name}] failed: {exc}", file=sys.stderr)
                 server = {"error": str(exc), "levels": []}

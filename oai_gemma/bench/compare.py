@@ -143,7 +143,7 @@ def wait_ready(spec: ServerSpec, proc: subprocess.Popen, log_path: Path, timeout
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)  # the start-up time is reported (ready_s): poll finely
     raise TimeoutError(f"{spec.name} not ready after {timeout_s:.0f} s:\n{_tail(log_path)}")
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from .floor import bandwidth_line, floor_table
 from .prompts import PROMPT_SETS
 
 NOTES = (
@@ -197,7 +198,8 @@ def console_report(payload: dict) -> str:
     parts = [prompt_set_line(payload["meta"])]
     shared = _prompt_set(payload["meta"]) == "shared"
     for name, server in payload["servers"].items():
-        parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')}"
+        ready = f", ready in {server['ready_s']:.1f} s" if server.get("ready_s") is not None else ""
+        parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')}{ready}"
                      f"{_busy(server.get('cpu_busy_idle'))})")
         if server.get("error"):
             parts.append(f"   FAILED: {server['error']}")
@@ -214,6 +216,9 @@ def console_report(payload: dict) -> str:
     ratios = ratio_table(payload["servers"])
     if ratios:
         parts += ["", "output tok/s, ours / baseline:", ratios]
+    floor = floor_table(payload["servers"], payload["meta"].get("read_bandwidth"))
+    if floor:
+        parts += ["", bandwidth_line(payload["meta"].get("read_bandwidth")) + "; one stream against its floor:", floor]
     for baseline in SHARED_BASELINES if shared else ():
         table = versus_table(payload["servers"], baseline)
         if table:
@@ -266,6 +271,10 @@ def markdown_report(payload: dict) -> str:
     ratios = ratio_table(payload["servers"], markdown=True)
     if ratios:
         out += ["## Output tokens/s: ours ÷ baseline", "", ratios, ""]
+    floor = floor_table(payload["servers"], meta.get("read_bandwidth"), markdown=True)
+    if floor:
+        out += ["## One stream against the physical floor", "", bandwidth_line(meta.get("read_bandwidth")) + ". The floor is "
+                "the bytes one token reads over that bandwidth (bench/floor.py).", "", floor, ""]
     for baseline in SHARED_BASELINES if shared else ():
         table = versus_table(payload["servers"], baseline, markdown=True)
         if table:
@@ -276,6 +285,8 @@ def markdown_report(payload: dict) -> str:
     out += ["## Per server (latencies in ms)", ""]
     for name, server in payload["servers"].items():
         out += [f"### {name}", "", f"`{portable(server.get('command') or server.get('base_url'))}`", ""]
+        if server.get("ready_s") is not None:
+            out += [f"Start to `/health` 200: {server['ready_s']:.1f} s.", ""]
         if server.get("cpu_busy_idle") is not None:
             out += [f"CPU busy while the server idled, before the sweep: {server['cpu_busy_idle']:.0%}.", ""]
         if server.get("error"):

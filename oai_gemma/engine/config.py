@@ -41,7 +41,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "none"
-    """`model.quantization` as resolved: `none`, `int8` or `int4` (never `auto`)."""
+    """`model.quantization` as resolved: `none`, `int8`, `int4` or `per-step` (never `auto`)."""
     quantized_weights: Path | None = None
     """The file quantized weights are kept in between starts (None: quantized at every start, or not at all)."""
     static_decode: bool = False
@@ -109,16 +109,20 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
 
 
 def _quantization(setting: str, dtype: torch.dtype, device: torch.device, native_dir: Path) -> str:
-    """`model.quantization` resolved. In float32 on a CPU, int8 is the native kernel (engine/model/native): it is
-    built here, into the configured cache; where it cannot be, `auto` says why and what it costs, and `int8`
-    is a start-up error (PyTorch's own int8 kernels are slower than float32 there: no point to it)."""
-    why = native.build(native_dir) if device.type == "cpu" and dtype == torch.float32 else None
-    if why and setting == "int8":
+    """`model.quantization` resolved. On a CPU the native kernel (engine/model/native) is built here, into the
+    configured cache: float32's int8 and bf16's per-step run it; where it cannot be, `auto` says why and what it
+    costs, and `int8` in float32 or `per-step` is a start-up error (PyTorch's own int8 kernels are slower than
+    float32 there: no point to it)."""
+    why = native.build(native_dir) if device.type == "cpu" else None
+    if why and (setting == "per-step" or (setting == "int8" and dtype == torch.float32)):
         raise ConfigError(
-            f"model.quantization = \"int8\" in float32 needs the native int8 kernel, which cannot run here: {why}. "
+            f"model.quantization = \"{setting}\" needs the native int8 kernel, which cannot run here: {why}. "
             "Use quantization auto or none, or fix the cause."
         )
-    if why and setting == "auto":
+    if why and setting == "auto" and dtype == torch.bfloat16:
+        log.warning("model.quantization = auto resolves to none: per-step needs the native int8 kernel, which cannot "
+                    "run here (%s); one stream then reads bf16 weights, twice int8's bytes", why)
+    elif why and setting == "auto" and dtype == torch.float32:
         log.warning(
             "model.quantization = auto resolves to none: the native int8 kernel cannot run here (%s). Decode then "
             "streams float32 weights, 4x the bytes: the projections of a one-row decode step took 17.8 ms instead "

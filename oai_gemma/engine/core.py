@@ -56,6 +56,9 @@ class EngineCore:
         self._stopping = False
         self.dead_reason: str | None = None
         self.steps = 0
+        self.step_seconds = 0.0
+        """Wall time the engine thread spent in steps (model, sampling, events): `oai-gemma bench` sets it against the
+        client's inter-token time to measure the per-token work around the engine (issue 27)."""
 
     # ---- called from the event loop (thread-safe: messages through the inbox) ---------------------
 
@@ -89,6 +92,7 @@ class EngineCore:
         pool = self.scheduler.pool
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps,
+            "step_seconds": self.step_seconds,
             "kv_cache_usage": 1 - pool.available / pool.num_blocks, "prefix_cache_usage": len(pool.cached) / pool.num_blocks,
         }
 
@@ -176,7 +180,8 @@ class EngineCore:
             seq.cache_keys[start:end] = [-1 - key % 2**62] * (end - start)
 
     def _step(self) -> None:
-        step = self.scheduler.schedule(time.perf_counter())
+        started = time.perf_counter()
+        step = self.scheduler.schedule(started)
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             self._prompt_logprobs(step)
@@ -196,6 +201,7 @@ class EngineCore:
         self.scheduler.advance(step)
         self.steps += 1
         self._deliver(postprocess(self.scheduler, self.limits, sampled, tokens, logprobs, time.perf_counter()))
+        self.step_seconds += time.perf_counter() - started
 
     def _prompt_logprobs(self, step: Step) -> None:
         """Add each flagged prefill chunk's prompt logprobs to its sequence: the hidden state at position p

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,10 +69,12 @@ class Engine:
         self.observer = RequestObserver()
         self.weight_bytes = self.core.runner.weight_bytes()
         """Bytes of the weights held in memory (counted once: they do not change)."""
+        self.decode_bytes = self.core.runner.decode_bytes()
+        """Bytes of weights one decode step of one row reads (/health: the benchmark's floor)."""
         self.description = f"{loaded.source_dir}, {str(loaded.dtype).removeprefix('torch.')} on {loaded.device}"
-        self._grammars = _in_background(
-            build_grammars, loaded.tokenizer, sorted(self.eos_token_ids), self.core.grammar_masks, self.vocab_limit, loaded.device
-        )
+        self._grammar_inputs = (loaded.tokenizer, sorted(self.eos_token_ids), self.core.grammar_masks, self.vocab_limit, loaded.device)
+        self._grammars: Future | None = None
+        self._grammars_lock = threading.Lock()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -94,6 +97,16 @@ class Engine:
     def warm_up(self) -> None:
         """Run every step shape once before serving: the first user request must not pay for compilation."""
         warm_up(self.core, lambda: self.grammars)
+        self.build_grammars()
+
+    def build_grammars(self) -> Future:
+        """Start the grammar compiler's build, once, on its own thread (seconds holding the GIL: the vocabulary's
+        token trie): after warm-up, whose steps it would stall on a 2-core machine, or at the first structured
+        request, whichever comes first."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = _in_background(build_grammars, *self._grammar_inputs)
+        return self._grammars
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.core.start(loop)
@@ -180,7 +193,8 @@ class Engine:
     def weights_report(self) -> dict[str, object]:
         """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on."""
         runner = self.core.runner
-        return {"weight_bytes": self.weight_bytes, "quantization": runner.quantization, "batch_invariant": runner.batch_invariant}
+        return {"weight_bytes": self.weight_bytes, "quantization": runner.quantization, "batch_invariant": runner.batch_invariant,
+                "decode_bytes": self.decode_bytes}
 
     def cache_config(self) -> dict[str, object]:
         """The KV cache's shape, as vLLM's `cache_config_info` names it."""
@@ -196,11 +210,11 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Compiles structured-output grammars; built in the background from start (seconds: the vocabulary's
-        token trie), so a call in the first seconds blocks until it is: call it off the event loop. Raises
+        """Compiles structured-output grammars; built in the background once warmed up (`build_grammars`), so a
+        call in the first seconds blocks until it is: call it off the event loop. Raises
         StructuredOutputUnavailable when it could not be built (a tokenizer the grammar engine cannot read)."""
         try:
-            return self._grammars.result()
+            return (self._grammars or self.build_grammars()).result()
         except Exception as exc:
             raise StructuredOutputUnavailable(f"structured output is unavailable for this model's tokenizer ({exc})") from exc
 

@@ -23,6 +23,7 @@ import torch
 
 from ...cpu import cpu_flags
 from ...settings import EMBEDDED, ModelSettings
+from .tokenizer import load_tokenizer
 
 log = logging.getLogger("oai_gemma.loader")
 
@@ -173,19 +174,19 @@ def _dispatch(model, device_map: str, dtype: torch.dtype):
 
 
 def load(settings: ModelSettings) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
     source = resolve_source(settings)
     config = AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
     multimodal = hasattr(config, "vision_config")
-    # the tokenizer (a 33 MB JSON for Gemma-3) parses in Rust while the weights load: a warm start is ~2 s shorter
+    # the tokenizer (a 33 MB JSON for Gemma-3) parses in Rust (engine/model/tokenizer.py) while the weights load
     tokenizer_source = source
     if settings.load_format == "dummy" and not (Path(source) / "tokenizer.json").exists():
         tokenizer_source = str(embedded_model_dir(settings))  # every Gemma-3 size shares one tokenizer
     with ThreadPoolExecutor(1) as pool:
-        tokenizer = pool.submit(AutoTokenizer.from_pretrained, tokenizer_source)
+        tokenizer = pool.submit(load_tokenizer, tokenizer_source)
         model = _load_weights(settings, source, config, multimodal, device, dtype)
         tokenizer = tokenizer.result()
     processor = None

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .native import native_unavailable, woq_int8_linear
 
 INT4_GROUP = 32
@@ -128,15 +129,54 @@ class NativeInt8Linear(QuantizedLinear):
         groups, k, _ = self.packed.shape
         return self.packed.transpose(1, 2).reshape(groups * 8, k).float() * self.scale[:, None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [M, K] float32 or bf16 (widened in the kernel) -> [M, N] in `out_dtype` (float32 or bf16)."""
         if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized once beats the kernel
-            return F.linear(x, self.dequantized())
+            return F.linear(x.float(), self.dequantized()).to(out_dtype)
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
-        y = torch.empty(rows, n, dtype=torch.float32)
-        woq_int8_linear()(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr())
+        y = torch.empty(rows, n, dtype=out_dtype)
+        woq_int8_linear(k % 2 == 0)(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr(),
+                                    x.dtype == torch.bfloat16, out_dtype == torch.bfloat16)
         return y
+
+
+PER_STEP_ROWS = {"AVX512": 8, "AVX2": 4}
+"""`per-step`: calls of fewer rows than this (by the native kernel's instruction set) go through the int8 kernel,
+the others through packed bf16 (busy-machine medians, 2026-12-05, benchmarks/weight_only_kernels.py --step
+--lm-head: the 262k-row lm_head at 1 / 4 / 8 rows 19.4 / 23.9 / 32.1 ms with the AVX512 variant, 22.4 / 27.8 /
+43.9 with AVX2's, 39.5 / 36.1 / 33.5 packed bf16 with AMX; docs/engine.md)."""
+
+
+class PerStepLinear:
+    """One weight in two layouts, the one used chosen per call by its row count (`model.quantization =
+    per-step`): a step of few rows reads every weight once, so the int8 copy (a quarter of float32's bytes,
+    native kernel) is faster; a step of many rows computes, and oneDNN's packed bf16 (AMX) is. Each call's
+    rows go through one layout, so a row's result depends on how many rows share its step (batch-invariant
+    mode pins the packed layout: `pin`). The int8 result is float32 for the lm_head (the sampler widens
+    logits anyway), the model's dtype for the projections."""
+
+    def __init__(self, few: NativeInt8Linear, many, cast: bool):
+        self.few, self.many, self.cast = few, many, cast
+        self.rows = PER_STEP_ROWS["AVX512" if native.cpu_has_avx512() else "AVX2"]
+
+    def pin(self) -> None:
+        """Every call through the packed layout (batch-invariant mode)."""
+        self.rows = 0
+
+    @property
+    def packed(self):
+        return self.many.packed
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.few.packed_bytes + self.many.packed_bytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.rows:
+            return self.many(x)
+        return self.few(x, x.dtype if self.cast else torch.float32)  # bf16 in and out in the kernel itself
 
 
 class DynamicInt8Linear(QuantizedLinear):
@@ -179,17 +219,22 @@ perplexity on the lm_head instead of +0.8%)."""
 
 
 def resolve(quantization: str, dtype: torch.dtype, device: torch.device) -> str:
-    """`model.quantization` = `auto`: int8 where the CPU computes in float32 and the native kernel runs (faster
-    at 1, 8 and 32 streams, +0.5% perplexity; docs/engine.md), else none (bf16's packed AMX kernels win from 8
-    streams on; a GPU has no quantized path)."""
+    """`model.quantization` = `auto` where the native kernel runs on a CPU: `int8` where the CPU computes in float32
+    (faster at 1, 8 and 32 streams, +0.5% perplexity; docs/engine.md), `per-step` where it computes in bf16 (the
+    int8 copy for steps of few rows, packed bf16 for the others); else none (a GPU has no quantized path)."""
     if quantization != "auto":
         return quantization
-    return "int8" if device.type == "cpu" and dtype == torch.float32 and native_unavailable() is None else "none"
+    if device.type != "cpu" or native_unavailable() is not None:
+        return "none"
+    return "int8" if dtype == torch.float32 else "per-step" if dtype == torch.bfloat16 else "none"
 
 
 def linear_for(quantization: str, name: str, dtype: torch.dtype):
     """The quantized linear class for weight `name` (`lm_head` or a projection) under a `model.quantization`
-    value and the model's dtype; None: that weight stays as it is (packed float32)."""
+    value and the model's dtype; None: that weight stays as it is (packed float32). `per-step`: the int8 copy,
+    which the runner pairs with the packed weight (`PerStepLinear`)."""
+    if quantization == "per-step":
+        return NativeInt8Linear
     if dtype == torch.float32 and native_unavailable() is None:
         return DynamicInt8Linear if quantization == "int4" and name == "lm_head" else NativeInt8Linear
     if dtype == torch.float32 and quantization == "int4":

@@ -27,7 +27,7 @@ from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..config import ConfigError, EngineConfig
 from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
-from .quantized import quantize_all
+from .quantized import PerStepLinear, quantize_all
 from .static_decode import StaticDecode, flash_kernel
 from ..sequence import StepItem
 
@@ -117,6 +117,10 @@ class ModelRunner:
         """Most rows a step samples (the scheduler's batch size)."""
         self.row_buckets = buckets(num_slots)
         self.token_buckets = buckets(config.max_tokens_per_step)
+        if config.batch_invariant == "on" and config.quantization == "per-step":  # one layout whatever a step's rows
+            for linear in [self.lm_head_linear, *(p for w in self.weights for p in w)]:
+                if isinstance(linear, PerStepLinear):
+                    linear.pin()
         measured = time.monotonic()
         self.invariance = self._measure_invariance(config.batch_invariant, static, config.max_tokens_per_step, num_slots)
         """Batch-invariant mode (engine/invariance.py): tiled linears, grid-aligned padded attention; None: off."""
@@ -166,6 +170,9 @@ class ModelRunner:
         weights["lm_head"] = self.lm_head.weight
         linears = quantize_all({name: w.detach() for name, w in weights.items()}, quantization, cache_file)
         by_tensor = {id(weights[name]): linear for name, linear in linears.items()}
+        if quantization == "per-step":  # both layouts: the int8 copy beside the packed weight
+            lm_head = id(self.lm_head.weight)
+            return lambda weight: PerStepLinear(by_tensor[id(weight)], FrozenLinear(weight), cast=id(weight) != lm_head)
         return lambda weight: by_tensor[id(weight)] if id(weight) in by_tensor else FrozenLinear(weight)
 
     def _projections(self) -> list[torch.Tensor]:
@@ -200,6 +207,17 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self.model.parameters() if t is not mapped) + sum(
             linear.packed_bytes for w in [*self.weights, [self.lm_head_linear]] for linear in w if hasattr(linear, "packed_bytes")
         )
+
+    def decode_bytes(self) -> int:
+        """Bytes of the linears' weights one decode step of one row reads (the layout `per-step` uses there): the
+        most of what one stream's token must stream from memory (bench/floor.py)."""
+        def read(linear) -> int:
+            if isinstance(linear, PerStepLinear):
+                linear = linear.few if linear.rows > 1 else linear.many
+            weight = getattr(linear, "weight", None)
+            return linear.packed_bytes or (weight.numel() * weight.element_size() if weight is not None else 0)
+
+        return sum(read(linear) for w in [*self.weights, [self.lm_head_linear]] for linear in w if hasattr(linear, "packed_bytes"))
 
     def capture_decode_graphs(self) -> None:
         """Build (capture) every static decode bucket now: warm-up, before the server says it is ready."""

@@ -74,17 +74,25 @@ def _library() -> ctypes.CDLL:
         partial.replace(target)  # atomic: a concurrent start loads a whole library or compiles its own
         log.info("compiled %s into %s", SOURCE.name, target)
     library = ctypes.CDLL(str(target))
-    function = library.woq_int8_linear
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_int64, ctypes.c_void_p]
+    for function in (library.woq_int8_linear, library.woq_int8_linear_avx512):
+        function.restype = None
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     return library
 
 
-def woq_int8_linear():
-    """The compiled `woq_int8_linear(x, M, K, w, scale, N, y)` (woq_int8.c), compiled on first use; raises
-    NativeKernelUnavailable with the reason where it cannot run here."""
-    return _library().woq_int8_linear
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """AVX512F here and not switched off for torch's own kernels (`ATEN_CPU_CAPABILITY=avx2`: the AVX2 stand-in)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in cpu_flags()
+
+
+def woq_int8_linear(even_k: bool = False):
+    """The compiled `woq_int8_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16)` (woq_int8.c), compiled on first use: its AVX512
+    variant where the CPU has it and K (`even_k`) is even, else the AVX2 one; raises NativeKernelUnavailable with
+    the reason where it cannot run here."""
+    library = _library()
+    return library.woq_int8_linear_avx512 if even_k and cpu_has_avx512() else library.woq_int8_linear
 
 
 def native_unavailable() -> str | None:
