@@ -14,8 +14,11 @@ from oai_gemma.engine.types import GenerationRequest, SamplingParams
 SIZE = 4  # tokens per block in these tests
 
 
-def seq(prompt: list[int], request_id: str = "r", prompt_logprobs: int | None = None, max_tokens: int = 8, **fields) -> Sequence:
-    request = GenerationRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs))
+def seq(
+    prompt: list[int], request_id: str = "r", prompt_logprobs: int | None = None, max_tokens: int = 8, cache_salt: str = "", **fields
+) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+    request = GenerationRequest(request_id, prompt, params, cache_salt=cache_salt)
     return Sequence(request=request, sink=None, random=None, detokenizer=None, stopper=None, cache_keys=list(prompt), **fields)
 
 
@@ -203,8 +206,7 @@ def test_sequences_share_cached_blocks_only_under_the_same_salt():
     prompt = list(range(1, 11))
     requests = {}
     for name, salt in (("a", "tenant a"), ("b", "tenant b"), ("a again", "tenant a"), ("unsalted", "")):
-        requests[name] = s = seq(prompt, name)
-        s.request.cache_salt = salt
+        requests[name] = s = seq(prompt, name, cache_salt=salt)
         prefilled(scheduler, s)
     assert {name: s.num_cached for name, s in requests.items()} == {"a": 0, "b": 0, "a again": 8, "unsalted": 0}
 
