@@ -147,7 +147,7 @@ def test_masks_need_no_xgrammar_on_a_cpu(tmp_path):
     script = (
         "import sys; sys.modules['xgrammar'] = None\n"
         "import torch, llguidance\n"
-        "from oai_gemma.engine import grammar\n"
+        "from oai_gemma.engine.sampling import grammar\n"
         "assert grammar._xgrammar() is None\n"
         "logits = torch.zeros(2, 64)\n"
         "grammar.apply_bitmask_torch(logits, torch.tensor([[1, 0], [-1, -1]], dtype=torch.int32))\n"
