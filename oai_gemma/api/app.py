@@ -91,7 +91,6 @@ class ServerState:
             log.exception("loading the model failed")
             return
         engine.observer = self.metrics
-        engine.max_backlog = self.settings.server.max_stream_backlog
         engine.start(loop)
         self.engine = engine
         self.services = Services.build(engine, self.settings, self.store)

@@ -65,6 +65,8 @@ class EngineConfig:
     """Seconds from arrival to the last token; 0 means no limit."""
     idle_timeout: float = 0.0
     """Longest wait for a request's next event (queue included); 0 means no limit."""
+    max_backlog: int = 0
+    """Events a request's consumer may fall behind before the request is cancelled (Submission); 0: no limit."""
     threads: int = 0
     """Torch compute threads of the engine thread (0: torch's default)."""
     cache_dir: Path | None = None
@@ -104,6 +106,7 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
         kv_blocks=blocks_within_budget(loaded.text_config, dtype, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
         prefix_caching=engine.prefix_caching, max_waiting=engine.max_waiting,
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
+        max_backlog=settings.server.max_stream_backlog,
         threads=compute_thread_count(), cache_dir=cache_dir, native_dir=native_dir,
     )
 

@@ -61,7 +61,7 @@ class Engine:
         """Seconds from arrival to the last token; 0 means no limit."""
         self.idle_timeout = config.idle_timeout
         """Longest wait for a request's next event (queue included); 0 means no limit."""
-        self.max_backlog = 0
+        self.max_backlog = config.max_backlog
         """Events a request's consumer may fall behind before the request is cancelled (Submission); 0: no limit."""
         self.admitting = True
         self.in_flight = 0
