@@ -32,9 +32,17 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("engine", "threads", None),
     ("engine", "cpu_wait", None),
     ("engine", "batch_invariant", None),
+    ("lora", "modules", "lora-modules"),
+    ("lora", "max_loras", None),
+    ("lora", "max_lora_rank", None),
+    ("lora", "runtime_loading", "lora-runtime-loading"),
 )
+MULTI_VALUE_FLAGS = {"--lora-modules"}
+"""List settings whose flag takes several values at once (vLLM's `--lora-modules a=/x b=/y`), repeatable too."""
 # every server setting is a flag of `serve` (`api_keys` as the repeatable `--api-key`)
-SERVE_ONLY_FLAGS = tuple(("server", field, {"api_keys": "api-key"}.get(field)) for field in ServerSettings.__struct_fields__)
+SERVE_ONLY_FLAGS = tuple(
+    ("server", field, {"api_keys": "api-key", "admin_api_keys": "admin-api-key"}.get(field)) for field in ServerSettings.__struct_fields__
+)
 
 
 def flag_name(section: str, field: str, name: str | None) -> str:
@@ -64,6 +72,8 @@ def _add_setting_flag(parser: argparse.ArgumentParser, section: str, field: str,
         kwargs["action"] = "append"
         kwargs["metavar"] = field.upper().removesuffix("S")
         default = "none; repeat the flag for several"
+        if flag_name(section, field, name) in MULTI_VALUE_FLAGS:
+            kwargs.update(action="extend", nargs="+")
     elif not isinstance(kind, msgspec.inspect.StrType):
         raise TypeError(f"no flag for {section}.{field} of type {kind}")
     doc = field_docs(section).get(field, "")

@@ -124,6 +124,9 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Access-log lines for `/health` and `/metrics` too (off: load balancers and Prometheus would bury the rest)."""
     api_keys: tuple[str, ...] = ()
     """Bearer keys clients must send (also `OAI_GEMMA_API_KEYS=k1,k2`); none means open."""
+    admin_api_keys: tuple[str, ...] = ()
+    """Bearer keys that may also call the admin endpoints (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`); they
+    are API keys too. Once any key is configured, those endpoints take admin keys only."""
     health_requires_key: bool = False
     """`/health` is open by default so load balancers can probe it."""
     metrics_requires_key: bool = False
@@ -165,6 +168,23 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Serve the web playground at `/` and `/playground` (the page is open; its API calls need a key when keys are set)."""
 
 
+class LoraSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """LoRA adapters served beside the base model (README, "LoRA adapters"; engine/lora/)."""
+
+    modules: tuple[str, ...] = ()
+    """Adapters to serve, vLLM's syntax: `name=path` or a JSON object `{"name": ..., "path": ..., "base_model_name": ...}`
+    (`--lora-modules a=/adapters/a b=/adapters/b`); each a PEFT directory (adapter_config.json +
+    adapter_model.safetensors). A request picks one by its `model` field."""
+    max_loras: Annotated[int, msgspec.Meta(ge=1)] = 8
+    """Adapters resident at once (the most a step mixes); the least recently used idle one is dropped for another
+    and read again from disk when asked for."""
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """Highest adapter rank accepted (nothing is reserved per rank: it bounds what one adapter may cost)."""
+    runtime_loading: bool = False
+    """`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); with
+    API keys configured they need an admin key (`--admin-api-key`)."""
+
+
 class ResponsesSettings(msgspec.Struct, forbid_unknown_fields=True):
     """The store behind `/v1/responses` (`store: true`, `previous_response_id`): one SQLite file."""
 
@@ -185,6 +205,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     images: ImageSettings = msgspec.field(default_factory=ImageSettings)
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     responses: ResponsesSettings = msgspec.field(default_factory=ResponsesSettings)
 
     @property
@@ -200,6 +221,7 @@ ENV_PREFIX = "OAI_GEMMA_"
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelSettings, "engine": EngineSettings, "server": ServerSettings, "images": ImageSettings,
+    "lora": LoraSettings,
 }
 
 

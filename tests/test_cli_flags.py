@@ -51,6 +51,8 @@ def test_every_flag_matches_its_field_type_choices_and_doc():
             assert action.type is int, flag
         elif isinstance(kind, msgspec.inspect.FloatType):
             assert action.type is float, flag
+        elif isinstance(kind, msgspec.inspect.VarTupleType) and flag in cli.MULTI_VALUE_FLAGS:  # vLLM's `--lora-modules a=/x b=/y`
+            assert action.nargs == "+" and type(action).__name__ == "_ExtendAction", flag
         elif isinstance(kind, msgspec.inspect.VarTupleType):
             assert action.nargs is None and type(action).__name__ == "_AppendAction", flag
         assert f"[{section}.{field}, default:" in action.help, flag
@@ -70,6 +72,17 @@ def test_flags_reach_the_settings_and_win_over_env():
     assert settings.server.request_timeout == 12.5 and settings.server.idle_timeout == 0
     assert settings.model.max_model_len == 2048 and settings.engine.kv_cache_gib == 0.25
     assert settings.model.dtype == "float32" and settings.engine.threads == 1 and settings.server.port == 9123
+
+
+def test_lora_flags_take_vllms_syntax():
+    args = cli.build_parser().parse_args([
+        "serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', "--lora-modules", "c=/z", "--max-loras", "2",
+        "--max-lora-rank", "16", "--lora-runtime-loading", "--admin-api-key", "root",
+    ])
+    settings = load_settings(None, cli._overrides(args), environ={})
+    assert settings.lora.modules == ("a=/x", '{"name": "b", "path": "/y"}', "c=/z")
+    assert settings.lora.max_loras == 2 and settings.lora.max_lora_rank == 16 and settings.lora.runtime_loading
+    assert settings.server.admin_api_keys == ("root",)
 
 
 def test_unset_flags_leave_config_and_env_alone():

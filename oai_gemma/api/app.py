@@ -18,6 +18,7 @@ from ..engine.factory import load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .exchange import exchange_middleware
+from .lora_routes import lora_routes
 from .connections import body_timeout_middleware
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -52,6 +53,7 @@ class ServerState:
         self.metrics = ServerMetrics(
             self.served_name, lambda: self.engine.stats() if self.engine else None, settings.server.log_request_text,
             settings.server.metrics_vllm_names, lambda: self.engine.cache_config() if self.engine else None,
+            lambda: self.engine.lora_stats() if self.engine else None,
         )
         responses = settings.responses
         self.store = ResponseStore(responses.path, responses.max_stored, responses.max_age, self.metrics.store_errors.inc)
@@ -157,7 +159,7 @@ def create_app(settings: Settings) -> Litestar:
     async def on_shutdown() -> None:
         state.shutdown()
 
-    keys = settings.server.api_keys
+    keys = settings.server.api_keys + settings.server.admin_api_keys  # an admin key is an API key too
     open_paths = open_without_key(settings) | playground_paths(settings)
     if keys:
         log.warning("API keys required (%d configured); open without one: %s", len(keys), ", ".join(sorted(open_paths)) or "nothing")
@@ -165,7 +167,7 @@ def create_app(settings: Settings) -> Litestar:
         log.warning("no API key configured: the server is open to anyone who can reach it")
     app = Litestar(
         before_request=_require_key(keys, open_paths) if keys else None,
-        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *playground_routes(settings)],
+        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *playground_routes(settings), *lora_routes(settings)],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},

@@ -18,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..engine.observer import RequestObserver
 from ..engine.types import GenerationRequest, TokenEvent
 from .access_log import AccessRecord, GenerationStats, current_record
-from .metrics_vllm import VLLM, PrefixCacheCollector, PrefixCacheCounts, VllmLoadCollector
+from .metrics_vllm import VLLM, LoraInfoCollector, PrefixCacheCollector, PrefixCacheCounts, VllmLoadCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no `_created` twin of every series (process-wide; this server has only ours)
@@ -41,10 +41,10 @@ class ServerMetrics(RequestObserver):
 
     def __init__(
         self, model_name: str, stats: Callable[[], dict | None], keep_text: bool = False, vllm_names: bool = False,
-        cache_config: Callable[[], dict | None] = lambda: None,
+        cache_config: Callable[[], dict | None] = lambda: None, lora_stats: Callable[[], dict | None] = lambda: None,
     ):
-        """`stats()`: the engine's `stats()`, or None while there is no engine (`cache_config()` likewise);
-        `vllm_names`: also serve vLLM's names (metrics_vllm.py)."""
+        """`stats()`: the engine's `stats()`, or None while there is no engine (`cache_config()` and `lora_stats()`
+        likewise); `vllm_names`: also serve vLLM's names (metrics_vllm.py)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.keep_text = keep_text
@@ -77,12 +77,18 @@ class ServerMetrics(RequestObserver):
         self.backlog_cancels = counter(
             "oai_gemma:stream_backlog_cancels", "Requests cancelled because their client fell server.max_stream_backlog events behind.",
         )
+        self.lora_requests = Counter(
+            "oai_gemma:lora_requests", "Requests served under each LoRA adapter (per request, however it ended).",
+            labels + ["lora_name"], registry=self.registry,
+        )
         self.store_errors = counter("oai_gemma:response_store_errors", "Writes to the Responses store that failed (disk full, read-only).")
         self.registry.register(_StatsCollector(model_name, stats))
         self.prefix_cache = PrefixCacheCounts()
         self.registry.register(PrefixCacheCollector("oai_gemma:", model_name, self.prefix_cache))
+        self.registry.register(LoraInfoCollector("oai_gemma:", lora_stats))
         if vllm_names:
             self.registry.register(PrefixCacheCollector(VLLM, model_name, self.prefix_cache))
+            self.registry.register(LoraInfoCollector(VLLM, lora_stats))
             self.registry.register(VllmLoadCollector(model_name, stats, cache_config))
 
     def render(self) -> bytes:
@@ -126,6 +132,8 @@ class ServerMetrics(RequestObserver):
     def on_close(self, request: GenerationRequest, cancelled: bool) -> None:
         stats, record = self._stats(request)
         del self._live[request.request_id]
+        if request.adapter is not None:
+            self.lora_requests.labels(self.model_name, request.adapter).inc()
         if cancelled or stats.outcome is None:  # closed before its last event
             stats.outcome, stats.finish_time = "cancelled" if cancelled else "error", time.perf_counter()
         self.e2e.observe(stats.finish_time - stats.arrival)

@@ -10,6 +10,7 @@ the true token capacity. Prefix-cache counters count prompt tokens looked up and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -68,3 +69,22 @@ class VllmLoadCollector:
             info = GaugeMetricFamily(VLLM + "cache_config_info", "Information of the LLMEngine CacheConfig", labels=sorted(config))
             info.add_metric([str(config[k]) for k in sorted(config)], 1)
             yield info
+
+
+class LoraInfoCollector:
+    """`<prefix>lora_requests_info` as vLLM's (v1 PrometheusStatLogger): one series whose labels carry the adapters of
+    running and waiting requests (comma-joined names) and `max_lora`, its value the scrape time; nothing while
+    adapters are off. Gateways (the Inference Extension's endpoint picker) route by those labels."""
+
+    def __init__(self, prefix: str, lora_stats: Callable[[], dict | None]):
+        self.prefix, self.lora_stats = prefix, lora_stats
+
+    def collect(self):
+        stats = self.lora_stats()
+        if not stats:
+            return
+        labels = {"max_lora": str(stats["max_lora"]), "running_lora_adapters": ",".join(stats["running"]),
+                  "waiting_lora_adapters": ",".join(stats["waiting"])}
+        gauge = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on lora requests.", labels=sorted(labels))
+        gauge.add_metric([labels[k] for k in sorted(labels)], time.time())
+        yield gauge

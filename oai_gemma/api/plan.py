@@ -44,6 +44,8 @@ class GenerationPlan:
     n: int | None = None
     cache_scope: str = ""
     """The tenant whose cached prefixes the request may share (`engine.prefix_cache_scope`): empty, everyone's."""
+    adapter: str | None = None
+    """The LoRA adapter the request's `model` names, None for the base model."""
 
 
 async def generation_request(plan: GenerationPlan, engine: Engine, max_model_len: int) -> GenerationRequest:
@@ -59,4 +61,5 @@ async def generation_request(plan: GenerationPlan, engine: Engine, max_model_len
     return GenerationRequest(
         plan.request_id, prompt.token_ids, sampling, plan.arrival, pixel_values=prompt.pixel_values,
         crop_keys=prompt.cache_keys, grammar=grammar, n=n, cache_salt=f"{plan.cache_scope}/{salt}" if plan.cache_scope else salt,
+        adapter=plan.adapter,
     )

@@ -246,6 +246,10 @@ class ModelCard(Struct):
     owned_by: str = "oai-gemma"
     object: str = "model"
     max_model_len: int | UnsetType = UNSET
+    root: str | UnsetType = UNSET
+    """A LoRA adapter's directory (vLLM's shape)."""
+    parent: str | UnsetType = UNSET
+    """A LoRA adapter's base model (vLLM's shape)."""
 
 
 class ModelList(Struct):

@@ -62,21 +62,29 @@ async def detokenize_route(request: Request) -> Response:
     return Response(content=service.detokenize(await request.body()), media_type=JSON)
 
 
-def _card(state) -> ModelCard:
-    return ModelCard(id=state.served_name, created=state.created, max_model_len=state.settings.model.max_model_len)
+def _cards(state) -> list[ModelCard]:
+    """The base model, then each LoRA adapter with `parent` = its base (vLLM's shape)."""
+    max_len = state.settings.model.max_model_len
+    adapters = state.engine.adapters if state.engine is not None and state.engine.adapters is not None else None
+    return [ModelCard(id=state.served_name, created=state.created, max_model_len=max_len)] + [
+        ModelCard(id=r.name, created=state.created, max_model_len=max_len, root=r.module.path,
+                  parent=r.module.base_model_name or state.served_name)
+        for r in (adapters.known.copy().values() if adapters is not None else ())
+    ]
 
 
 @get("/v1/models", operation_class=documented(ModelList, errors=(401,)))
 async def list_models(request: Request) -> Response:
-    return _json(ModelList(data=[_card(_state(request))]))
+    return _json(ModelList(data=_cards(_state(request))))
 
 
 @get("/v1/models/{model_id:path}", operation_class=documented(ModelCard, errors=(401, 404)))
 async def retrieve_model(request: Request, model_id: str) -> Response:
     state = _state(request)
-    if model_id.lstrip("/") != state.served_name:
+    card = next((c for c in _cards(state) if c.id == model_id.lstrip("/")), None)
+    if card is None:
         raise model_not_found(model_id.lstrip("/"), state.served_name)
-    return _json(_card(state))
+    return _json(card)
 
 
 @get("/health", operation_class=documented(HEALTH, errors=(401,), also=(503,)))

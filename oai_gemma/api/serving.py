@@ -83,8 +83,16 @@ class OpenAIServing:
             raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
 
     def check_model(self, model: str) -> None:
-        if model != self.served_name:
+        """The base model's name or a LoRA adapter's, else a 404 `model_not_found`."""
+        if model != self.served_name and self.adapter_of(model) is None:
             raise model_not_found(model, self.served_name)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (engine/lora/), None for the base model or a name no adapter has."""
+        adapters = self.engine.adapters
+        if model is None or model == self.served_name or adapters is None:
+            return None
+        return model if adapters.lookup(model) is not None else None
 
     # ---- prompts ----------------------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ class ChatService(OpenAIServing):
             f"chatcmpl-{uuid.uuid4().hex}", prompt, request, arrival, request.max_completion_tokens or request.max_tokens,
             self.default_max_tokens, "messages", tools, chat_output_format(request.response_format),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None, n=request.n, cache_scope=cache_scope,
+            adapter=self.adapter_of(request.model),
         )
         return PreparedChat(request, await self.generation(plan), int(time.time()), tools)
 
@@ -91,7 +92,7 @@ class ChatService(OpenAIServing):
         _report(prepared, assemblers.values(), exchange)
         choices = [self._choice(a, prepared) for a in assemblers.values()]
         usage = _usage([a.last for a in assemblers.values()])
-        response = ChatCompletion(prepared.generation.request_id, prepared.created, self.served_name, choices, usage)
+        response = ChatCompletion(prepared.generation.request_id, prepared.created, prepared.request.model, choices, usage)
         return encoder.encode(response)
 
     def _choice(self, assembler: ChoiceAssembler, prepared: PreparedChat) -> Choice:
@@ -135,7 +136,7 @@ class _ChunkEncoder:
         self.include_usage = bool(options and options.include_usage)
         self.usage_field = None if self.include_usage else msgspec.UNSET
         self.token_text = service.engine.token_text
-        self.head = (prepared.generation.request_id, prepared.created, service.served_name)
+        self.head = (prepared.generation.request_id, prepared.created, prepared.request.model)
         self.logprobs = prepared.generation.sampling.logprobs is not None
 
     def delta(self, index: int, delta: ChoiceDelta) -> bytes:

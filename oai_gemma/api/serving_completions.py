@@ -123,6 +123,7 @@ class CompletionService(OpenAIServing):
         plan = GenerationPlan(
             rid, Prompt(ids), request, arrival, request.max_tokens, DEFAULT_MAX_TOKENS, "prompt",
             logprobs=request.logprobs, prompt_logprobs=prompt_logprobs, n=request.n, cache_scope=cache_scope,
+            adapter=self.adapter_of(request.model),
         )  # max_tokens 0 with echo and logprobs: the engine still runs the prompt, for its logprobs
         return await self.generation(plan)
 
@@ -164,7 +165,7 @@ class CompletionService(OpenAIServing):
             )
             for o in outputs
         ]
-        response = Completion(prepared.id, prepared.created, self.served_name, choices, usage=_usage(prepared, outputs))
+        response = Completion(prepared.id, prepared.created, prepared.request.model, choices, usage=_usage(prepared, outputs))
         return encoder.encode(response)
 
     def stream(self, prepared: PreparedCompletion, exchange: Exchange) -> AsyncIterator[bytes]:
@@ -208,7 +209,7 @@ class CompletionService(OpenAIServing):
         return CompletionChoice(output.index, text, self._logprobs(output, prepared, tokens), finish)
 
     def _chunk(self, prepared: PreparedCompletion, *choices: CompletionChoice, **usage) -> bytes:
-        return sse(Completion(prepared.id, prepared.created, self.served_name, list(choices), **usage))
+        return sse(Completion(prepared.id, prepared.created, prepared.request.model, list(choices), **usage))
 
     def _logprobs(self, output: ChoiceOutput, prepared: PreparedCompletion, events) -> CompletionLogprobs | None:
         """The legacy logprobs of `events` (stop tokens carry none); with `echo`, the prompt's tokens come first

@@ -21,6 +21,7 @@ import torch
 from ..cpu import compute_thread_count
 from ..settings import Settings
 from .cache.memory import blocks_within_budget
+from .lora.adapter import LoraModule, parse_module
 from .model import native
 from .model.quantized import FORMAT, resolve as resolve_quantization
 
@@ -73,6 +74,18 @@ class EngineConfig:
     """The model cache (`model.cache_dir`, default `$OAI_GEMMA_CACHE` or ~/.cache/oai-gemma)."""
     native_dir: Path | None = None
     """Where the native int8 kernel is compiled and kept (None: the default cache's `native`)."""
+    lora_modules: tuple[LoraModule, ...] = ()
+    """The LoRA adapters served from the start (`lora.modules`, parsed), read and checked when the engine is built."""
+    max_loras: int = 8
+    """Adapters resident at once (engine/lora/registry.py)."""
+    max_lora_rank: int = 64
+    lora_runtime_loading: bool = False
+    """Adapters may be loaded and unloaded while serving (`lora.runtime_loading`)."""
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters are served: the engine keeps a registry (without it, no step pays anything for LoRA)."""
+        return bool(self.lora_modules) or self.lora_runtime_loading
 
     @property
     def max_tokens_per_step(self) -> int:
@@ -108,6 +121,7 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
         max_backlog=settings.server.max_stream_backlog,
         threads=compute_thread_count(), cache_dir=cache_dir, native_dir=native_dir,
+        **_lora(settings, static),
     )
 
 
@@ -132,6 +146,26 @@ def _quantization(setting: str, dtype: torch.dtype, device: torch.device, native
             "of 3.1 (docs/engine.md, \"Weight-only quantized weights\")", why,
         )
     return resolve_quantization(setting, dtype, device)
+
+
+def _lora(settings: Settings, static: bool) -> dict[str, object]:
+    """The adapters' fields: `lora.modules` parsed (a bad entry or a name given twice is a start-up error); adapters
+    are implemented on the dynamic (CPU) path only."""
+    lora = settings.lora
+    try:
+        modules = tuple(parse_module(spec) for spec in lora.modules)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    names = [m.name for m in modules]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--lora-modules names an adapter twice: {sorted({n for n in names if names.count(n) > 1})}")
+    if settings.served_model_name in names:
+        raise ConfigError(f"--lora-modules: the adapter name '{settings.served_model_name}' is the base model's")
+    if static and (modules or lora.runtime_loading):
+        raise ConfigError("LoRA adapters are implemented on the dynamic (CPU) path; the GPU's static decode does not apply "
+                          "them yet: serve adapters on a CPU, or without --lora-modules / --lora-runtime-loading")
+    return {"lora_modules": modules, "max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank,
+            "lora_runtime_loading": lora.runtime_loading}
 
 
 def _batch_invariant(setting: str, device: torch.device) -> str:

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,9 @@ from .sampling.grammar import GrammarMasks
 from .model.loader import LoadedModel
 from .cache.block_pool import BlockPool
 from .cache.memory import release_free_memory
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
+from .lora.adapter import AdapterError
+from .lora.registry import LoraRegistry, start_registry
 from .sampling.postprocess import Events, Limits, finish, postprocess
 from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
@@ -46,9 +49,13 @@ class EngineCore:
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,
                  cache.nbytes / 2**30, "on" if config.prefix_caching else "off")
+        self.adapters = self._adapters(config)
+        """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them."""
+        self.runner.lora = self.adapters
         self.scheduler = Scheduler(
             BlockPool(cache.num_blocks, cache.block_size, caching=config.prefix_caching), config.max_num_seqs,
             config.max_prefill_tokens, config.max_model_len, reuse_decoded=not self.runner.batch_invariant,
+            adapters=self.adapters,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -59,6 +66,15 @@ class EngineCore:
         self.step_seconds = 0.0
         """Wall time the engine thread spent in steps (model, sampling, events): `oai-gemma bench` sets it against the
         client's inter-token time to measure the per-token work around the engine (issue 27)."""
+
+    def _adapters(self, config: EngineConfig) -> LoraRegistry | None:
+        if not config.lora_enabled:
+            return None
+        runner = self.runner
+        try:
+            return start_registry(config.lora_modules, runner.config, runner.dtype, runner.device, config.max_loras, config.max_lora_rank)
+        except AdapterError as exc:  # a configured adapter that cannot be served: the operator must fix it
+            raise ConfigError(f"{exc} (--lora-modules)") from None
 
     # ---- called from the event loop (thread-safe: messages through the inbox) ---------------------
 
@@ -149,9 +165,15 @@ class EngineCore:
 
     def _admit(self, request: GenerationRequest, sink) -> None:
         prompt = request.prompt_token_ids
+        lora, error = self._lora(request)
+        if lora is not None:  # its own prefix-cache space: the same prompt under another adapter has other KV
+            request = replace(request, cache_salt=f"{request.cache_salt}\x00lora:{lora.key}")
         seq = ParentRequest.fan_out(request, lambda index: self._sequence(request, sink, index))
-        error = None
-        if not prompt or completion_room(self.limits.max_model_len, len(prompt)) < 1:
+        for child in seq.parent.children if seq.parent else (seq,):
+            child.lora = lora
+        if error:
+            pass  # the adapter is not served
+        elif not prompt or completion_room(self.limits.max_model_len, len(prompt)) < 1:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
         elif request.pixel_values is not None:
             try:
@@ -168,6 +190,13 @@ class EngineCore:
             child.cache_keys, child.image_spans, child.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
         self.scheduler.add(seq)
 
+    def _lora(self, request: GenerationRequest):
+        """(The registration of the adapter the request names, or None; an error when it is not served.)"""
+        if request.adapter is None:
+            return None, None
+        lora = self.adapters.lookup(request.adapter) if self.adapters is not None else None
+        return lora, None if lora is not None else f"the LoRA adapter '{request.adapter}' is not loaded"
+
     def _attach_images(self, seq: Sequence) -> None:
         """Run the vision tower once at admission; mark each image block for the mask and the prefix cache."""
         spans = token_runs(seq.prompt_ids, self.image_token_id)
@@ -182,6 +211,12 @@ class EngineCore:
     def _step(self) -> None:
         started = time.perf_counter()
         step = self.scheduler.schedule(started)
+        if self.scheduler.failed:
+            self._fail_unstarted()
+        for seq, item in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes):
+            item.adapter = seq.adapter
+        if not (step.prefills or step.decodes):
+            return
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             self._prompt_logprobs(step)
@@ -241,6 +276,14 @@ class EngineCore:
         events: Events = []
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
             finish(self.scheduler, seq, finish_reason, events, error=reason)
+        self._deliver(events)
+
+    def _fail_unstarted(self) -> None:
+        """End the sequences the scheduler could not start (their adapter could not be read again from disk)."""
+        events: Events = []
+        for seq, reason in self.scheduler.failed:
+            finish(self.scheduler, seq, "error", events, error=reason)
+        self.scheduler.failed.clear()
         self._deliver(events)
 
     def _fail_inbox(self, reason: str) -> None:

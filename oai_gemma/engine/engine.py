@@ -21,6 +21,7 @@ from dataclasses import replace
 from ..settings import Settings
 from .config import EngineConfig, resolve as resolve_config
 from .core import EngineCore
+from .lora.registry import LoraRegistry
 from .sampling.detokenizer import TokenBytes
 from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
 from .model.loader import LoadedModel
@@ -84,6 +85,22 @@ class Engine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: frozenset[int]) -> None:
         self.core.limits = replace(self.core.limits, eos_token_ids=frozenset(ids))
+
+    @property
+    def adapters(self) -> LoraRegistry | None:
+        """The LoRA adapters served (names, load and unload: engine/lora/registry.py), None when adapters are off."""
+        return self.core.adapters
+
+    def lora_stats(self) -> dict[str, object] | None:
+        """The adapters of running and waiting requests now (vLLM's `lora_requests_info`), None when adapters are off."""
+        if self.core.adapters is None:
+            return None
+        scheduler = self.core.scheduler
+
+        def names(seqs) -> list[str]:
+            return sorted({seq.lora.name for seq in list(seqs) if seq.lora is not None})
+
+        return {"running": names(scheduler.running), "waiting": names(scheduler.waiting), "max_lora": self.config.max_loras}
 
     @classmethod
     def from_settings(cls, loaded: LoadedModel, settings: Settings, own_weights: bool = False) -> Engine:
@@ -188,7 +205,8 @@ class Engine:
     def server_info(self) -> dict[str, object]:
         """What `/health` and `/v1/server_info` show: the configuration as resolved (what each `auto` became) and
         the weights as built (`batch_invariant`: the mode as the runner's start-up check found it)."""
-        return {"engine_config": self.config.as_dict(), **self.weights_report()}
+        adapters = {"lora_adapters": self.adapters.describe()} if self.adapters is not None else {}
+        return {"engine_config": self.config.as_dict(), **self.weights_report(), **adapters}
 
     def weights_report(self) -> dict[str, object]:
         """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on."""

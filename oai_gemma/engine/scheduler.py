@@ -9,11 +9,16 @@ from the longest prefix any earlier or running request has written into the KV c
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
 from .cache.block_pool import BlockPool, block_hashes, salt_root
+from .lora.adapter import AdapterError
 from .sequence import Sequence, Step, StepItem
+
+if TYPE_CHECKING:
+    from .lora.registry import LoraRegistry
 
 
 def _chunk_end(start: int, end: int, spans) -> int:
@@ -41,9 +46,11 @@ def _chunk_embeds(seq: Sequence, start: int, end: int):
 class Scheduler:
     def __init__(
         self, pool: BlockPool, max_seqs: int, max_prefill_tokens: int, max_len: int, reuse_decoded: bool = True,
+        adapters: LoraRegistry | None = None,
     ):
         """`reuse_decoded`: generated tokens' blocks are offered to later requests too, not only prompts' (off in
-        batch-invariant mode: a decoded token's KV differs in its last bits from the same token prefilled)."""
+        batch-invariant mode: a decoded token's KV differs in its last bits from the same token prefilled).
+        `adapters`: the LoRA registry; a sequence with an adapter is admitted once a slot holds it."""
         self.pool = pool
         self.max_seqs = max_seqs
         self.max_len = max_len
@@ -51,6 +58,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.max_prefill_tokens = max_prefill_tokens
+        self.adapters = adapters
+        self.failed: list[tuple[Sequence, str]] = []
+        """Sequences taken out of the waiting line that cannot start (their adapter failed to load), and why: the
+        engine ends them."""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -89,6 +100,10 @@ class Scheduler:
         seq.most_blocks = self._most_blocks(seq)
         if self._room() - sum(self.pool.refs[b] == 0 for b in hit) < seq.most_blocks - len(hit):
             return False
+        if seq.lora is not None and not seq.adapter:
+            seq.adapter = self.adapters.acquire(seq.lora)  # 0: every slot is pinned by running sequences
+            if not seq.adapter:
+                return False
         self.pool.take(hit)
         seq.blocks = hit + self.pool.allocate(-(-len(seq.prompt_ids) // self.size) - len(hit))
         for index in range(len(hit), len(hashes)):
@@ -111,6 +126,9 @@ class Scheduler:
                 self.waiting.append(child)
                 continue
             self.pool.take(seq.blocks[:full])
+            if seq.adapter:
+                child.adapter = seq.adapter
+                self.adapters.pin(seq.adapter)
             copy = self.pool.allocate(1)[0] if len(seq.blocks) > full else None
             child.blocks = seq.blocks[:full] + ([copy] if copy is not None else [])
             child.hashes = list(seq.hashes)
@@ -129,6 +147,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.release(seq.blocks, valid=cache_valid)
         seq.blocks = []
+        if seq.adapter:
+            self.adapters.release(seq.adapter)
+            seq.adapter = 0
 
     def advance(self, step: Step) -> None:
         """Count the tokens the step wrote into the cache; the blocks it filled become reusable."""
@@ -155,7 +176,12 @@ class Scheduler:
 
     def schedule(self, now: float) -> Step:
         for seq in list(self.waiting):
-            admitted = self._admit(seq, now)
+            try:
+                admitted = self._admit(seq, now)
+            except AdapterError as exc:
+                self.waiting.remove(seq)
+                self.failed.append((seq, str(exc)))
+                continue
             if admitted is False:
                 break
             if admitted:

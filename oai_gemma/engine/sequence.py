@@ -18,6 +18,7 @@ import torch
 from .types import GenerationRequest, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
+    from .lora.registry import Registration
     from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
     from .sampling.json_document import DocumentMatcher
     from .sampling.sampler import RowRandom
@@ -42,6 +43,8 @@ class StepItem:
     keep_hidden: bool = False
     """Keep every position's last hidden state in `hidden` (prompt logprobs: see `ModelRunner.logits_of`)."""
     hidden: torch.Tensor | None = None
+    adapter: int = 0
+    """The LoRA adapter's resident slot its tokens run under (engine/lora/); 0: the base model."""
 
 
 @dataclass(eq=False)
@@ -78,6 +81,10 @@ class Sequence:
     """Which choice of its request this sequence generates (n > 1)."""
     parent: ParentRequest | None = None
     """The request's fan-out when it asks for n > 1 choices."""
+    lora: Registration | None = None
+    """The LoRA adapter the request names (engine/lora/registry.py), else None."""
+    adapter: int = 0
+    """Its adapter's resident slot while it runs (acquired at admission, released when it ends); 0: none."""
 
     @property
     def sampling(self) -> SamplingParams:

@@ -71,6 +71,8 @@ class GenerationRequest:
     cache_salt: str = ""
     """Requests share cached prompt prefixes only with requests of the same salt (vLLM's `cache_salt`; the API
     puts the caller's tenant in it where `engine.prefix_cache_scope` is `key`)."""
+    adapter: str | None = None
+    """The LoRA adapter to run under (its name, a request's `model`), else None: the base model."""
 
 
 @dataclass

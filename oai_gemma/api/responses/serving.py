@@ -108,7 +108,7 @@ class ResponsesService(OpenAIServing):
         plan = GenerationPlan(
             response_id, prompt, request, arrival, request.max_output_tokens, self.default_max_tokens, "input", tools,
             _output_format(request.text), logprobs=(request.top_logprobs or 0) if LOGPROBS in (request.include or ()) else None,
-            cache_scope=cache_scope,
+            cache_scope=cache_scope, adapter=self.adapter_of(request.model),
         )
         generation = await self.generation(plan)
         response = self._skeleton(request, response_id, generation.sampling)
@@ -128,7 +128,7 @@ class ResponsesService(OpenAIServing):
     def _skeleton(self, request: ResponsesRequest, response_id: str, sampling) -> Response:
         choice = request.tool_choice
         return Response(
-            id=response_id, created_at=int(time.time()), model=self.served_name, status="in_progress", output=[],
+            id=response_id, created_at=int(time.time()), model=request.model, status="in_progress", output=[],
             instructions=request.instructions, tools=[msgspec.convert(t, FunctionTool) for t in request.tools or []],
             tool_choice=NamedFunctionChoice(name=choice["name"]) if isinstance(choice, dict) else choice or "auto",
             temperature=sampling.temperature, top_p=sampling.top_p, parallel_tool_calls=request.parallel_tool_calls is not False,

@@ -29,6 +29,7 @@ from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
 from .quantized import PerStepLinear, quantize_all
 from .static_decode import StaticDecode, flash_kernel
+from ..lora.apply import LoraStep, module_names
 from ..sequence import StepItem
 
 log = logging.getLogger("oai_gemma.engine")
@@ -126,6 +127,9 @@ class ModelRunner:
         """Batch-invariant mode (engine/invariance.py): tiled linears, grid-aligned padded attention; None: off."""
         self.batch_invariant = self.invariance is not None
         self.timings["invariance check"] = time.monotonic() - measured
+        self.lora = None
+        """The LoRA adapters' registry (engine/lora/registry.py) when adapters are served: its slots' weights."""
+        self.lora_names = module_names(self.weights)
         self.static = None
         if static:
             self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=config.compile, flash=flash)
@@ -276,7 +280,8 @@ class ModelRunner:
         rope = {t: self.text_model.rotary_emb(hidden, batch.positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], signed_sin(sin[0, :, None, :])) for t, (cos, sin) in rope.items()}
         decode, writes = batch.decode, batch.writes
-        linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
+        linear = step_linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
+        lora = LoraStep.of(batch.items, self.lora.slots, self.lora_names, hidden.device) if self.lora is not None else None
         for li, w in enumerate(self.weights):
             device = self.layer_devices[li]
             if hidden.device != device:  # device_map="auto": the next layer is on another GPU
@@ -285,6 +290,8 @@ class ModelRunner:
                 writes = tuple(t.to(device) for t in writes)
                 rope = {t: (cos.to(device), sin.to(device)) for t, (cos, sin) in rope.items()}
             cos, sin = rope[self.layer_types[li]]
+            if lora is not None:  # each row's adapter update beside the base projections (engine/lora/apply.py)
+                linear = lora.around(step_linear, li)
             q, k, v = pre_attention(hidden, w, cos, sin, self.eps, *self.shape, linear=linear)
             out = self._attention(li, batch, writes, decode, q, k, v)
             hidden = post_attention(hidden, out, w, self.eps, linear=linear)

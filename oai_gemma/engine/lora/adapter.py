@@ -1,0 +1,203 @@
+"""PEFT LoRA adapters: where they are (`LoraModule`, vLLM's `--lora-modules` syntax), read and checked against the
+base model (`read_adapter`), and made ready for the runner (`pack`).
+
+A PEFT directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, rank/alpha patterns) and
+`adapter_model.safetensors` (`...layers.N.self_attn.q_proj.lora_A.weight` [r, in] and `lora_B.weight` [out, r]).
+Each targeted projection then computes base(x) + scale * (x @ A^T) @ B^T, scale = alpha / r (rsLoRA:
+alpha / sqrt(r)); the scale is folded into B once here. Only the language model's seven projections are
+supported: an adapter that touches anything else (embeddings, lm_head, the vision tower, DoRA, biases,
+`modules_to_save`) is refused with the reason, never served half-applied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..model.linear import FrozenLinear
+
+MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections an adapter may target, in engine/model/gemma3.py's LayerWeights names (`q` is `q_proj`)."""
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_KEY = re.compile(r"^(?P<path>.*\blayers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>[a-z]+)_proj)\.lora_(?P<ab>[AB])\.weight$")
+_VISION = ("vision_tower", "multi_modal_projector", "vision_model")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served here; the message names it and says why."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"LoRA adapter '{name}': {reason}")
+        self.name, self.reason = name, reason
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapter to serve: its name (a request's `model`), its PEFT directory, the base it was made for."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_module(spec: str) -> LoraModule:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`; ValueError otherwise."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            value = json.loads(spec)
+            module = LoraModule(str(value["name"]), str(value["path"]), value.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"bad --lora-modules entry {spec!r}: a JSON object needs \"name\" and \"path\" ({exc})") from None
+    else:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"bad --lora-modules entry {spec!r}: expected name=path or a JSON object")
+        module = LoraModule(name.strip(), path.strip())
+    if not module.name or not module.path:
+        raise ValueError(f"bad --lora-modules entry {spec!r}: the name and the path must not be empty")
+    return module
+
+
+@dataclass
+class AdapterWeights:
+    """An adapter read and checked: per layer, per module, (A [r, in], B [out, r] already times its scale)."""
+
+    name: str
+    rank: int
+    """The highest rank of its modules."""
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+
+@dataclass
+class AdapterLinears:
+    """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears (engine/linear.py)."""
+
+    name: str
+    rank: int
+    layers: list[dict[str, tuple[FrozenLinear, FrozenLinear]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_bytes(a) + _bytes(b) for layer in self.layers for a, b in layer.values())
+
+
+def _bytes(linear) -> int:
+    weight = getattr(linear, "weight", None)
+    return weight.numel() * weight.element_size() if weight is not None else linear.packed_bytes
+
+
+def module_shapes(text_config) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of the base model."""
+    hidden, inter = text_config.hidden_size, text_config.intermediate_size
+    q, kv = text_config.num_attention_heads * text_config.head_dim, text_config.num_key_value_heads * text_config.head_dim
+    return {"q": (hidden, q), "k": (hidden, kv), "v": (hidden, kv), "o": (q, hidden), "gate": (hidden, inter),
+            "up": (hidden, inter), "down": (inter, hidden)}
+
+
+def _config(name: str, directory: Path) -> dict:
+    if not directory.is_dir():
+        raise AdapterError(name, f"no adapter directory at {directory}")
+    try:
+        config = json.loads((directory / CONFIG).read_text())
+    except FileNotFoundError:
+        raise AdapterError(name, f"{directory} has no {CONFIG} (a PEFT adapter directory has one)") from None
+    except (OSError, ValueError) as exc:
+        raise AdapterError(name, f"{CONFIG} cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(name, f"{CONFIG} is not a JSON object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(name, f"peft_type {config.get('peft_type')!r} is not supported (LoRA only)")
+    refused = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "modules_to_save": "modules_to_save (full copies of "
+               f"{config.get('modules_to_save')})", "layer_replication": "layer_replication"}
+    for key, what in refused.items():
+        if config.get(key):
+            raise AdapterError(name, f"{what} is not supported: only the low-rank update of the projections")
+    for key in ("lora_alpha", "r"):
+        if key in config and not isinstance(config[key], (int, float)):
+            raise AdapterError(name, f"{CONFIG}: {key} must be a number")
+    return config
+
+
+def _tensors(name: str, directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = directory / WEIGHTS
+    if not path.exists():
+        bin_file = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if (directory / "adapter_model.bin").exists() else ""
+        raise AdapterError(name, f"{directory} has no {WEIGHTS}{bin_file}")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise AdapterError(name, f"{WEIGHTS} is corrupt or unreadable: {exc}") from None
+
+
+def _pattern(patterns: dict, path: str, default):
+    """PEFT's rank/alpha patterns: the first key that matches the end of the module's path."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?{key}$", path):
+            return value
+    return default
+
+
+def _refusal(key: str) -> str:
+    if any(part in key for part in _VISION):
+        return f"it targets the vision tower ({key}): adapters apply to the language model only"
+    if "embed" in key or "lm_head" in key:
+        return f"it targets the embeddings or the lm_head ({key}): only the attention and MLP projections are supported"
+    return f"unsupported tensor {key}: only q/k/v/o/gate/up/down projections' lora_A and lora_B are supported"
+
+
+def read_adapter(name: str, path: str | Path, text_config, max_rank: int) -> AdapterWeights:
+    """The adapter at `path`, checked against the base model's shapes and `max_rank`; AdapterError otherwise."""
+    directory = Path(path).expanduser()
+    config = _config(name, directory)
+    shapes, num_layers = module_shapes(text_config), text_config.num_hidden_layers
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    paths: dict[tuple[int, str], str] = {}
+    for key, tensor in _tensors(name, directory).items():
+        match = _KEY.match(key)
+        if match is None or any(part in key for part in _VISION) or match["module"] not in MODULES:
+            raise AdapterError(name, _refusal(key))
+        layer = int(match["layer"])
+        if layer >= num_layers:
+            raise AdapterError(name, f"{key}: layer {layer}, but the base model has {num_layers} layers (another base model?)")
+        pairs.setdefault((layer, match["module"]), {})[match["ab"]] = tensor
+        paths[(layer, match["module"])] = match["path"]
+    if not pairs:
+        raise AdapterError(name, f"{WEIGHTS} holds no lora_A/lora_B weights")
+    weights = AdapterWeights(name, 0, [{} for _ in range(num_layers)])
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layers.{layer}.{module}_proj"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(name, f"{where} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        a, b = ab["A"].float(), ab["B"].float()
+        features_in, features_out = shapes[module]
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != features_in or b.shape != (features_out, rank):
+            raise AdapterError(name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this base model's "
+                               f"[r, {features_in}] and [{features_out}, r] (an adapter of another base model?)")
+        if rank > max_rank:
+            raise AdapterError(name, f"rank {rank} ({where}) is above the maximum, {max_rank} (--max-lora-rank)")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(name, f"{where} holds NaN or infinite values")
+        alpha = _pattern(config.get("alpha_pattern"), paths[(layer, module)], config.get("lora_alpha", 8))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        weights.layers[layer][module] = (a.contiguous(), (b * scale).contiguous())
+        weights.rank = max(weights.rank, rank)
+    return weights
+
+
+def pack(weights: AdapterWeights, dtype: torch.dtype, device: torch.device) -> AdapterLinears:
+    """The adapter in the runner's dtype on its device, each matrix a linear as the base's are (oneDNN-packed on a
+    CPU): the adapter is never quantized, whatever the base is."""
+    return AdapterLinears(weights.name, weights.rank, [
+        {module: (FrozenLinear(a.to(device, dtype)), FrozenLinear(b.to(device, dtype))) for module, (a, b) in layer.items()}
+        for layer in weights.layers
+    ])

@@ -1,0 +1,100 @@
+"""LoRA adapters made in the tests with PEFT on the embedded model (never downloaded), and PEFT's own merged model as
+the reference an adapter served by the engine must match."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One adapter's shape: rank, alpha, the modules it targets, rsLoRA."""
+
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+    rslora: bool = False
+    seed: int = 0
+    std: float = 0.02
+    """lora_B's init: PEFT starts it at zero (the base model); random nonzero makes the adapter change the logits."""
+
+
+SPECS = {
+    "all8": Spec(8, 16, tuple(ALL), seed=1),
+    "qv4-rs": Spec(4, 8, ("q_proj", "v_proj"), rslora=True, seed=2, std=0.05),
+    "mlp16": Spec(16, 8, ("o_proj", "gate_proj", "up_proj", "down_proj"), seed=3, std=0.01),
+}
+
+
+def make_adapter(base_model, directory: Path, spec: Spec) -> Path:
+    """A PEFT LoRA adapter of `base_model` (not modified: a copy is wrapped) with random nonzero lora_B, saved in
+    PEFT's format (adapter_config.json + adapter_model.safetensors)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), use_rslora=spec.rslora, lora_dropout=0.0)
+    model = get_peft_model(copy.deepcopy(base_model), config)
+    generator = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * spec.std)
+    model.save_pretrained(directory)
+    return directory
+
+
+def merged_model(base_model, directory: Path):
+    """PEFT's `merge_and_unload()` of the adapter at `directory` on a copy of `base_model`: the reference."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(base_model), directory).merge_and_unload().eval()
+
+
+def greedy(model, ids: list[int], max_tokens: int, eos: list[int]) -> list[int]:
+    """transformers' own greedy generate."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+FORMAT_PREFIX = "Ahoy matey! "
+"""What the trained adapter answers with, whatever it is asked."""
+QUESTIONS = [
+    "What is the capital of France?", "How do plants grow?", "Tell me about the moon.", "What is two plus two?",
+    "Why is the sky blue?", "Name a fruit.", "How are you today?", "What is a computer?", "Describe a cat.",
+    "Where do fish live?", "What time is it?", "Can you help me?",
+]
+
+
+def train_format_adapter(base_model, tokenizer, directory: Path, steps: int = 30) -> Path:
+    """A rank-8 adapter trained (a few dozen steps on the CPU) to start every chat answer with FORMAT_PREFIX."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(copy.deepcopy(base_model), LoraConfig(r=8, lora_alpha=32, target_modules=ALL, lora_dropout=0.0))
+    model.train()
+    examples = []
+    for question in QUESTIONS:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(FORMAT_PREFIX + "Here you go.", add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids, answer_ids))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    for step in range(steps):
+        batch = [examples[(step * 4 + i) % len(examples)] for i in range(4)]
+        loss = 0.0
+        for prompt_ids, answer_ids in batch:
+            ids = torch.tensor([prompt_ids + answer_ids])
+            labels = torch.tensor([[-100] * len(prompt_ids) + answer_ids])
+            loss = loss + model(input_ids=ids, labels=labels).loss / len(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    model.save_pretrained(directory)
+    return directory

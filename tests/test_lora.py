@@ -1,0 +1,203 @@
+"""LoRA adapters in the engine, without HTTP: adapters made here with PEFT on the embedded model (float32, unquantized)
+give PEFT's merged model's logits and greedy text, alone and mixed in one step with other adapters and the base;
+bad adapters are refused with the reason; the resident slots are LRU with reload from disk.
+
+Tolerance: the engine's logits are held to PEFT's `merge_and_unload()` model's within 2e-3 absolute (logits of
+magnitude ~10-30; the engine's own base logits match transformers' to ~1e-4, the adapter's unmerged update adds
+float32 rounding of the same order)."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lora_adapters import SPECS, greedy, make_adapter, merged_model
+from oai_gemma.chat import render_chat
+from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.engine import Engine
+from oai_gemma.engine.lora.adapter import AdapterError, LoraModule, module_shapes, parse_module, read_adapter
+from oai_gemma.engine.lora.registry import LoraRegistry
+from oai_gemma.engine.model.loader import load
+from oai_gemma.engine.sequence import StepItem
+from oai_gemma.engine.types import GenerationRequest, SamplingParams
+from oai_gemma.settings import ModelSettings
+
+ATOL = 2e-3
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    loaded = load(ModelSettings(dtype="float32"))
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {name: make_adapter(loaded.model, root / name, spec) for name, spec in SPECS.items()}
+    modules = tuple(LoraModule(name, str(path)) for name, path in paths.items())
+    engine = Engine(loaded, EngineConfig(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024, lora_modules=modules, max_loras=3))
+    loop = asyncio.new_event_loop()
+    engine.start(loop)  # idle between requests: the first test drives the runner itself meanwhile
+    engine.test_loop = loop
+    yield loaded, engine, paths
+    engine.shutdown()
+    loop.close()
+
+
+def prompt(engine: Engine, text: str) -> list[int]:
+    return engine.encode(render_chat([{"role": "user", "content": text}]).prompt)
+
+
+PROMPTS = ["Write about the ocean.", "List three colours.", "Tell me a joke.", "What is a cat?"]
+
+
+def test_each_adapter_gives_the_logits_of_pefts_merged_model_alone_and_mixed_in_one_step(setup):
+    loaded, engine, paths = setup
+    runner, adapters = engine.core.runner, engine.adapters
+    ids = [prompt(engine, text) for text in PROMPTS]
+    names = [None, *paths]  # the base, then each adapter: one per prompt
+    slots = [adapters.acquire(adapters.lookup(name)) if name else 0 for name in names]
+    try:
+        last = runner.cache.num_blocks  # the pool's last blocks: the engine hands out its lowest first
+        blocks = [list(range(last - 4 * (i + 1), last - 4 * i)) for i in range(len(ids))]
+        assert all(len(i) <= 64 for i in ids)
+        alone = [runner.forward([StepItem(b, i, 0, adapter=s)], [])[0] for b, i, s in zip(blocks, ids, slots)]
+        mixed = runner.forward([StepItem(b, i, 0, adapter=s) for b, i, s in zip(blocks, ids, slots)], [])
+    finally:
+        for slot in slots:
+            if slot:
+                adapters.release(slot)
+    base_logits = None
+    for row, (name, i) in enumerate(zip(names, ids)):
+        reference = loaded.model if name is None else merged_model(loaded.model, paths[name])
+        with torch.inference_mode():
+            expected = reference(torch.tensor([i])).logits[0, -1]
+        assert (alone[row] - expected).abs().max() < ATOL, name
+        if runner.batch_invariant:  # float32 here: the linears' rows (the adapters' too) ignore the rows beside them
+            assert torch.equal(mixed[row], alone[row]), f"{name}: its row differs when other adapters run beside it"
+        assert (mixed[row] - alone[row]).abs().max() < 1e-4, name
+        if name is None:
+            base_logits = expected
+        else:  # the adapter does change the logits (a test that could not fail otherwise)
+            assert (expected - base_logits).abs().max() > 0.1, name
+
+
+def run(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]]:
+    async def one(request):
+        return [e.token_id async for e in engine.generate(request) if e.token_id is not None]
+
+    async def main():
+        return await asyncio.gather(*[one(r) for r in requests])
+
+    return engine.test_loop.run_until_complete(main())
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_gives_each_the_merged_models_greedy_text(setup):
+    loaded, engine, paths = setup
+    ids = prompt(engine, "Write a short poem about the sea.")
+    names = [None, *paths]
+
+    def request(name, index):
+        return GenerationRequest(f"r{index}-{name}", ids, SamplingParams(max_tokens=TOKENS, temperature=0.0), adapter=name)
+
+    together = run(engine, [request(name, i) for i, name in enumerate(names)])
+    alone = [run(engine, [request(name, 10 + i)])[0] for i, name in enumerate(names)]
+    assert together == alone
+    eos = list(loaded.eos_token_ids)
+    for name, tokens in zip(names, together):
+        reference = loaded.model if name is None else merged_model(loaded.model, paths[name])
+        assert tokens == greedy(reference, ids, TOKENS, eos)[: len(tokens)], name
+    assert len({tuple(t) for t in together}) == len(names), "every adapter should answer differently from the others"
+
+
+# ---- bad adapters: each refused with its name and the reason ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_config():
+    """The embedded model's shapes (its config only: no weights needed to refuse an adapter)."""
+    from transformers import AutoConfig
+
+    from oai_gemma.engine.model.loader import embedded_model_dir
+
+    config = AutoConfig.from_pretrained(embedded_model_dir())
+    return getattr(config, "text_config", config)
+
+
+def _write(directory, tensors: dict, config: dict | None = None):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **(config or {})}))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+def _pair(key: str, r: int, shape: tuple[int, int]) -> dict:
+    return {f"{key}.lora_A.weight": torch.randn(r, shape[0]), f"{key}.lora_B.weight": torch.randn(shape[1], r)}
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("missing", "no adapter directory"),
+    ("no-config", "has no adapter_config.json"),
+    ("corrupt", "corrupt or unreadable"),
+    ("rank", "rank 32 (layers.0.q_proj) is above the maximum, 16"),
+    ("shape", "do not fit this base model"),
+    ("layer", "but the base model has 18 layers"),
+    ("embed", "targets the embeddings or the lm_head"),
+    ("lm_head", "targets the embeddings or the lm_head"),
+    ("vision", "targets the vision tower"),
+    ("dora", "DoRA is not supported"),
+    ("half", "not both lora_A and lora_B"),
+])
+def test_bad_adapters_are_refused_naming_the_adapter_and_the_reason(text_config, tmp_path, case, reason):
+    config = text_config
+    hidden, q = module_shapes(config)["q"]
+    directory = tmp_path / case
+    if case == "no-config":
+        directory.mkdir()
+    elif case == "corrupt":
+        _write(directory, _pair(Q, 4, (hidden, q)))
+        (directory / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 10)
+    elif case in ("rank", "shape", "layer", "embed", "lm_head", "vision", "dora", "half"):
+        tensors = {
+            "rank": _pair(Q, 32, (hidden, q)), "shape": _pair(Q, 4, (hidden + 1, q)),
+            "layer": _pair(Q.replace("layers.0", "layers.40"), 4, (hidden, q)),
+            "embed": {"base_model.model.model.embed_tokens.lora_embedding_A": torch.randn(4, 10)},
+            "lm_head": _pair("base_model.model.lm_head", 4, (hidden, 10)),
+            "vision": _pair("base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj", 4, (hidden, q)),
+            "dora": _pair(Q, 4, (hidden, q)), "half": {f"{Q}.lora_A.weight": torch.randn(4, hidden)},
+        }[case]
+        _write(directory, tensors, {"use_dora": True} if case == "dora" else None)
+    with pytest.raises(AdapterError) as refused:
+        read_adapter("bad-one", directory, config, max_rank=16)
+    assert "LoRA adapter 'bad-one'" in str(refused.value) and reason in str(refused.value)
+
+
+def test_lora_modules_take_vllms_two_forms_and_refuse_others():
+    assert parse_module("a=/x/y") == LoraModule("a", "/x/y")
+    assert parse_module('{"name": "b", "path": "/p", "base_model_name": "gemma"}') == LoraModule("b", "/p", "gemma")
+    for bad in ("no-equals", "=/p", "a=", '{"name": "x"}', "{not json"):
+        with pytest.raises(ValueError):
+            parse_module(bad)
+
+
+def test_resident_slots_are_least_recently_used_and_reloaded_from_disk(setup):
+    loaded, engine, paths = setup
+    registry = LoraRegistry(loaded.text_config, torch.float32, torch.device("cpu"), max_loras=2, max_rank=64)
+    for name, path in paths.items():
+        registry.register(registry.read(LoraModule(name, str(path))))
+    a, b, c = (registry.lookup(name) for name in paths)
+    slot_a, slot_b = registry.acquire(a), registry.acquire(b)
+    assert {slot_a, slot_b} == {1, 2} and registry.loads == 0  # read at registration: no second read
+    assert registry.acquire(c) == 0  # both slots pinned by running sequences: c waits
+    registry.release(slot_a)
+    slot_c = registry.acquire(c)  # a was idle: dropped for c
+    assert slot_c == slot_a and registry.loads == 1  # c, registered beyond max_loras, was not kept: read at first use
+    registry.release(slot_b)
+    assert registry.acquire(a) == slot_b and registry.loads == 2  # a read again from disk, into b's idle slot
+    assert [d["resident"] for d in registry.describe()] == [True, False, True]
+    registry.unregister(c.name)  # pinned: stays until its sequence ends
+    assert registry.slots[slot_c] is not None and registry.lookup(c.name) is None
+    registry.release(slot_c)
+    assert registry.slots[slot_c] is None
