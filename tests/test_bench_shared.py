@@ -63,7 +63,7 @@ def test_shared_sweep_never_repeats_a_request(monkeypatch, prompts, firsts):
     """Warm-up is request 0; each level of the shared set goes on from where the last one stopped."""
     seen = []
 
-    async def fake_level(url, model, concurrency, num, *rest):
+    async def fake_level(url, model, concurrency, num, *rest, **kw):
         seen.append((rest[-2], rest[-1], num))
         return LevelRun(concurrency, 1.0, [RequestResult(0.0, 1.0, [0.1])])
 

@@ -201,3 +201,20 @@ def test_resident_slots_are_least_recently_used_and_reloaded_from_disk(setup):
     assert registry.slots[slot_c] is not None and registry.lookup(c.name) is None
     registry.release(slot_c)
     assert registry.slots[slot_c] is None
+
+
+def test_the_benchs_adapters_are_valid_peft_adapters_routed_per_request(text_config, tmp_path):
+    from oai_gemma.bench import compare
+    from oai_gemma.bench.lora import LoraSet, make_adapter, route
+    from oai_gemma.engine.model.loader import embedded_model_dir
+
+    path = make_adapter(tmp_path / "a", str(embedded_model_dir()), rank=4, seed=0)
+    assert read_adapter("bench", path, text_config, max_rank=4).rank == 4
+    names = ["lora-0", "lora-1", "lora-2"]
+    assert route("ours-lora", names)(4, {"model": "gemma-3-270m"})["model"] == "lora-1"
+    assert route("llama-server-lora", names)(5, {"model": "m"}) == {"model": "m", "lora": [{"id": 2, "scale": 1.0}]}
+    lora = LoraSet(names, [path] * 3, path)
+    argv = compare.build_spec("ours-lora", 9000, "", "bfloat16", "cpu", [], 8, lora).argv
+    assert argv[argv.index("--lora-modules") + 1] == f"lora-0={path}" and argv[argv.index("--max-loras") + 1] == "4"
+    with pytest.raises(ValueError):
+        compare.build_spec("ours-lora", 9000, "", "bfloat16", "cpu", [], 8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -119,16 +120,19 @@ async def run_level(
     api_key: str | None = None,
     prompts: str = "short",
     first: int = 0,
+    route: Callable[[int, dict], dict] | None = None,
 ) -> LevelRun:
-    """Send `num_requests` requests (request i uses prompt i, from `first` on) with at most `concurrency` in flight."""
+    """Send `num_requests` requests (request i uses prompt i, from `first` on) with at most `concurrency` in flight;
+    `route(i, body)`: request i's body as sent (its LoRA adapter: bench/lora.py)."""
     url = base_url.rstrip("/") + "/chat/completions"
     gate = asyncio.Semaphore(concurrency)
 
     async with make_client(concurrency, timeout_s, api_key) as client:
 
         async def one(index: int) -> RequestResult:
+            body = request_body(model, index, max_tokens, prompts)
             async with gate:
-                return await stream_one(client, url, request_body(model, index, max_tokens, prompts))
+                return await stream_one(client, url, route(index, body) if route else body)
 
         started = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(first, first + num_requests)))
@@ -137,8 +141,14 @@ async def run_level(
 
 
 async def warm_up(base_url: str, model: str, max_tokens: int, timeout_s: float, api_key: str | None,
-                  prompts: str = "short") -> RequestResult:
-    """One untimed request, so lazy first-request work (CB init, caches) is not counted in the sweep."""
+                  prompts: str = "short", route: Callable[[int, dict], dict] | None = None, count: int = 1) -> RequestResult:
+    """`count` untimed requests (one per LoRA adapter with `route`), so lazy first-request work (CB init, caches,
+    kernels) is not counted in the sweep; the first failure, else the last result."""
     url = base_url.rstrip("/") + "/chat/completions"
     async with make_client(1, timeout_s, api_key) as client:
-        return await stream_one(client, url, request_body(model, 0, max_tokens, prompts))
+        for index in range(count):
+            body = request_body(model, 0, max_tokens, prompts)
+            result = await stream_one(client, url, route(index, body) if route else body)
+            if result.error:
+                break
+        return result

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from .client import run_level, warm_up
-from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
+from .compare import LORA_SERVERS, SERVER_NAMES, build_spec, default_servers, free_port, running
 from .floor import engine_step_ms, health, read_bandwidth
+from .lora import prepare as prepare_lora, route as lora_route, served_adapters, time_load
 from .prompts import PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
@@ -68,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", help="write all results (with raw timings) here")
     parser.add_argument("--plot", help="write a PNG of the latency distributions and throughput here")
     parser.add_argument("--markdown", help="write the markdown report (e.g. docs/benchmarks.md) here")
+    parser.add_argument("--lora", type=int, default=0, metavar="N",
+                        help="spread requests over N LoRA adapters (request i on adapter i mod N): with --compare the "
+                             "ours-lora and llama-server-lora servers serve them; else the server's first N adapters")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapters --lora makes (without --lora-dir)")
+    parser.add_argument("--lora-dir", help="a directory of PEFT adapter directories to use instead of random ones")
 
 
 def _machine() -> dict:
@@ -120,10 +126,15 @@ def _command_line() -> str:
     return shlex.join(argv)
 
 
-async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str) -> dict:
+async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str, adapters: list[str] | None = None) -> dict:
+    """`adapters`: the LoRA adapters requests are spread over (bench/lora.py), warmed up one request each."""
     server: dict = {"base_url": base_url, "model": model, "levels": []}
+    route = lora_route(label, adapters) if adapters else None
+    if adapters:
+        server["lora_adapters"] = len(adapters)
     for _ in range(args.warmup):
-        result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key, args.prompts)
+        result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key, args.prompts,
+                               route, len(adapters) if adapters else 1)
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
@@ -141,7 +152,7 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         first = sent if args.prompts == "shared" else 0
         before = health(health_url)
         run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key,
-                              args.prompts, first)
+                              args.prompts, first, route=route)
         sent += num
         level = summarize_level(run)
         level["engine_step_ms"] = engine_step_ms(before, health(health_url))
@@ -175,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(settings)
     dtype = str(pick_dtype(settings, device)).removeprefix("torch.")
     model_dir = resolve_source(settings) if args.compare else ""
+    lora = prepare_lora(args.lora, args.lora_rank, args.lora_dir, model_dir) if args.compare and args.lora else None
     payload: dict = {
         "meta": {
             "command": _command_line(),
@@ -188,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             "concurrency": args.concurrency,
             "prompts": args.prompts,
             "num_prompts": len(QUESTIONS if args.prompts == "shared" else PROMPTS),
+            "lora": {"adapters": args.lora, "rank": None if args.lora_dir else args.lora_rank, "dir": args.lora_dir} if args.lora else None,
         },
         "bare": None,
         "servers": {},
@@ -206,12 +219,16 @@ def run(args: argparse.Namespace) -> int:
         for name in args.servers or default_servers(args.prompts):
             try:
                 spec = build_spec(name, free_port(), model_dir, dtype, str(device), shlex.split(args.ours_args),
-                                  max(args.concurrency))
+                                  max(args.concurrency), lora)
                 print(f"[{name}] starting: {shlex.join(spec.argv)}", file=sys.stderr, flush=True)
                 started = time.monotonic()
                 with running(spec, Path(args.log_dir), args.ready_timeout) as model:
                     ready_s = time.monotonic() - started  # process start to /health 200 (issue 27: at most 8 s warm)
-                    server = asyncio.run(_sweep(spec.base_url, model, args, name))
+                    adapters = lora.names if lora is not None and name in LORA_SERVERS else None
+                    server = asyncio.run(_sweep(spec.base_url, model, args, name, adapters))
+                    if name == "ours-lora":  # issue 28: a rank-16 adapter loads in under 1 s
+                        server["lora_load_s"] = load_s = time_load(spec.base_url, lora.spare, args.api_key)
+                        print(f"[{name}] loading one more adapter at run time: {load_s} s", file=sys.stderr)
                 server["command"], server["ready_s"] = shlex.join(spec.argv), ready_s
                 if name == "llama-server":  # it reads its GGUF's tensors once a token
                     server["decode_bytes"] = Path(spec.argv[spec.argv.index("-m") + 1]).stat().st_size
@@ -232,7 +249,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = args.model or _discover_model(args.base_url, args.api_key)
         payload["meta"]["model_dir"] = model
-        payload["servers"][args.label] = asyncio.run(_sweep(args.base_url, model, args, args.label))
+        adapters = served_adapters(args.base_url, args.api_key)[: args.lora] if args.lora else None
+        if args.lora and len(adapters) < args.lora:
+            print(f"--lora {args.lora}: the server lists {len(adapters)} adapters", file=sys.stderr)
+            return 2
+        payload["servers"][args.label] = asyncio.run(_sweep(args.base_url, model, args, args.label, adapters))
 
     print(console_report(payload))
     if args.output_json:

@@ -21,11 +21,13 @@ import httpx
 import oai_gemma
 
 SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "ours-none", "transformers", "transformers-cb",
-                "transformers-cb-our-dtype", "tutorial", "llama-server")
+                "transformers-cb-our-dtype", "tutorial", "llama-server", "ours-lora", "llama-server-lora")
+LORA_SERVERS = ("ours-lora", "llama-server-lora")
+"""Serving `--lora N` adapters, requests spread over them (bench/lora.py); only with --lora."""
 LLAMA_SERVER_ENV = "OAI_GEMMA_LLAMA_SERVER"
 """The `llama-server` binary to compare with (else the one on PATH): built from source, see docs/benchmarks.md."""
 OURS_FLAGS = {"ours": [], "ours-no-prefix-cache": ["--no-prefix-caching"], "ours-int4": ["--quantization", "int4"],
-              "ours-none": ["--quantization", "none"]}
+              "ours-none": ["--quantization", "none"], "ours-lora": []}
 """What each of our variants adds to `oai-gemma serve` (after --ours-args)."""
 SHARED_SERVERS = ("ours", "ours-no-prefix-cache", "llama-server")
 """The shared prompt set's default comparison: the servers its targets name (issue 12)."""
@@ -68,13 +70,18 @@ def _script(name: str) -> str:
 
 
 def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ours_args: list[str],
-               slots: int) -> ServerSpec:
-    """`slots`: llama-server's `-np`, the highest concurrency level of the sweep (see `llama_server_argv`)."""
+               slots: int, lora=None) -> ServerSpec:
+    """`slots`: llama-server's `-np`, the highest concurrency level of the sweep (see `llama_server_argv`);
+    `lora`: the adapters of `--lora N` (bench/lora.py's LoraSet), served by the `-lora` variants."""
+    if name in LORA_SERVERS and lora is None:
+        raise ValueError(f"{name} needs --lora N (the adapters to spread requests over)")
     if name in OURS_FLAGS:
         argv = [sys.executable, "-m", "oai_gemma.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *ours_args]
-        return ServerSpec(name, argv + OURS_FLAGS[name], port, "gemma-3-270m")
-    if name == "llama-server":
-        return ServerSpec(name, llama_server_argv(port, slots), port, "gemma-3-270m")
+        flags = lora.ours_flags() if name == "ours-lora" else OURS_FLAGS[name]
+        return ServerSpec(name, argv + flags, port, "gemma-3-270m")
+    if name.startswith("llama-server"):
+        extra = lora.llama_flags(model_dir) if name == "llama-server-lora" else []
+        return ServerSpec(name, llama_server_argv(port, slots) + extra, port, "gemma-3-270m")
     if name.startswith("transformers"):
         # the positional model is preloaded before the port opens and pins the server: requests must name it.
         # `transformers` and `transformers-cb` run at transformers' own default dtype (what its users get: the
@@ -96,7 +103,9 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
 def default_servers(prompts: str = "short") -> list[str]:
     """`--compare`'s servers: for the short set all but ours-no-prefix-cache and ours-none, for the shared set SHARED_SERVERS;
     llama-server only where its binary is found."""
-    names = SHARED_SERVERS if prompts == "shared" else [n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none")]
+    names = SHARED_SERVERS if prompts == "shared" else [
+        n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none", *LORA_SERVERS)
+    ]
     return [name for name in names if name != "llama-server" or llama_server_binary() is not None]
 
 

@@ -314,8 +314,10 @@ function showKeyState() {
 
 async function loadModel() {
   try {
-    model = (await listModels())[0].id;
+    const models = await listModels();
+    model = models[0].id;
     $("model").textContent = model;
+    showModelPicker(models);
   } catch (e) {
     if (e instanceof ApiError && e.status === 401) {
       keyNeeded = true;
@@ -324,6 +326,16 @@ async function loadModel() {
     }
     else showError(`Could not read the model list: ${e.message}`);
   }
+}
+
+/** A picker when the server serves LoRA adapters beside its model (each card with a `parent`). */
+function showModelPicker(models) {
+  const picker = $("model-picker");
+  picker.hidden = models.length < 2;
+  if (picker.hidden) return;
+  picker.replaceChildren(...models.map((m) => new Option(m.parent ? `${m.id} (adapter of ${m.parent})` : m.id, m.id)));
+  picker.value = model;
+  picker.onchange = () => { model = picker.value; $("model").textContent = model; };
 }
 
 function addImages(files) {
