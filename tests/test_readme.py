@@ -27,6 +27,11 @@ NOT_RUN = {  # the first line of a block that does not target the default server
     "pip install torch            # the CUDA build from PyPI": "GPU install",
     "python3 benchmarks/gpu_check.py --out results/": "GPU benchmark",
     "docker build -t oai-gemma .": "builds a GPU image",
+    "oai-gemma serve --port 8001 --lora-modules": "starts a server with LoRA adapters (tests/test_lora_server.py runs one)",
+    "curl -s localhost:8001/v1/chat/completions": "needs that server's adapters (tests/test_lora_server.py sends the same)",
+    "curl -s localhost:8001/v1/load_lora_adapter": "needs that server's adapters (tests/test_lora_server.py loads and unloads)",
+    "from peft import LoraConfig, get_peft_model": "trains an adapter (tests/lora_adapters.py does, in a test fixture)",
+    "oai-gemma bench --compare --servers ours,ours-lora": "a benchmark run (minutes; the lead's quiet window)",
 }
 
 
