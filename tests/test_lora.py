@@ -62,6 +62,16 @@ def test_each_adapter_gives_the_logits_of_pefts_merged_model_alone_and_mixed_in_
         assert all(len(i) <= 64 for i in ids)
         alone = [runner.forward([StepItem(b, i, 0, adapter=s)], [])[0] for b, i, s in zip(blocks, ids, slots)]
         mixed = runner.forward([StepItem(b, i, 0, adapter=s) for b, i, s in zip(blocks, ids, slots)], [])
+        # a decode step of every row: one row at a time (groups), then all together through the resident adapters'
+        # stack (what a step of several adapters' decode rows uses outside batch-invariant mode)
+        decodes = [StepItem(b, [int(row.argmax())], len(i), adapter=s) for b, i, s, row in zip(blocks, ids, slots, alone)]
+        decode_alone = torch.cat([runner.forward([], [item]) for item in decodes])
+        invariance, runner.invariance = runner.invariance, None
+        try:
+            decode_stacked = runner.forward([], decodes)
+        finally:
+            runner.invariance = invariance
+        assert (decode_stacked - decode_alone).abs().max() < 1e-3
     finally:
         for slot in slots:
             if slot:

@@ -167,3 +167,17 @@ def test_metrics_carry_vllms_lora_info_and_requests_per_adapter(server, client):
     assert len(info) == 1 and dict(info[0])["max_lora"] == "2"
     assert set(dict(info[0])) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
     assert metrics.value("oai_gemma:lora_requests_total", lora_name="qv4") >= 2
+
+
+def test_structured_output_and_tools_work_under_an_adapter(client):
+    import json
+
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"], "additionalProperties": False}
+    answer = chat(client, "all8", user("Name a colour as JSON."), max_tokens=24,
+                  response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert set(json.loads(answer.choices[0].message.content)) == {"colour"}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    called = chat(client, "qv4", user("What is the weather in Paris?"), max_tokens=32, tools=[tool],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert called.choices[0].message.tool_calls[0].function.name == "get_weather"

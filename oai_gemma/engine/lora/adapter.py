@@ -76,15 +76,18 @@ class AdapterWeights:
 
 @dataclass
 class AdapterLinears:
-    """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears (engine/linear.py)."""
+    """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears (engine/linear.py),
+    and the same as plain tensors (`tensors`: for the resident adapters' stack, engine/lora/stack.py)."""
 
     name: str
     rank: int
     layers: list[dict[str, tuple[FrozenLinear, FrozenLinear]]]
+    tensors: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
     @property
     def nbytes(self) -> int:
-        return sum(_bytes(a) + _bytes(b) for layer in self.layers for a, b in layer.values())
+        linears = sum(_bytes(a) + _bytes(b) for layer in self.layers for a, b in layer.values())
+        return linears + sum(a.nbytes + b.nbytes for layer in self.tensors for a, b in layer.values())
 
 
 def _bytes(linear) -> int:
@@ -197,7 +200,7 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int) -> Ada
 def pack(weights: AdapterWeights, dtype: torch.dtype, device: torch.device) -> AdapterLinears:
     """The adapter in the runner's dtype on its device, each matrix a linear as the base's are (oneDNN-packed on a
     CPU): the adapter is never quantized, whatever the base is."""
+    tensors = [{module: (a.to(device, dtype), b.to(device, dtype)) for module, (a, b) in layer.items()} for layer in weights.layers]
     return AdapterLinears(weights.name, weights.rank, [
-        {module: (FrozenLinear(a.to(device, dtype)), FrozenLinear(b.to(device, dtype))) for module, (a, b) in layer.items()}
-        for layer in weights.layers
-    ])
+        {module: (FrozenLinear(a), FrozenLinear(b)) for module, (a, b) in layer.items()} for layer in tensors
+    ], tensors)

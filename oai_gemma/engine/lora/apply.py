@@ -14,10 +14,15 @@ and `module_names` maps each of the runner's projection objects to its name once
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .adapter import MODULES, AdapterLinears
+from .stack import Stack
+
+if TYPE_CHECKING:
+    from .registry import LoraRegistry
 
 
 def module_names(weights) -> list[dict[int, str]]:
@@ -26,30 +31,43 @@ def module_names(weights) -> list[dict[int, str]]:
 
 
 class LoraStep:
-    """The adapters of one step's rows: [(adapter, its rows: a slice when contiguous, else an index tensor)]."""
+    """The adapters of one step's rows: `groups` [(adapter, its rows: a slice when contiguous, else an index tensor)],
+    and, when decode rows of several adapters run outside batch-invariant mode, `stacked` (the resident adapters'
+    stack, the decode rows' slice, their column mask: engine/lora/stack.py)."""
 
-    def __init__(self, groups: list[tuple[AdapterLinears, slice | torch.Tensor]], names: list[dict[int, str]]):
-        self.groups, self.names = groups, names
+    def __init__(self, groups: list[tuple[AdapterLinears, slice | torch.Tensor]], names: list[dict[int, str]],
+                 stacked: tuple[Stack, slice, torch.Tensor] | None = None):
+        self.groups, self.names, self.stacked = groups, names, stacked
 
     @classmethod
-    def of(cls, items: Sequence, slots: list[AdapterLinears | None], names: list[dict[int, str]], device) -> LoraStep | None:
-        """The step's groups from its items (prefills then decodes, as packed: `StepItem.adapter` slot, 0 or None
-        for the base); None when no row has an adapter."""
+    def of(cls, prefills: Sequence, decodes: Sequence, registry: LoraRegistry, names: list[dict[int, str]], device,
+           dtype: torch.dtype, stackable: bool) -> LoraStep | None:
+        """The step's adapters from its items (`StepItem.adapter`: a slot, 0 for the base), in packing order; None
+        when no row has one. `stackable`: decode rows of two adapters or more may use the stack."""
         rows: dict[int, list[int]] = {}
         offset = 0
-        for item in items:
+        for item in prefills:
             count = len(item.token_ids)
             if item.adapter:
                 rows.setdefault(item.adapter, []).extend(range(offset, offset + count))
             offset += count
-        if not rows:
+        decode_slots = [item.adapter or 0 for item in decodes for _ in item.token_ids]
+        stacked = None
+        if stackable and len(set(decode_slots) - {0}) > 1:
+            stack = registry.stack()
+            stacked = (stack, slice(offset, offset + len(decode_slots)), stack.mask(decode_slots, dtype, device))
+        else:
+            for row, slot in enumerate(decode_slots, start=offset):
+                if slot:
+                    rows.setdefault(slot, []).append(row)
+        if not rows and stacked is None:
             return None
         groups = []
         for slot, where in rows.items():
             contiguous = where[-1] - where[0] + 1 == len(where)
             index = slice(where[0], where[-1] + 1) if contiguous else torch.tensor(where, dtype=torch.long, device=device)
-            groups.append((slots[slot], index))
-        return cls(groups, names)
+            groups.append((registry.slots[slot], index))
+        return cls(groups, names, stacked)
 
     def around(self, linear: Callable, layer: int) -> Callable:
         """`linear` (the step's projection call) with each row's adapter update added, for layer `layer`."""
@@ -71,4 +89,9 @@ class LoraStep:
                 out[rows] += linear(linear(x[rows], a), b)
             else:
                 out.index_add_(0, rows, linear(linear(x.index_select(0, rows), a), b))
+        if self.stacked is not None:
+            stack, rows, mask = self.stacked
+            pair = stack.layers[layer].get(module)
+            if pair is not None:
+                out[rows] += linear(linear(x[rows], pair[0]) * mask, pair[1])
         return out

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapter import AdapterError, AdapterLinears, LoraModule, pack, read_adapter
+from .stack import Stack, build_stack
 
 log = logging.getLogger("oai_gemma.engine")
 
@@ -65,6 +66,8 @@ class LoraRegistry:
         """Registration key -> its slot, least recently used first."""
         self._free = list(range(max_loras, 0, -1))
         self._lock = threading.Lock()
+        self._stack: Stack | None = None
+        self._stack_stale = True
         self.loads = 0
         """Reads from disk into a slot (start-up's and the load endpoint's excepted): evictions show here."""
 
@@ -136,7 +139,16 @@ class LoraRegistry:
         with self._lock:
             self.slots[slot] = linears
             self._resident[registration.key] = _Resident(registration, slot, pins=1)
+            self._stack_stale = True
         return slot
+
+    def stack(self) -> Stack | None:
+        """The resident adapters stacked (engine/lora/stack.py), rebuilt here (the engine thread) after a change."""
+        if self._stack_stale:
+            with self._lock:
+                self._stack_stale, slots = False, list(self.slots)
+            self._stack = build_stack(slots, self.text_config.num_hidden_layers)
+        return self._stack
 
     def _reload(self, registration: Registration) -> AdapterLinears:
         module = registration.module
@@ -162,6 +174,7 @@ class LoraRegistry:
         del self._resident[resident.registration.key]
         self.slots[resident.slot] = None
         self._free.append(resident.slot)
+        self._stack_stale = True
 
 
 def start_registry(modules, text_config, dtype, device, max_loras: int, max_rank: int) -> LoraRegistry:

@@ -281,7 +281,9 @@ class ModelRunner:
         rope = {t: (cos[0, :, None, :], signed_sin(sin[0, :, None, :])) for t, (cos, sin) in rope.items()}
         decode, writes = batch.decode, batch.writes
         linear = step_linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
-        lora = LoraStep.of(batch.items, self.lora.slots, self.lora_names, hidden.device) if self.lora is not None else None
+        lora = None if self.lora is None else LoraStep.of(
+            batch.prefills, batch.decodes, self.lora, self.lora_names, hidden.device, self.dtype, stackable=not self.invariance,
+        )
         for li, w in enumerate(self.weights):
             device = self.layer_devices[li]
             if hidden.device != device:  # device_map="auto": the next layer is on another GPU
