@@ -228,3 +228,22 @@ def test_the_benchs_adapters_are_valid_peft_adapters_routed_per_request(text_con
     assert argv[argv.index("--lora-modules") + 1] == f"lora-0={path}" and argv[argv.index("--max-loras") + 1] == "4"
     with pytest.raises(ValueError):
         compare.build_spec("ours-lora", 9000, "", "bfloat16", "cpu", [], 8)
+
+
+def test_bad_lora_settings_are_start_up_errors(setup):
+    from oai_gemma.engine.config import ConfigError, _lora
+    from oai_gemma.settings import load_settings
+
+    def settings(*modules):
+        return load_settings(overrides={"lora": {"modules": list(modules)}}, environ={})
+
+    assert _lora(settings("a=/x", '{"name": "b", "path": "/y"}'), static=False)["lora_modules"][1] == LoraModule("b", "/y")
+    for modules, why in [(("a=/x", "a=/y"), "names an adapter twice"), (("gemma-3-270m=/x",), "is the base model's"),
+                         (("nonsense",), "expected name=path")]:
+        with pytest.raises(ConfigError, match=why):
+            _lora(settings(*modules), static=False)
+    with pytest.raises(ConfigError, match="static decode"):
+        _lora(settings("a=/x"), static=True)
+    loaded, _, paths = setup
+    with pytest.raises(ConfigError, match="LoRA adapter 'gone': no adapter directory"):
+        Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=64, lora_modules=(LoraModule("gone", "/nonexistent"),)))

@@ -45,13 +45,13 @@ class EngineCore:
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.limits = Limits(frozenset(loaded.eos_token_ids), config.max_model_len)
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
+        self.adapters = self._adapters(loaded, config)
+        """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them."""
         self.runner = ModelRunner(loaded.model, config, own_weights)
+        self.runner.lora = self.adapters
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,
                  cache.nbytes / 2**30, "on" if config.prefix_caching else "off")
-        self.adapters = self._adapters(config)
-        """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them."""
-        self.runner.lora = self.adapters
         self.scheduler = Scheduler(
             BlockPool(cache.num_blocks, cache.block_size, caching=config.prefix_caching), config.max_num_seqs,
             config.max_prefill_tokens, config.max_model_len, reuse_decoded=not self.runner.batch_invariant,
@@ -67,12 +67,14 @@ class EngineCore:
         """Wall time the engine thread spent in steps (model, sampling, events): `oai-gemma bench` sets it against the
         client's inter-token time to measure the per-token work around the engine (issue 27)."""
 
-    def _adapters(self, config: EngineConfig) -> LoraRegistry | None:
+    @staticmethod
+    def _adapters(loaded: LoadedModel, config: EngineConfig) -> LoraRegistry | None:
+        """The configured adapters read and checked before anything else is built: a bad one fails start-up at once."""
         if not config.lora_enabled:
             return None
-        runner = self.runner
         try:
-            return start_registry(config.lora_modules, runner.config, runner.dtype, runner.device, config.max_loras, config.max_lora_rank)
+            return start_registry(config.lora_modules, loaded.text_config, loaded.dtype, loaded.device, config.max_loras,
+                                  config.max_lora_rank)
         except AdapterError as exc:  # a configured adapter that cannot be served: the operator must fix it
             raise ConfigError(f"{exc} (--lora-modules)") from None
 
