@@ -215,10 +215,11 @@ class EngineCore:
         step = self.scheduler.schedule(started)
         if self.scheduler.failed:
             self._fail_unstarted()
-        for seq, item in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes):
-            item.adapter = seq.adapter
-        if not (step.prefills or step.decodes):
-            return
+        if self.adapters is not None:
+            for seq, item in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes):
+                item.adapter = seq.adapter  # the runner gathers each row's adapter by its slot
+            if not (step.prefills or step.decodes):  # its only waiting request failed to start
+                return
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             self._prompt_logprobs(step)
