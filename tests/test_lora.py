@@ -48,9 +48,25 @@ def prompt(engine: Engine, text: str) -> list[int]:
 
 
 PROMPTS = ["Write about the ocean.", "List three colours.", "Tell me a joke.", "What is a cat?"]
+POEM = "Write a short poem about the sea."
 
 
-def test_each_adapter_gives_the_logits_of_pefts_merged_model_alone_and_mixed_in_one_step(setup):
+@pytest.fixture(scope="module")
+def references(setup):
+    """PEFT's side, one merged model at a time (each a copy of the weights): per name (None: the base), the last
+    logits of its prompt in PROMPTS (the base's is PROMPTS[0], then one per adapter) and the greedy tokens of POEM."""
+    loaded, engine, paths = setup
+    eos, poem, found = list(loaded.eos_token_ids), prompt(engine, POEM), {}
+    for name, text in zip([None, *paths], PROMPTS):
+        model = loaded.model if name is None else merged_model(loaded.model, paths[name])
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt(engine, text)])).logits[0, -1]
+        found[name] = (logits, greedy(model, poem, TOKENS, eos))
+        del model
+    return found
+
+
+def test_each_adapter_gives_the_logits_of_pefts_merged_model_alone_and_mixed_in_one_step(setup, references):
     loaded, engine, paths = setup
     runner, adapters = engine.core.runner, engine.adapters
     ids = [prompt(engine, text) for text in PROMPTS]
@@ -76,19 +92,15 @@ def test_each_adapter_gives_the_logits_of_pefts_merged_model_alone_and_mixed_in_
         for slot in slots:
             if slot:
                 adapters.release(slot)
-    base_logits = None
-    for row, (name, i) in enumerate(zip(names, ids)):
-        reference = loaded.model if name is None else merged_model(loaded.model, paths[name])
-        with torch.inference_mode():
-            expected = reference(torch.tensor([i])).logits[0, -1]
+    for row, name in enumerate(names):
+        expected = references[name][0]
         assert (alone[row] - expected).abs().max() < ATOL, name
         if runner.batch_invariant:  # float32 here: the linears' rows (the adapters' too) ignore the rows beside them
             assert torch.equal(mixed[row], alone[row]), f"{name}: its row differs when other adapters run beside it"
         assert (mixed[row] - alone[row]).abs().max() < 1e-4, name
-        if name is None:
-            base_logits = expected
-        else:  # the adapter does change the logits (a test that could not fail otherwise)
-            assert (expected - base_logits).abs().max() > 0.1, name
+    with torch.inference_mode():  # each adapter does change the logits (else the test could not fail)
+        base = [runner.forward([StepItem(b, i, 0)], [])[0] for b, i in zip(blocks, ids)]
+    assert all((alone[row] - base[row]).abs().max() > 0.1 for row in range(1, len(names)))
 
 
 def run(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]]:
@@ -101,9 +113,9 @@ def run(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]]:
     return engine.test_loop.run_until_complete(main())
 
 
-def test_a_batch_mixing_three_adapters_and_the_base_gives_each_the_merged_models_greedy_text(setup):
+def test_a_batch_mixing_three_adapters_and_the_base_gives_each_the_merged_models_greedy_text(setup, references):
     loaded, engine, paths = setup
-    ids = prompt(engine, "Write a short poem about the sea.")
+    ids = prompt(engine, POEM)
     names = [None, *paths]
 
     def request(name, index):
@@ -112,10 +124,8 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_the_merged_models
     together = run(engine, [request(name, i) for i, name in enumerate(names)])
     alone = [run(engine, [request(name, 10 + i)])[0] for i, name in enumerate(names)]
     assert together == alone
-    eos = list(loaded.eos_token_ids)
     for name, tokens in zip(names, together):
-        reference = loaded.model if name is None else merged_model(loaded.model, paths[name])
-        assert tokens == greedy(reference, ids, TOKENS, eos)[: len(tokens)], name
+        assert tokens == references[name][1][: len(tokens)], name
     assert len({tuple(t) for t in together}) == len(names), "every adapter should answer differently from the others"
 
 
