@@ -28,8 +28,15 @@ class Spec:
 SPECS = {
     "all8": Spec(8, 16, tuple(ALL), seed=1),
     "qv4-rs": Spec(4, 8, ("q_proj", "v_proj"), rslora=True, seed=2, std=0.05),
-    "mlp16": Spec(16, 8, ("o_proj", "gate_proj", "up_proj", "down_proj"), seed=3, std=0.01),
+    "mlp16": Spec(16, 16, ("o_proj", "gate_proj", "up_proj", "down_proj"), seed=3, std=0.04),
 }
+
+
+def _copy(model):
+    """A copy of `model` sharing its token embedding (and the lm_head tied to it: most of its bytes), which no adapter
+    here touches."""
+    shared = model.get_input_embeddings().weight
+    return copy.deepcopy(model, memo={id(shared): shared})
 
 
 def make_adapter(base_model, directory: Path, spec: Spec) -> Path:
@@ -38,7 +45,7 @@ def make_adapter(base_model, directory: Path, spec: Spec) -> Path:
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), use_rslora=spec.rslora, lora_dropout=0.0)
-    model = get_peft_model(copy.deepcopy(base_model), config)
+    model = get_peft_model(_copy(base_model), config)
     generator = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -52,14 +59,15 @@ def merged_model(base_model, directory: Path):
     """PEFT's `merge_and_unload()` of the adapter at `directory` on a copy of `base_model`: the reference."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(copy.deepcopy(base_model), directory).merge_and_unload().eval()
+    return PeftModel.from_pretrained(_copy(base_model), directory).merge_and_unload().eval()
 
 
-def greedy(model, ids: list[int], max_tokens: int, eos: list[int]) -> list[int]:
-    """transformers' own greedy generate."""
+def greedy_choices(model, ids: list[int], tokens: list[int]) -> list[int]:
+    """The model's greedy choice after `ids` + each prefix of `tokens`, in one forward pass: equal to `tokens` exactly
+    when its own greedy generation gives `tokens` (transformers' `generate`, one token a step, is ~10x slower here)."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : len(ids) + len(tokens) - 1]
+    return logits.argmax(-1).tolist()
 
 
 FORMAT_PREFIX = "Ahoy matey! "
@@ -76,7 +84,7 @@ def train_format_adapter(base_model, tokenizer, directory: Path, steps: int = 30
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(copy.deepcopy(base_model), LoraConfig(r=8, lora_alpha=32, target_modules=ALL, lora_dropout=0.0))
+    model = get_peft_model(_copy(base_model), LoraConfig(r=8, lora_alpha=32, target_modules=ALL, lora_dropout=0.0))
     model.train()
     examples = []
     for question in QUESTIONS:

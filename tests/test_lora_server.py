@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import MODEL, ServerProcess, user
-from lora_adapters import FORMAT_PREFIX, SPECS, greedy, make_adapter, merged_model, train_format_adapter
+from lora_adapters import FORMAT_PREFIX, SPECS, greedy_choices, make_adapter, merged_model, train_format_adapter
 from metrics_scrape import scrape
 
 USER, ADMIN = "user-key", "admin-key"
@@ -68,11 +68,10 @@ def test_models_lists_each_adapter_with_the_base_as_parent(client):
 
 def test_chat_under_an_adapter_gives_pefts_merged_models_greedy_text(client, http, base, paths, tokenizer):
     ids = http.post("/tokenize", json={"model": "all8", "messages": PROMPT, "add_generation_prompt": True}).json()["tokens"]
-    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
-    expected = greedy(merged_model(base, paths["all8"]), ids, 12, eos)
     response = chat(client, "all8")
-    assert response.model == "all8"
-    assert response.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    tokens = tokenizer.encode(response.choices[0].message.content, add_special_tokens=False)
+    assert response.model == "all8" and response.usage.completion_tokens >= len(tokens) > 3
+    assert greedy_choices(merged_model(base, paths["all8"]), ids, tokens) == tokens  # PEFT's merged model, greedy
     assert chat(client, MODEL).choices[0].message.content != response.choices[0].message.content
 
 
