@@ -76,8 +76,9 @@ class AdapterWeights:
 
 @dataclass
 class AdapterLinears:
-    """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears (engine/linear.py),
-    and the same as plain tensors (`tensors`: for the resident adapters' stack, engine/lora/stack.py)."""
+    """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears in its dtype
+    (engine/linear.py: batch-invariant mode calls them as the base's), and as plain float32 tensors (`tensors`: the
+    fast path and the stack, engine/lora/apply.py and stack.py)."""
 
     name: str
     rank: int
@@ -198,9 +199,9 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int) -> Ada
 
 
 def pack(weights: AdapterWeights, dtype: torch.dtype, device: torch.device) -> AdapterLinears:
-    """The adapter in the runner's dtype on its device, each matrix a linear as the base's are (oneDNN-packed on a
-    CPU): the adapter is never quantized, whatever the base is."""
-    tensors = [{module: (a.to(device, dtype), b.to(device, dtype)) for module, (a, b) in layer.items()} for layer in weights.layers]
+    """The adapter on the runner's device, in float32 and in the runner's dtype as linears like the base's (oneDNN-packed
+    on a CPU): the adapter is never quantized, whatever the base is."""
+    tensors = [{module: (a.to(device), b.to(device)) for module, (a, b) in layer.items()} for layer in weights.layers]
     return AdapterLinears(weights.name, weights.rank, [
-        {module: (FrozenLinear(a), FrozenLinear(b)) for module, (a, b) in layer.items()} for layer in tensors
+        {module: (FrozenLinear(a.to(dtype)), FrozenLinear(b.to(dtype))) for module, (a, b) in layer.items()} for layer in tensors
     ], tensors)

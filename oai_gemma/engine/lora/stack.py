@@ -16,21 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.linear import FrozenLinear
 from .adapter import MODULES, AdapterLinears
 
 
 @dataclass
 class Stack:
-    layers: list[dict[str, tuple[FrozenLinear, FrozenLinear]]]
-    """Per layer, per projection any resident adapter targets: (A stacked, B stacked) as the runner's linears."""
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    """Per layer, per projection any resident adapter targets: (A stacked, B stacked), float32."""
     columns: dict[int, tuple[int, int]]
     """Slot -> its adapter's [start, end) columns of the shrunk rows."""
     width: int
 
-    def mask(self, slots: list[int], dtype: torch.dtype, device) -> torch.Tensor:
-        """[rows, width]: 1 on each row's own adapter's columns (none for a base row)."""
-        mask = torch.zeros(len(slots), self.width, dtype=dtype, device=device)
+    def mask(self, slots: list[int], device) -> torch.Tensor:
+        """[rows, width]: 1 on each row's own adapter's columns (none for a base row), float32."""
+        mask = torch.zeros(len(slots), self.width, device=device)
         for row, slot in enumerate(slots):
             if slot:
                 start, end = self.columns[slot]
@@ -61,6 +60,6 @@ def build_stack(slots: list[AdapterLinears | None], num_layers: int) -> Stack | 
                 pad = adapter.rank - a.shape[0]  # ranks may differ per module (rank_pattern): pad to the adapter's width
                 a_parts.append(torch.cat((a, a.new_zeros(pad, a.shape[1]))) if pad else a)
                 b_parts.append(torch.cat((b, b.new_zeros(b.shape[0], pad)), dim=1) if pad else b)
-            stacked[module] = (FrozenLinear(torch.cat(a_parts)), FrozenLinear(torch.cat(b_parts, dim=1)))
+            stacked[module] = (torch.cat(a_parts), torch.cat(b_parts, dim=1))
         layers.append(stacked)
     return Stack(layers, columns, width)

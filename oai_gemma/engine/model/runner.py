@@ -282,7 +282,7 @@ class ModelRunner:
         decode, writes = batch.decode, batch.writes
         linear = step_linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
         lora = None if self.lora is None else LoraStep.of(
-            batch.prefills, batch.decodes, self.lora, self.lora_names, hidden.device, self.dtype, stackable=not self.invariance,
+            batch.prefills, batch.decodes, self.lora, self.lora_names, hidden.device, exact=self.invariance is not None,
         )
         for li, w in enumerate(self.weights):
             device = self.layer_devices[li]
