@@ -4,7 +4,7 @@ the reference an adapter served by the engine must match."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,9 @@ SPECS = {
     "qv4-rs": Spec(4, 8, ("q_proj", "v_proj"), rslora=True, seed=2, std=0.05),
     "mlp16": Spec(16, 16, ("o_proj", "gate_proj", "up_proj", "down_proj"), seed=3, std=0.04),
 }
+STRONG = {name: replace(spec, std=spec.std * 3) for name, spec in SPECS.items()}
+"""The same, three times stronger: each changes the first greedy tokens of a chat answer, so the text shows it (the
+weaker ones may differ from the base only in how a word is split into tokens)."""
 
 
 def _copy(model):
@@ -60,6 +63,18 @@ def merged_model(base_model, directory: Path):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(_copy(base_model), directory).merge_and_unload().eval()
+
+
+def greedy(model, ids: list[int], max_tokens: int, eos: set[int]) -> list[int]:
+    """The model's greedy generation (a forward pass per token over the whole sequence: transformers' `generate`
+    was ~10x slower on this machine), up to an end-of-turn token (included) or `max_tokens`."""
+    out = list(ids)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+            if out[-1] in eos:
+                break
+    return out[len(ids):]
 
 
 def greedy_choices(model, ids: list[int], tokens: list[int]) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import MODEL, ServerProcess, user
-from lora_adapters import FORMAT_PREFIX, SPECS, greedy_choices, make_adapter, merged_model, train_format_adapter
+from lora_adapters import FORMAT_PREFIX, STRONG, greedy, make_adapter, merged_model, train_format_adapter
 from metrics_scrape import scrape
 
 USER, ADMIN = "user-key", "admin-key"
@@ -28,7 +28,7 @@ def base():
 @pytest.fixture(scope="module")
 def paths(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-server")
-    return {name: make_adapter(base, root / name, spec) for name, spec in SPECS.items()}
+    return {name: make_adapter(base, root / name, spec) for name, spec in STRONG.items()}
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,10 @@ def test_models_lists_each_adapter_with_the_base_as_parent(client):
 def test_chat_under_an_adapter_gives_pefts_merged_models_greedy_text(client, http, base, paths, tokenizer):
     ids = http.post("/tokenize", json={"model": "all8", "messages": PROMPT, "add_generation_prompt": True}).json()["tokens"]
     response = chat(client, "all8")
-    tokens = tokenizer.encode(response.choices[0].message.content, add_special_tokens=False)
-    assert response.model == "all8" and response.usage.completion_tokens >= len(tokens) > 3
-    assert greedy_choices(merged_model(base, paths["all8"]), ids, tokens) == tokens  # PEFT's merged model, greedy
+    eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")}
+    expected = greedy(merged_model(base, paths["all8"]), ids, 12, eos)  # PEFT's merged model, greedy
+    assert response.model == "all8"
+    assert response.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
     assert chat(client, MODEL).choices[0].message.content != response.choices[0].message.content
 
 
@@ -80,7 +81,7 @@ def test_completions_responses_and_tokenize_take_the_adapter_name(client, http):
     adapted = client.completions.create(model="qv4", prompt="The sea is", max_tokens=10, temperature=0)
     assert adapted.model == "qv4" and adapted.choices[0].text != base
     response = client.responses.create(model="mlp16", input="Say hello.", max_output_tokens=8, temperature=0)
-    assert response.status == "completed" and response.model == "mlp16" and response.output_text
+    assert response.status in ("completed", "incomplete") and response.model == "mlp16" and response.output_text
     assert http.post("/tokenize", json={"model": "qv4", "prompt": "hi"}).status_code == 200
 
 
