@@ -250,3 +250,30 @@ def test_bad_lora_settings_are_start_up_errors(setup):
     loaded, _, paths = setup
     with pytest.raises(ConfigError, match="LoRA adapter 'gone': no adapter directory"):
         Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=64, lora_modules=(LoraModule("gone", "/nonexistent"),)))
+
+
+def test_an_adapter_on_a_quantized_bf16_base_moves_the_logits_as_pefts(setup, references):
+    """bf16 with int8 projections (its quantized weights from the model cache when a server made them): the adapter,
+    kept unquantized, moves the logits as PEFT's merged float32 model moves them from the base (to bf16's and int8's
+    rounding: cosine > 0.9 of the two moves)."""
+    from oai_gemma.engine.config import _quantized_file
+
+    loaded, engine32, paths = setup
+    quantized = load(ModelSettings(dtype="bfloat16"))
+    config = EngineConfig(
+        dtype="bfloat16", quantization="int8", max_num_seqs=2, max_model_len=256, batch_invariant="off",
+        quantized_weights=_quantized_file(ModelSettings().cache_path, quantized.source_dir, "int8", torch.bfloat16),
+        lora_modules=(LoraModule("all8", str(paths["all8"])),),
+    )
+    engine = Engine(quantized, config, own_weights=True)
+    runner, registry = engine.core.runner, engine.adapters
+    ids = prompt(engine32, PROMPTS[1])
+    blocks = runner.sequence_blocks(0, 64)
+    slot = registry.acquire(registry.lookup("all8"))
+    base = runner.forward([StepItem(blocks, ids, 0)], [])[0].float()
+    adapted = runner.forward([StepItem(blocks, ids, 0, adapter=slot)], [])[0].float()
+    with torch.inference_mode():
+        reference = [references[name](torch.tensor([ids])).logits[0, -1] for name in (None, "all8")]
+    moved, expected = adapted - base, reference[1] - reference[0]
+    assert torch.nn.functional.cosine_similarity(moved, expected, dim=0) > 0.9
+    engine.shutdown()
