@@ -73,6 +73,16 @@ class EngineConfig:
     """The model cache (`model.cache_dir`, default `$OAI_GEMMA_CACHE` or ~/.cache/oai-gemma)."""
     native_dir: Path | None = None
     """Where the native int8 kernel is compiled and kept (None: the default cache's `native`)."""
+    speculative: str = "ngram"
+    """`engine.speculative` as resolved: `ngram` (drafts from prompt lookup and Predicted Outputs) or `off`
+    (`auto` is `ngram` on the dynamic path, `off` with static decode: a drafted step runs dynamic)."""
+    speculative_k: int = 16
+    """Most draft tokens one sequence carries into a step."""
+    speculative_budget: int = 32
+    """Most decode tokens (each row's own and the drafts) a step carries while it adds drafts."""
+    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = 2
+    """Prompt lookup's longest n-gram and its minimum match (also the Predicted Output's realignment)."""
 
     @property
     def max_tokens_per_step(self) -> int:
@@ -108,6 +118,10 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
         max_backlog=settings.server.max_stream_backlog,
         threads=compute_thread_count(), cache_dir=cache_dir, native_dir=native_dir,
+        speculative="off" if engine.speculative == "off" or (engine.speculative == "auto" and static) else "ngram",
+        speculative_k=engine.speculative_k, speculative_budget=engine.speculative_budget,
+        speculative_ngram_max=engine.speculative_ngram_max,
+        speculative_ngram_min=min(engine.speculative_ngram_min, engine.speculative_ngram_max),
     )
 
 

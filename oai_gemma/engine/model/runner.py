@@ -230,7 +230,7 @@ class ModelRunner:
     def forward(self, prefills: list[StepItem], decodes: list[StepItem]):
         """Run one step; returns logits [rows, vocab] (model dtype) for the items with `want_logits`, in order
         prefills then decodes."""
-        if self.static is not None and decodes and not prefills:
+        if self.static is not None and decodes and not prefills and all(len(it.token_ids) == 1 for it in decodes):
             return self.static.run(decodes)
         batch = self._pack(prefills, decodes)
         return self._logits(batch, self._layers(batch))
@@ -251,7 +251,9 @@ class ModelRunner:
         decode = {}
         if decodes:
             step = self.invariance.span_step if self.invariance else 0
-            tables, starts = [it.blocks for it in decodes], [it.start for it in decodes]
+            # a decode item with drafts is one row per position, each over its own past (engine/speculative/)
+            tables = [it.blocks for it in decodes for _ in it.token_ids]
+            starts = [it.start + i for it in decodes for i in range(len(it.token_ids))]
             for sliding in set(self.cache.sliding):
                 keys = decode_keys(tables, starts, self.cache.window if sliding else None, self.cache, step)
                 decode[sliding] = keys.to(self.input_device)
@@ -303,24 +305,26 @@ class ModelRunner:
             ))
             offset += len(it.token_ids)
         if batch.decodes:
-            sl = slice(offset, offset + len(batch.decodes))
+            sl = slice(offset, k.shape[0] - batch.pad)
             outs.append(decode_attention(self.cache, li, decode[self.cache.sliding[li]], q[sl], self.scaling))
         if batch.pad:
             outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _logits(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of each item's last position that wants them; keeps the hidden states asked for."""
+        """Logits of each item's last `num_logits` positions when it wants them; keeps the hidden states asked for."""
         rows, offset = [], 0
         for it in batch.items:
             if it.keep_hidden:
                 it.hidden = hidden[offset : offset + len(it.token_ids)]
             offset += len(it.token_ids)
             if it.want_logits:
-                rows.append(offset - 1)
+                rows.extend(range(offset - it.num_logits, offset))
         if not rows:
             return torch.empty(0, self.config.vocab_size)
-        return self.logits_of(hidden[rows])
+        most = self.row_buckets[-1]  # drafts may give a step more rows than a bucket
+        parts = [self.logits_of(hidden[rows[lo : lo + most]]) for lo in range(0, len(rows), most)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of last-layer hidden states [rows, hidden] (at most the largest row bucket).
