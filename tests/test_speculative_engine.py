@@ -1,0 +1,181 @@
+"""Speculative decoding on the real model, through the engine: greedy and seeded outputs equal with speculation on
+and off (batch-invariant mode: float32), stop strings and max_tokens landing inside accepted runs, cancellation,
+every KV block back after rejections, and no prefix-cache block holding a rejected position."""
+
+import asyncio
+import functools
+
+import pytest
+import torch
+
+from oai_gemma.chat import render_chat
+from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.engine import Engine
+from oai_gemma.engine.model.loader import load
+from oai_gemma.engine.speculative.planner import Speculator
+from oai_gemma.engine.types import GenerationRequest, SamplingParams
+from oai_gemma.settings import ModelSettings
+
+CODE = '''def parse_pairs(text, separator="="):
+    pairs = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition(separator)
+        pairs[key.strip()] = value.strip()
+    return pairs
+'''
+EDIT = f"Rename the function parse_pairs to read_pairs. Reply with the whole code only.\n\n```python\n{CODE}```"
+FREE = "Write a short poem about the sea and the wind, in four lines."
+LOOP = "Repeat the word 'banana' twenty times, separated by commas."
+
+
+@functools.cache
+def loaded():
+    return load(ModelSettings(dtype="float32"))
+
+
+class Engines:
+    """The same model served with speculation on and off."""
+
+    def __init__(self, **config):
+        base = dict(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024)
+        self.loop = asyncio.new_event_loop()
+        self.on = Engine(loaded(), EngineConfig(**{**base, **config}))
+        self.off = Engine(loaded(), EngineConfig(**{**base, **config, "speculative": "off"}))
+        for engine in (self.on, self.off):
+            engine.start(self.loop)
+        self.counter = 0
+
+    def prompt(self, text: str) -> list[int]:
+        return self.on.encode(render_chat([{"role": "user", "content": text}]).prompt)
+
+    def generate(self, engine: Engine, text: str, **params):
+        """Every event of one request (params: SamplingParams fields; `prediction`: a text)."""
+        self.counter += 1
+        prediction = tuple(engine.encode(params.pop("prediction"))) if "prediction" in params else ()
+        request = GenerationRequest(
+            f"s{self.counter}", self.prompt(text), SamplingParams(**{"max_tokens": 96, "temperature": 0.0, **params}),
+            prediction=prediction,
+        )
+
+        async def main():
+            return [event async for event in engine.generate(request)]
+
+        return self.loop.run_until_complete(main())
+
+    def close(self) -> None:
+        for engine in (self.on, self.off):
+            engine.shutdown()
+        self.loop.close()
+
+
+def text(events) -> str:
+    return "".join(event.text for event in events)
+
+
+def tokens(events) -> list[int]:
+    return [event.token_id for event in events if event.token_id is not None]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    engines = Engines()
+    assert engines.on.core.runner.batch_invariant, "float32: batch-invariant mode, where on and off must agree"
+    yield engines
+    engines.close()
+
+
+def test_greedy_and_seeded_outputs_are_the_same_with_speculation_on_and_off(engines):
+    spec = engines.on.core.speculator
+    for prompt in (EDIT, FREE, LOOP):
+        for params in ({}, {"temperature": 1.0, "seed": 7}, {"temperature": 0.8, "top_p": 0.9, "seed": 3, "presence_penalty": 0.3}):
+            on, off = engines.generate(engines.on, prompt, **params), engines.generate(engines.off, prompt, **params)
+            assert tokens(on) == tokens(off), (prompt, params)
+            assert text(on) == text(off) and on[-1].finish_reason == off[-1].finish_reason
+    assert spec.num_accepted_tokens > 50, "the edit and the loop should copy: otherwise this test proves little"
+    assert spec.num_draft_tokens > spec.num_accepted_tokens, "some drafts should have been rejected"
+    with_prediction = engines.generate(engines.on, EDIT, prediction=CODE)
+    assert tokens(with_prediction) == tokens(engines.generate(engines.off, EDIT))
+    accepted, rejected = with_prediction[-1].accepted_prediction_tokens, with_prediction[-1].rejected_prediction_tokens
+    assert accepted > 20 and accepted + rejected <= len(engines.on.encode(CODE))
+    assert any(event.drafted for event in with_prediction)
+
+
+def test_stop_strings_max_tokens_and_logprobs_inside_accepted_runs_are_exact(engines):
+    reference = engines.generate(engines.off, EDIT)
+    full = text(reference)
+    assert "value" in full, full
+    stop = full[full.index("value") : full.index("value") + 9]  # a stop string in the middle of the copied code
+    for params in ({"stop": (stop,)}, {"max_tokens": 37}, {"logprobs": 2, "max_tokens": 40}):
+        on, off = engines.generate(engines.on, EDIT, **params), engines.generate(engines.off, EDIT, **params)
+        assert text(on) == text(off) and on[-1].finish_reason == off[-1].finish_reason, params
+        assert [(e.logprob, e.top_logprobs) for e in on] == [(e.logprob, e.top_logprobs) for e in off]
+        assert any(event.drafted for event in on), "drafts should have been accepted in this run"
+    assert stop not in text(engines.generate(engines.on, EDIT, stop=(stop,)))
+    assert len(tokens(engines.generate(engines.on, EDIT, max_tokens=37))) == 37
+
+
+def test_cancelled_mid_run_and_after_rejections_every_block_comes_back(engines):
+    core = engines.on.core
+    pool = core.scheduler.pool
+    free = pool.available
+    engines.counter += 1
+    request = GenerationRequest("cancel-me", engines.prompt(LOOP), SamplingParams(max_tokens=200, temperature=0.0))
+
+    async def main():
+        submission = engines.on.generate(request)
+        seen = 0
+        async for event in submission:
+            seen += 1
+            if seen == 12:
+                break
+        submission.close()
+        for _ in range(200):  # the cancel lands between two steps
+            if not core.scheduler.running:
+                break
+            await asyncio.sleep(0.01)
+
+    engines.loop.run_until_complete(main())
+    assert not core.scheduler.running and pool.available == free
+    assert core.speculator.num_draft_tokens > core.speculator.num_accepted_tokens
+
+
+class WrongDrafts(Speculator):
+    """Every decoding sequence drafts 8 copies of a token the model never writes here: all rejected."""
+
+    def plan(self, decoding, max_len):
+        for seq in decoding:
+            cap = min(8, seq.sampling.max_tokens - len(seq.output_ids) - 1)
+            seq.draft = [GARBAGE] * cap if seq.speculation is not None and cap > 0 else []
+
+
+GARBAGE = 9999  # a rare token: the test checks that it was never accepted
+
+
+def test_the_prefix_cache_never_serves_a_rejected_position():
+    """Outside batch-invariant mode generated blocks are offered for reuse. With every draft rejected, each step
+    writes rejected KV past the sequence's end; the blocks indexed must hold the KV of the tokens kept (as the
+    engine without speculation computes them), never a rejected position's."""
+    engines = Engines(batch_invariant="off")
+    try:
+        core = engines.on.core
+        core.scheduler.speculator = core.speculator = WrongDrafts(core.speculator.config)
+        on = engines.generate(engines.on, FREE, max_tokens=80)
+        engines.generate(engines.off, FREE, max_tokens=80)  # the same tokens' KV, computed without drafts
+        assert core.speculator.num_draft_tokens > 300 and core.speculator.num_accepted_tokens == 0
+        assert GARBAGE not in tokens(on)
+        pools = engines.on.core.scheduler.pool, engines.off.core.scheduler.pool
+        caches = engines.on.core.runner.cache, engines.off.core.runner.cache
+        prompt_blocks = len(engines.prompt(FREE)) // 16
+        shared = [h for h in pools[1].block_of if h in pools[0].block_of]  # same process: the same hash secret
+        assert len(shared) > prompt_blocks, "blocks of generated tokens should be indexed in both engines"
+        for h in shared:
+            a, b = pools[0].block_of[h], pools[1].block_of[h]
+            for layer in range(len(caches[0].k)):
+                assert torch.allclose(caches[0].k[layer][a], caches[1].k[layer][b], atol=1e-3), (layer, h)
+                assert torch.allclose(caches[0].v[layer][a], caches[1].v[layer][b], atol=1e-3), (layer, h)
+        assert pools[0].available == pools[0].num_blocks
+    finally:
+        engines.close()
