@@ -1,6 +1,9 @@
 """The fixed prompt sets. `short`: requests that make the model write long, since `ignore_eos` is not an OpenAI
 field. `shared`: one ~1,000-token system prompt (a support assistant's policies) in every request, then a distinct
-short question each: the workload of a cross-request prefix cache (issue 12)."""
+short question each: the workload of a cross-request prefix cache (issue 12). `edit`: real functions asked back
+with one name changed (bench/edits.py): the output copies the prompt, where speculative decoding pays (issue 26)."""
+
+from .edits import EDITS, edit_messages
 
 PROMPTS: tuple[str, ...] = (
     "Write a long story about a lighthouse keeper who finds a message in a bottle.",
@@ -153,6 +156,8 @@ def messages_for(index: int, prompts: str = "short") -> list[dict[str, str]]:
     """The chat messages of request `index` in a prompt set, the same on every server. `shared`: the one system
     prompt, then question `index` (cycling) led by its request number, so that no two requests share more than the
     system prompt and a few tokens (a prefix cache hits whole 16-token blocks)."""
+    if prompts == "edit":
+        return edit_messages(index)
     if prompts == "shared":
         question = QUESTIONS[index % len(QUESTIONS)]
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"Ticket {index}: {question}"}]
@@ -163,5 +168,7 @@ PROMPT_SETS = {
     "short": f"{len(PROMPTS)} fixed user prompts that ask for long texts",
     "shared": f"one ~1,000-token system prompt shared by every request, then one of {len(QUESTIONS)} short "
               "questions, led by the request's number",
+    "edit": f"{len(EDITS)} real functions (this project's own) asked back with one name changed: the answer copies "
+            "the prompt (with --prediction, the original function is sent as Predicted Outputs)",
 }
 """The `--prompts` choices and how the report describes them."""
