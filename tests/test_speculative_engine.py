@@ -103,6 +103,35 @@ def test_greedy_and_seeded_outputs_are_the_same_with_speculation_on_and_off(engi
     assert any(event.drafted for event in with_prediction)
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+                   "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    "required": ["name", "age", "city", "hobbies"],
+}
+
+
+def test_a_grammar_drafts_its_forced_tokens_and_the_document_is_the_same(engines):
+    spec = engines.on.core.speculator
+    accepted = spec.num_accepted_tokens
+    grammar = engines.on.grammars.json_schema(SCHEMA)
+    for params in ({}, {"temperature": 1.0, "seed": 5}):
+        runs = []
+        for engine in (engines.on, engines.off):
+            engines.counter += 1
+            request = GenerationRequest(f"g{engines.counter}", engines.prompt("Describe a person as JSON."),
+                                        SamplingParams(**{"max_tokens": 80, "temperature": 0.0, **params}), grammar=grammar)
+
+            async def main():
+                return [event async for event in engine.generate(request)]
+
+            runs.append(engines.loop.run_until_complete(main()))
+        on, off = runs
+        assert tokens(on) == tokens(off) and text(on) == text(off), params
+        assert any(event.drafted for event in on), "the schema's keys should have come as accepted drafts"
+    assert spec.num_accepted_tokens > accepted
+
+
 def test_stop_strings_max_tokens_and_logprobs_inside_accepted_runs_are_exact(engines):
     reference = engines.generate(engines.off, EDIT)
     full = text(reference)

@@ -1,4 +1,5 @@
 """When to speculate and how much: drafts spend compute to save weight reads, which pays at small batches only.
+Which drafts: a grammar's forced tokens, the request's Predicted Output while the output follows it, prompt lookup.
 
 Each step the decode part of a batch may hold at most `budget` tokens (`engine.speculative_budget`, and never more
 than `max_num_seqs`): every running sequence's own token first, drafts in what is left, so a full batch carries
@@ -33,14 +34,15 @@ class Speculation:
     """Moving average of the share of drafted tokens kept."""
     quiet: int = 0
     """Steps without a draft while the rate is low."""
-    source: PredictionDraft | PromptLookup | None = None
-    """Where the current draft came from."""
+    source: PredictionDraft | PromptLookup | str | None = None
+    """Where the current draft came from (`grammar`: the tokens a grammar forces)."""
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
 
-    def propose(self, tokens: list[int], output: list[int], cap: int) -> list[int]:
-        """The draft for the next step (at most `cap` tokens): the prediction while it aligns, else prompt lookup."""
+    def propose(self, seq, cap: int) -> list[int]:
+        """The draft for `seq`'s next step (at most `cap` tokens): under a grammar the tokens it forces, else the
+        prediction while it aligns, else prompt lookup."""
         if self.rate < LOW_RATE:
             self.quiet += 1
             if self.quiet % PROBE_EVERY:
@@ -48,13 +50,18 @@ class Speculation:
             cap = 1
         cap = min(cap, self.k)
         self.source = None
+        if seq.matcher is not None:
+            forced = seq.matcher.forced_run(cap)
+            self.source = "grammar" if forced else None
+            return forced
+        output = seq.output_ids
         if self.prediction is not None:
             draft = self.prediction.propose(output, cap)
             if draft:
                 self.source = self.prediction
                 return draft
         if self.lookup is not None:
-            self.lookup.sync(tokens)
+            self.lookup.sync(seq.prompt_ids + output)
             draft = self.lookup.propose(cap)
             if draft:
                 self.source = self.lookup
@@ -86,12 +93,14 @@ class Speculator:
         return self.config.speculative != "off"
 
     def start(self, request: GenerationRequest, grammar: bool) -> Speculation | None:
-        """A new sequence's speculation, or None (speculation off, the request opted out, or a grammar: its masks
-        are computed one token at a time)."""
+        """A new sequence's speculation, or None (speculation off, or the request opted out). Under a grammar the
+        drafts are the tokens it forces (keys, punctuation), each row masked as the grammar would mask it."""
         config = self.config
-        if not self.on or not request.speculative or grammar:
+        if not self.on or not request.speculative:
             return None
         n_max, n_min = config.speculative_ngram_max, config.speculative_ngram_min
+        if grammar:
+            return Speculation(None, None, config.speculative_k, config.speculative_k)
         prediction = PredictionDraft(request.prediction, n_max, n_min) if request.prediction else None
         first = config.speculative_k if prediction is not None else min(FIRST_LOOKUP_DRAFT, config.speculative_k)
         return Speculation(PromptLookup(n_max, n_min), prediction, first, config.speculative_k)
@@ -108,7 +117,7 @@ class Speculator:
             # drafts never pass max_tokens (so never the blocks kept for the request) nor the context
             cap = min(left, seq.sampling.max_tokens - len(output) - 1, max_len - seq.num_computed - 2)
             if cap > 0:
-                seq.draft = spec.propose(seq.prompt_ids + output, output, cap)
+                seq.draft = spec.propose(seq, cap)
                 left -= len(seq.draft)
 
     def verified(self, spec: Speculation, drafted: int, accepted: int) -> None:

@@ -27,22 +27,28 @@ class _Ahead:
 
 
 class DraftRow:
-    """The sampler's view of a drafted sequence's j-th logits row."""
+    """The sampler's view of a drafted sequence's j-th logits row (`matcher`: its grammar's state there)."""
 
-    matcher = None  # a sequence under a grammar carries no drafts (planner.Speculator.start)
-
-    def __init__(self, seq: Sequence, j: int):
+    def __init__(self, seq: Sequence, j: int, matcher):
         self.sampling = seq.sampling
         self.prompt_ids = seq.prompt_ids
         self.output_ids = seq.output_ids + seq.draft[:j]
         self.random = _Ahead(seq.random, j)
+        self.matcher = matcher
 
 
 def sampler_rows(sampled: list[Sequence]) -> list:
     """One sampler row per logits row: a sequence without drafts is its own row."""
     rows: list = []
     for seq in sampled:
-        rows += [DraftRow(seq, j) for j in range(len(seq.draft) + 1)] if seq.draft else [seq]
+        if not seq.draft:
+            rows.append(seq)
+            continue
+        matcher = seq.matcher
+        for j in range(len(seq.draft) + 1):
+            if j and matcher is not None:  # the grammar as it stands after the drafts before this row
+                matcher = matcher.probe(seq.draft[j - 1])
+            rows.append(DraftRow(seq, j, matcher))
     return rows
 
 
