@@ -162,3 +162,12 @@ def test_the_edit_set_its_prediction_and_its_servers(monkeypatch):
     figures = speculation(before, after, 100)
     assert (figures["acceptance"], figures["draft_len"], figures["tokens_per_step"]) == (0.8, 10.0, 5.0)
     assert speculation({}, {"status": "ok"}, 100) is None  # llama-server's /health
+
+
+def test_the_json_set_asks_for_a_schema():
+    from oai_gemma.bench.client import request_body
+
+    body = request_body("m", 3, 128, "json")
+    assert body["response_format"]["json_schema"]["schema"]["required"][0] == "name"
+    assert "as a JSON record" in body["messages"][0]["content"]
+    assert "response_format" not in request_body("m", 3, 128, "short")

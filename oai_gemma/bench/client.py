@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from .edits import edit_prediction
-from .prompts import messages_for
+from .prompts import messages_for, response_format_for
 
 
 @dataclass
@@ -71,6 +71,8 @@ def request_body(model: str, index: int, max_tokens: int, prompts: str = "short"
     }
     if prediction:
         body["prediction"] = {"type": "content", "content": edit_prediction(index)}
+    if (response_format := response_format_for(prompts)) is not None:
+        body["response_format"] = response_format
     return body
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from .client import run_level, warm_up
 from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
 from .floor import engine_step_ms, health, read_bandwidth, speculation
-from .prompts import EDITS, PROMPT_SETS, PROMPTS, QUESTIONS
+from .prompts import EDITS, JSON_SUBJECTS, PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
 
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             "concurrency": args.concurrency,
             "prompts": args.prompts,
             "prediction": args.prediction,
-            "num_prompts": len(QUESTIONS if args.prompts == "shared" else EDITS if args.prompts == "edit" else PROMPTS),
+            "num_prompts": len({"shared": QUESTIONS, "edit": EDITS, "json": JSON_SUBJECTS}.get(args.prompts, PROMPTS)),
         },
         "bare": None,
         "servers": {},

@@ -100,8 +100,8 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
 
 def default_servers(prompts: str = "short") -> list[str]:
     """`--compare`'s servers: for the short set all but our A/B variants and llama-server-ngram, for the shared set
-    SHARED_SERVERS, for the edit set EDIT_SERVERS; llama-server only where its binary is found."""
-    if prompts in ("shared", "edit"):
+    SHARED_SERVERS, for the edit and json sets EDIT_SERVERS; llama-server only where its binary is found."""
+    if prompts in ("shared", "edit", "json"):
         names = SHARED_SERVERS if prompts == "shared" else EDIT_SERVERS
     else:
         names = [n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none", "ours-spec-off", "llama-server-ngram")]
