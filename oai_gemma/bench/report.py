@@ -165,7 +165,8 @@ def _prompt_set(meta: dict) -> str:
 
 
 def prompt_set_line(meta: dict) -> str:
-    return f"prompt set: {_prompt_set(meta)} ({PROMPT_SETS[_prompt_set(meta)]})"
+    predicted = ", each request with its Predicted Output (--prediction)" if meta.get("prediction") else ""
+    return f"prompt set: {_prompt_set(meta)} ({PROMPT_SETS[_prompt_set(meta)]}){predicted}"
 
 
 def bare_table(servers: dict[str, dict], bare: dict, markdown: bool = False) -> str | None:

@@ -232,8 +232,14 @@ class ModelRunner:
         prefills then decodes."""
         if self.static is not None and decodes and not prefills and all(len(it.token_ids) == 1 for it in decodes):
             return self.static.run(decodes)
-        batch = self._pack(prefills, decodes)
-        return self._logits(batch, self._layers(batch))
+        # a decode item with drafts (engine/speculative/) runs as a short prefill chunk, its past gathered once;
+        # in batch-invariant mode as one decode row per position, computed exactly as plain decode steps are
+        drafted = [] if self.batch_invariant else [it for it in decodes if len(it.token_ids) > 1]
+        if drafted:
+            batch = self._pack(prefills + drafted, [it for it in decodes if len(it.token_ids) == 1])
+        else:
+            batch = self._pack(prefills, decodes)
+        return self._logits(batch, self._layers(batch), prefills + decodes)
 
     def _pack(self, prefills: list[StepItem], decodes: list[StepItem]) -> Batch:
         """The step's token ids and positions as tensors, padded to a token bucket: a few shapes only, each
@@ -311,15 +317,16 @@ class ModelRunner:
             outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _logits(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of each item's last `num_logits` positions when it wants them; keeps the hidden states asked for."""
-        rows, offset = [], 0
+    def _logits(self, batch: Batch, hidden: torch.Tensor, order: list[StepItem]) -> torch.Tensor:
+        """Logits of each item's last `num_logits` positions when it wants them, items in `order`; keeps the hidden
+        states asked for."""
+        ends, offset = {}, 0
         for it in batch.items:
             if it.keep_hidden:
                 it.hidden = hidden[offset : offset + len(it.token_ids)]
             offset += len(it.token_ids)
-            if it.want_logits:
-                rows.extend(range(offset - it.num_logits, offset))
+            ends[id(it)] = offset
+        rows = [row for it in order if it.want_logits for row in range(ends[id(it)] - it.num_logits, ends[id(it)])]
         if not rows:
             return torch.empty(0, self.config.vocab_size)
         most = self.row_buckets[-1]  # drafts may give a step more rows than a bucket
