@@ -97,12 +97,11 @@ class Engine:
     def warm_up(self) -> None:
         """Run every step shape once before serving: the first user request must not pay for compilation."""
         warm_up(self.core, lambda: self.grammars)
-        self.build_grammars()
 
     def build_grammars(self) -> Future:
         """Start the grammar compiler's build, once, on its own thread (seconds holding the GIL: the vocabulary's
-        token trie): after warm-up, whose steps it would stall on a 2-core machine, or at the first structured
-        request, whichever comes first."""
+        token trie): once the server has said it is ready (`api/app.py`; beside warm-up it stalled warm-up's
+        steps and the ready line on a 2-core machine), or at the first structured request, whichever comes first."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = _in_background(build_grammars, *self._grammar_inputs)
