@@ -156,7 +156,7 @@ def running(n: int, output: list[int], max_tokens: int = 64) -> list[Sequence]:
 
 
 def test_a_full_batch_carries_no_drafts_and_drafts_stop_short_of_max_tokens():
-    speculator = Speculator(EngineConfig(max_num_seqs=8, speculative_budget=32))
+    speculator = Speculator(EngineConfig(max_num_seqs=8, speculative_budget=8))
     full = running(8, [7])
     speculator.plan(full, 1000)
     assert all(seq.draft == [] for seq in full)

@@ -85,9 +85,14 @@ class EngineConfig:
     """Prompt lookup's longest n-gram and its minimum match (also the Predicted Output's realignment)."""
 
     @property
+    def max_logits_rows(self) -> int:
+        """A step's most logits rows: one per sequence, and one per draft token (engine/speculative/planner.py)."""
+        return max(self.max_num_seqs, self.speculative_budget if self.speculative != "off" else 0)
+
+    @property
     def max_tokens_per_step(self) -> int:
-        """A step's most tokens: one prefill chunk (or one whole image) and every row's decode token."""
-        return max(self.max_prefill_tokens, self.image_tokens) + self.max_num_seqs
+        """A step's most tokens: one prefill chunk (or one whole image) and every row's decode token and drafts."""
+        return max(self.max_prefill_tokens, self.image_tokens) + self.max_logits_rows
 
     def as_dict(self) -> dict[str, object]:
         """Plain data (paths as strings), as the start-up log and `/v1/server_info` show it."""

@@ -116,6 +116,8 @@ class ModelRunner:
         self.num_slots = num_slots
         """Most rows a step samples (the scheduler's batch size)."""
         self.row_buckets = buckets(num_slots)
+        self.logits_buckets = buckets(config.max_logits_rows)
+        """Logits rows of a step: the rows' and their drafts' (speculative decoding)."""
         self.token_buckets = buckets(config.max_tokens_per_step)
         if config.batch_invariant == "on" and config.quantization == "per-step":  # one layout whatever a step's rows
             for linear in [self.lm_head_linear, *(p for w in self.weights for p in w)]:
@@ -329,7 +331,7 @@ class ModelRunner:
         rows = [row for it in order if it.want_logits for row in range(ends[id(it)] - it.num_logits, ends[id(it)])]
         if not rows:
             return torch.empty(0, self.config.vocab_size)
-        most = self.row_buckets[-1]  # drafts may give a step more rows than a bucket
+        most = self.logits_buckets[-1]
         parts = [self.logits_of(hidden[rows[lo : lo + most]]) for lo in range(0, len(rows), most)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -337,7 +339,7 @@ class ModelRunner:
         """Logits [rows, vocab] of last-layer hidden states [rows, hidden] (at most the largest row bucket).
         The rows are padded to a row bucket: the lm_head runs only at the shapes warm-up compiled."""
         wanted = hidden.shape[0]
-        padded = bucket(wanted, self.row_buckets)
+        padded = bucket(wanted, self.logits_buckets)
         if padded > wanted:
             hidden = torch.cat((hidden, hidden[-1:].expand(padded - wanted, -1)))
         normed = self.text_model.norm(hidden.to(self.device))

@@ -1,9 +1,8 @@
 """When to speculate and how much: drafts spend compute to save weight reads, which pays at small batches only.
 Which drafts: a grammar's forced tokens, the request's Predicted Output while the output follows it, prompt lookup.
 
-Each step the decode part of a batch may hold at most `budget` tokens (`engine.speculative_budget`, and never more
-than `max_num_seqs`): every running sequence's own token first, drafts in what is left, so a full batch carries
-none. Each sequence's draft length follows its own history: doubled (up to `k`) after a draft was kept whole, cut to
+Each step the decode part of a batch may hold at most `budget` tokens (`engine.speculative_budget`): every running
+sequence's own token first, drafts in what is left, so a batch of `budget` sequences or more carries none. Each sequence's draft length follows its own history: doubled (up to `k`) after a draft was kept whole, cut to
 what was kept plus one after a rejection; while less than a fifth of its drafted tokens are kept it only probes, one
 token every few steps. A draft is also cut to the tokens the request may still generate.
 """
@@ -107,7 +106,7 @@ class Speculator:
 
     def plan(self, decoding: list, max_len: int) -> None:
         """Set each decoding sequence's `draft` for this step, within the step's budget."""
-        left = min(self.config.speculative_budget, self.config.max_num_seqs) - len(decoding)
+        left = self.config.speculative_budget - len(decoding)
         for seq in decoding:
             seq.draft = []
             spec = seq.speculation
