@@ -22,7 +22,8 @@ EDIT = [{"role": "user", "content": f"Rename the variable merged to joined. Repl
 
 
 def ask(client, **kw):
-    return client.chat.completions.create(model=MODEL, messages=EDIT, max_tokens=120, temperature=0, **kw)
+    slow = client.with_options(timeout=600)  # a loaded shared machine: the assertions never time the model
+    return slow.chat.completions.create(model=MODEL, messages=EDIT, **{"max_tokens": 80, "temperature": 0, **kw})
 
 
 def test_prediction_usage_counts_add_up_and_the_output_is_the_same_without_it(client, http, base_url):
@@ -43,7 +44,8 @@ def test_prediction_usage_counts_add_up_and_the_output_is_the_same_without_it(cl
         accepted = delta(before, after, prefix + "spec_decode_num_accepted_tokens_total", **labels)
         assert delta(before, after, prefix + "spec_decode_num_drafts_total", **labels) > 0
         assert drafted >= accepted >= details.accepted_prediction_tokens
-        first = delta(before, after, prefix + "spec_decode_num_accepted_tokens_per_pos_total", position="0", **labels)
+        key = (prefix + "spec_decode_num_accepted_tokens_per_pos_total", frozenset({"position": "0", "model_name": MODEL, **labels}.items()))
+        first = after.samples[key] - before.samples.get(key, 0.0)  # no series before the server's first draft
         assert 0 < first <= accepted
 
 
@@ -59,7 +61,7 @@ def test_a_prediction_in_text_parts_streams_the_same_text_and_usage(client):
 
 
 def test_opting_out_drafts_nothing(client):
-    out = ask(client, prediction={"type": "content", "content": CODE}, extra_body={"speculative": False})
+    out = ask(client, prediction={"type": "content", "content": CODE}, extra_body={"speculative": False}, max_tokens=24)
     details = out.usage.completion_tokens_details
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
 
