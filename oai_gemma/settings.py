@@ -92,7 +92,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Speculative decoding: draft tokens from prompt lookup (the output copying the prompt) and from a request's
     Predicted Output, checked several at a time in one step; outputs stay exactly what they would be without it.
     `auto`: on (`ngram`) on the CPU's dynamic path, off with the GPU's static decode; `off`: never."""
-    speculative_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16
+    speculative_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 32
     """Most draft tokens one sequence carries into a step (its own acceptance history decides how many it does)."""
     speculative_budget: Annotated[int, msgspec.Meta(ge=1)] = 32
     """Most decode tokens a step holds while it adds drafts (every row's own token first, at most max_num_seqs): a

@@ -76,7 +76,7 @@ class EngineConfig:
     speculative: str = "ngram"
     """`engine.speculative` as resolved: `ngram` (drafts from prompt lookup and Predicted Outputs) or `off`
     (`auto` is `ngram` on the dynamic path, `off` with static decode: a drafted step runs dynamic)."""
-    speculative_k: int = 16
+    speculative_k: int = 32
     """Most draft tokens one sequence carries into a step."""
     speculative_budget: int = 32
     """Most decode tokens (each row's own and the drafts) a step carries while it adds drafts."""
