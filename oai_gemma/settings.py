@@ -95,8 +95,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     speculative_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 32
     """Most draft tokens one sequence carries into a step (its own acceptance history decides how many it does)."""
     speculative_budget: Annotated[int, msgspec.Meta(ge=1)] = 32
-    """Most decode tokens a step holds while it adds drafts (every row's own token first, at most max_num_seqs): a
-    full batch carries none, where speculation would cost throughput."""
+    """Most decode tokens a step holds while it adds drafts (every row's own token first): a batch of this many
+    sequences carries none, where speculation would cost throughput (keep it at most max_num_seqs for that)."""
     speculative_ngram_max: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
     """Prompt lookup's longest n-gram: the sequence's last tokens looked up in its prompt and output."""
     speculative_ngram_min: Annotated[int, msgspec.Meta(ge=1, le=32)] = 2
