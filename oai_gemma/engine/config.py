@@ -22,7 +22,7 @@ from ..cpu import compute_thread_count
 from ..settings import Settings
 from .cache.memory import blocks_within_budget
 from .model import native
-from .model.quantized import FORMAT, resolve as resolve_quantization
+from .model.quantized import FORMAT, q8_lm_head, resolve as resolve_quantization
 
 if TYPE_CHECKING:
     from .model.loader import LoadedModel
@@ -166,5 +166,5 @@ def _quantized_file(cache_dir: Path, source_dir: str, quantization: str, dtype: 
     """Quantized weights kept between starts, named by the model, the setting, the dtype, torch's version (its
     int4 layout is torch's own) and the stored layout's version."""
     model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source_dir).resolve()).strip("/"))
-    name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}.safetensors"
+    name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}{'q8' if q8_lm_head() else ''}.safetensors"
     return cache_dir / "quantized" / name
