@@ -32,6 +32,11 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("engine", "threads", None),
     ("engine", "cpu_wait", None),
     ("engine", "batch_invariant", None),
+    ("engine", "speculative", None),
+    ("engine", "speculative_k", None),
+    ("engine", "speculative_budget", None),
+    ("engine", "speculative_ngram_max", None),
+    ("engine", "speculative_ngram_min", None),
 )
 # every server setting is a flag of `serve` (`api_keys` as the repeatable `--api-key`)
 SERVE_ONLY_FLAGS = tuple(("server", field, {"api_keys": "api-key"}.get(field)) for field in ServerSettings.__struct_fields__)

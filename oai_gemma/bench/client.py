@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .prompts import messages_for
+from .edits import edit_prediction
+from .prompts import messages_for, response_format_for
 
 
 @dataclass
@@ -58,8 +59,9 @@ class LevelRun:
     results: list[RequestResult]
 
 
-def request_body(model: str, index: int, max_tokens: int, prompts: str = "short") -> dict:
-    return {
+def request_body(model: str, index: int, max_tokens: int, prompts: str = "short", prediction: bool = False) -> dict:
+    """`prediction`: the edit set's original function as Predicted Outputs."""
+    body = {
         "model": model,
         "messages": messages_for(index, prompts),
         "max_tokens": max_tokens,
@@ -67,6 +69,11 @@ def request_body(model: str, index: int, max_tokens: int, prompts: str = "short"
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if prediction:
+        body["prediction"] = {"type": "content", "content": edit_prediction(index)}
+    if (response_format := response_format_for(prompts)) is not None:
+        body["response_format"] = response_format
+    return body
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
@@ -119,6 +126,7 @@ async def run_level(
     api_key: str | None = None,
     prompts: str = "short",
     first: int = 0,
+    prediction: bool = False,
 ) -> LevelRun:
     """Send `num_requests` requests (request i uses prompt i, from `first` on) with at most `concurrency` in flight."""
     url = base_url.rstrip("/") + "/chat/completions"
@@ -128,7 +136,7 @@ async def run_level(
 
         async def one(index: int) -> RequestResult:
             async with gate:
-                return await stream_one(client, url, request_body(model, index, max_tokens, prompts))
+                return await stream_one(client, url, request_body(model, index, max_tokens, prompts, prediction))
 
         started = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(first, first + num_requests)))
@@ -137,8 +145,8 @@ async def run_level(
 
 
 async def warm_up(base_url: str, model: str, max_tokens: int, timeout_s: float, api_key: str | None,
-                  prompts: str = "short") -> RequestResult:
+                  prompts: str = "short", prediction: bool = False) -> RequestResult:
     """One untimed request, so lazy first-request work (CB init, caches) is not counted in the sweep."""
     url = base_url.rstrip("/") + "/chat/completions"
     async with make_client(1, timeout_s, api_key) as client:
-        return await stream_one(client, url, request_body(model, 0, max_tokens, prompts))
+        return await stream_one(client, url, request_body(model, 0, max_tokens, prompts, prediction))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from .client import run_level, warm_up
 from .compare import SERVER_NAMES, build_spec, default_servers, free_port, running
-from .floor import engine_step_ms, health, read_bandwidth
-from .prompts import PROMPT_SETS, PROMPTS, QUESTIONS
+from .floor import engine_step_ms, health, read_bandwidth, speculation
+from .prompts import EDITS, JSON_SUBJECTS, PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
 
@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", choices=PROMPT_SETS, default="short",
                         help="the prompt set of oai_gemma/bench/prompts.py: "
                              + "; ".join(f"{name}: {what}" for name, what in PROMPT_SETS.items()))
+    parser.add_argument("--prediction", action="store_true",
+                        help="with --prompts edit: send each original function as Predicted Outputs (`prediction`)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may wait for its next byte")
     parser.add_argument("--bare", action="store_true", help="also time the bare model, loaded as the server loads it (in a child process, before the sweep; short prompt set only)")
@@ -123,7 +125,8 @@ def _command_line() -> str:
 async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str) -> dict:
     server: dict = {"base_url": base_url, "model": model, "levels": []}
     for _ in range(args.warmup):
-        result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key, args.prompts)
+        result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key, args.prompts,
+                               prediction=args.prediction)
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
@@ -141,10 +144,12 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         first = sent if args.prompts == "shared" else 0
         before = health(health_url)
         run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key,
-                              args.prompts, first)
+                              args.prompts, first, prediction=args.prediction)
         sent += num
         level = summarize_level(run)
-        level["engine_step_ms"] = engine_step_ms(before, health(health_url))
+        after = health(health_url)
+        level["engine_step_ms"] = engine_step_ms(before, after)
+        level["speculation"] = speculation(before, after, level["output_tokens"])
         server["levels"].append(level)
         print(f"[{label}] c={concurrency:<3} n={num:<3} {level['output_tok_s']:7.1f} tok/s  "
               f"TTFT p50 {level['ttft_ms']['p50'] or 0:8.1f} ms  ITL p50 {level['itl_ms']['p50'] or 0:7.1f} ms  "
@@ -171,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.max_tokens < 1:
         print("--num-requests and --max-tokens must be >= 1", file=sys.stderr)
         return 2
+    if args.prediction and args.prompts != "edit":
+        print("--prediction needs --prompts edit (the original functions are the predictions)", file=sys.stderr)
+        return 2
     settings = load_settings().model
     device = pick_device(settings)
     dtype = str(pick_dtype(settings, device)).removeprefix("torch.")
@@ -187,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
             "prompts": args.prompts,
-            "num_prompts": len(QUESTIONS if args.prompts == "shared" else PROMPTS),
+            "prediction": args.prediction,
+            "num_prompts": len({"shared": QUESTIONS, "edit": EDITS, "json": JSON_SUBJECTS}.get(args.prompts, PROMPTS)),
         },
         "bare": None,
         "servers": {},
@@ -213,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
                     ready_s = time.monotonic() - started  # process start to /health 200 (issue 27: at most 8 s warm)
                     server = asyncio.run(_sweep(spec.base_url, model, args, name))
                 server["command"], server["ready_s"] = shlex.join(spec.argv), ready_s
-                if name == "llama-server":  # it reads its GGUF's tensors once a token
+                if name.startswith("llama-server"):  # it reads its GGUF's tensors once a token
                     server["decode_bytes"] = Path(spec.argv[spec.argv.index("-m") + 1]).stat().st_size
             except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
                 print(f"[{name}] failed: {exc}", file=sys.stderr)

@@ -73,11 +73,26 @@ class EngineConfig:
     """The model cache (`model.cache_dir`, default `$OAI_GEMMA_CACHE` or ~/.cache/oai-gemma)."""
     native_dir: Path | None = None
     """Where the native int8 kernel is compiled and kept (None: the default cache's `native`)."""
+    speculative: str = "ngram"
+    """`engine.speculative` as resolved: `ngram` (drafts from prompt lookup and Predicted Outputs) or `off`
+    (`auto` is `ngram` on the dynamic path, `off` with static decode: a drafted step runs dynamic)."""
+    speculative_k: int = 32
+    """Most draft tokens one sequence carries into a step."""
+    speculative_budget: int = 32
+    """Most decode tokens (each row's own and the drafts) a step carries while it adds drafts."""
+    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = 2
+    """Prompt lookup's longest n-gram and its minimum match (also the Predicted Output's realignment)."""
+
+    @property
+    def max_logits_rows(self) -> int:
+        """A step's most logits rows: one per sequence, and one per draft token (engine/speculative/planner.py)."""
+        return max(self.max_num_seqs, self.speculative_budget if self.speculative != "off" else 0)
 
     @property
     def max_tokens_per_step(self) -> int:
-        """A step's most tokens: one prefill chunk (or one whole image) and every row's decode token."""
-        return max(self.max_prefill_tokens, self.image_tokens) + self.max_num_seqs
+        """A step's most tokens: one prefill chunk (or one whole image) and every row's decode token and drafts."""
+        return max(self.max_prefill_tokens, self.image_tokens) + self.max_logits_rows
 
     def as_dict(self) -> dict[str, object]:
         """Plain data (paths as strings), as the start-up log and `/v1/server_info` show it."""
@@ -108,6 +123,10 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
         max_backlog=settings.server.max_stream_backlog,
         threads=compute_thread_count(), cache_dir=cache_dir, native_dir=native_dir,
+        speculative="off" if engine.speculative == "off" or (engine.speculative == "auto" and static) else "ngram",
+        speculative_k=engine.speculative_k, speculative_budget=engine.speculative_budget,
+        speculative_ngram_max=engine.speculative_ngram_max,
+        speculative_ngram_min=min(engine.speculative_ngram_min, engine.speculative_ngram_max),
     )
 
 

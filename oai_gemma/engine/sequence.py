@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
     from .sampling.json_document import DocumentMatcher
     from .sampling.sampler import RowRandom
+    from .speculative.planner import Speculation
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]]] | None]
 """One entry per prompt token (None for the first): its logprob and the most likely tokens at that position."""
@@ -42,6 +43,9 @@ class StepItem:
     keep_hidden: bool = False
     """Keep every position's last hidden state in `hidden` (prompt logprobs: see `ModelRunner.logits_of`)."""
     hidden: torch.Tensor | None = None
+    num_logits: int = 1
+    """How many trailing positions want logits (with `want_logits`): a decode row carrying k draft tokens wants k + 1
+    (engine/speculative/)."""
 
 
 @dataclass(eq=False)
@@ -78,6 +82,10 @@ class Sequence:
     """Which choice of its request this sequence generates (n > 1)."""
     parent: ParentRequest | None = None
     """The request's fan-out when it asks for n > 1 choices."""
+    draft: list[int] = field(default_factory=list)
+    """Tokens proposed to follow `output_ids` in the next step (speculative decoding), verified by that step."""
+    speculation: Speculation | None = None
+    """Its draft sources, draft length and acceptance counts; None when it does not speculate."""
 
     @property
     def sampling(self) -> SamplingParams:
