@@ -7,7 +7,9 @@
 Clients loop over a mix: chat streamed and not, a tool call, a JSON-schema answer, an image (where the model takes
 images; else reported as not served), Responses with `store: true`; 1% of them disconnect at a random moment. At the
 end it prints (and with --json writes) the outcomes per kind, the 5xx count, the server's anonymous resident memory
-sampled every 10 s (flat means: within 5% from the end of the first quarter, or of the first 5 minutes, to the end),
+sampled every 10 s, with and without the KV cache's written pages (the cache grows by design, up to its configured
+size, as prefix caching hands out never-used blocks first; flat means: within 5% from the end of the first quarter,
+or of the first 5 minutes, to the end),
 and whether the server's `oai_gemma:request_success_total` (every outcome: stop, length, tool_calls, cancelled,
 error, rejected) grew by the number of generation requests sent.
 """
@@ -110,9 +112,14 @@ class Soak:
         return sum(float(v) for v in re.findall(r"^oai_gemma:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
     async def _sample_rss(self, started: float) -> None:
-        while self.pid:
-            self.rss.append((time.monotonic() - started, anonymous_rss_kib(self.pid)))
-            await asyncio.sleep(10)
+        """Every 10 s: the server's anonymous memory, and that less its KV cache's written pages (`/health`): the
+        cache grows by design up to `engine.kv_cache_gib` as prefix caching hands out never-used blocks first."""
+        async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
+            while self.pid:
+                kv = (await http.get("/health")).json().get("kv_cache_resident_bytes", 0) // 1024
+                anon = anonymous_rss_kib(self.pid)
+                self.rss.append((time.monotonic() - started, anon, anon - kv))
+                await asyncio.sleep(10)
 
     def _report(self, counted: float) -> dict:
         statuses = Counter()
@@ -126,10 +133,11 @@ class Soak:
         }
         if self.rss:
             settle = min(300.0, self.duration / 4)
-            base = next((kib for t, kib in self.rss if t >= settle), self.rss[-1][1])
-            report["rss_anon_mib"] = {"after_settling": base // 1024, "end": self.rss[-1][1] // 1024,
-                                      "max": max(kib for _, kib in self.rss) // 1024}
-            report["rss_change_pct"] = round(100 * (self.rss[-1][1] - base) / base, 1)
+            for column, name in ((1, "rss_anon"), (2, "rss_anon_without_kv_cache")):
+                base = next((sample[column] for sample in self.rss if sample[0] >= settle), self.rss[-1][column])
+                report[f"{name}_mib"] = {"after_settling": base // 1024, "end": self.rss[-1][column] // 1024,
+                                         "max": max(sample[column] for sample in self.rss) // 1024}
+                report[f"{name}_change_pct"] = round(100 * (self.rss[-1][column] - base) / base, 1)
         return report
 
 

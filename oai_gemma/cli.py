@@ -36,6 +36,11 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("lora", "max_loras", None),
     ("lora", "max_lora_rank", None),
     ("lora", "runtime_loading", "lora-runtime-loading"),
+    ("engine", "speculative", None),
+    ("engine", "speculative_k", None),
+    ("engine", "speculative_budget", None),
+    ("engine", "speculative_ngram_max", None),
+    ("engine", "speculative_ngram_min", None),
 )
 MULTI_VALUE_FLAGS = {"--lora-modules"}
 """List settings whose flag takes several values at once (vLLM's `--lora-modules a=/x b=/y`), repeatable too."""

@@ -88,6 +88,19 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Greedy and seeded outputs identical whatever runs beside a request, however its prompt was chunked
     (engine/invariance.py; CPU only). `auto`: on where this CPU's kernels pass the start-up check; `on`: a start-up
     error where they do not; `off`: the shapes' own kernels (a prefix-cache hit then also reuses generated tokens)."""
+    speculative: Literal["auto", "off", "ngram"] = "auto"
+    """Speculative decoding: draft tokens from prompt lookup (the output copying the prompt) and from a request's
+    Predicted Output, checked several at a time in one step; outputs stay exactly what they would be without it.
+    `auto`: on (`ngram`) on the CPU's dynamic path, off with the GPU's static decode; `off`: never."""
+    speculative_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 32
+    """Most draft tokens one sequence carries into a step (its own acceptance history decides how many it does)."""
+    speculative_budget: Annotated[int, msgspec.Meta(ge=1)] = 32
+    """Most decode tokens a step holds while it adds drafts (every row's own token first): a batch of this many
+    sequences carries none, where speculation would cost throughput (keep it at most max_num_seqs for that)."""
+    speculative_ngram_max: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
+    """Prompt lookup's longest n-gram: the sequence's last tokens looked up in its prompt and output."""
+    speculative_ngram_min: Annotated[int, msgspec.Meta(ge=1, le=32)] = 2
+    """Prompt lookup's shortest n-gram (minimum match) before a draft is proposed."""
 
 
 class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

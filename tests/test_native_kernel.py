@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from oai_gemma.engine.config import ConfigError, resolve as resolve_config
 from oai_gemma.engine.model import native
 from oai_gemma.engine.model.loader import load
-from oai_gemma.engine.model.quantized import KERNEL_ROWS, NativeInt8Linear, linear_for, resolve
+from oai_gemma.engine.model.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear, linear_for, resolve
 from oai_gemma.settings import ModelSettings, Settings
 
 pytestmark = pytest.mark.skipif(native.native_unavailable() is not None,
@@ -107,7 +107,10 @@ def test_auto_quantizes_to_int8_where_the_cpu_computes_in_float32_and_per_step_i
     assert resolve("auto", torch.bfloat16, cpu) == "per-step"  # int8 for steps of few rows, packed bf16 for the others
     assert resolve("auto", torch.float32, gpu) == "none"
     assert resolve("int4", torch.bfloat16, cpu) == "int4" and resolve("none", torch.float32, cpu) == "none"
-    assert linear_for("int8", "lm_head", torch.float32) is NativeInt8Linear
+    assert linear_for("int8", "q", torch.float32) is NativeInt8Linear
+    # the lm_head: int8 x int8 with activations in blocks of 32 (its inputs are normed; the projections' are not)
+    assert linear_for("int8", "lm_head", torch.float32) is NativeQ8Linear
+    assert linear_for("per-step", "lm_head", torch.bfloat16) is NativeQ8Linear
 
 
 def test_without_a_compiler_the_reason_is_said_and_float32_keeps_pytorchs_kernels(monkeypatch, tmp_path):
@@ -171,3 +174,55 @@ def test_without_the_kernel_auto_warns_with_the_reason_and_the_cost_and_int8_is_
             resolve_config(settings, loaded)
     finally:
         native._library.cache_clear()
+
+
+def q8_reference(x: torch.Tensor, linear: NativeQ8Linear) -> torch.Tensor:
+    """What woq_int8.c's q8_linear computes, in torch: x rounded to int8 per block of 32 columns (one scale a block,
+    half away from zero), exact integer sums per block, scaled and summed over blocks in order, times the weight's
+    scale."""
+    rows, k = x.shape
+    w = linear.packed.permute(0, 2, 1, 3).reshape(-1, k).to(torch.int32)
+    blocks = x.float().view(rows, k // 32, 32)
+    scale = blocks.abs().amax(dim=2) / 127
+    inverse = torch.where(scale > 0, 127 / blocks.abs().amax(dim=2), torch.zeros_like(scale))
+    r = blocks * inverse[..., None]
+    q = torch.where(r < 0, r - 0.5, r + 0.5).trunc().to(torch.int32)
+    out = torch.zeros(rows, w.shape[0])
+    for b in range(k // 32):
+        sums = (q[:, b, None, :] * w[None, :, b * 32 : (b + 1) * 32]).sum(-1).float()
+        out = out + sums * scale[:, b, None]
+    return out * linear.scale
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+def test_the_q8_kernel_computes_int8_activations_times_int8_weights(rows):
+    weight = torch.randn(272, 640, generator=torch.Generator().manual_seed(1)) * 0.05
+    linear = NativeQ8Linear(weight)
+    x = torch.randn(rows, 640)
+    x[:, 5] *= 40  # an outlier costs only its own block's precision
+    torch.testing.assert_close(linear(x), q8_reference(x, linear), rtol=1e-5, atol=1e-4)
+    wide = F.linear(x, linear.dequantized())  # float32 activations: 8-bit blocks cost about a percent
+    assert (linear(x) - wide).norm() <= 0.02 * wide.norm()
+    assert torch.equal(linear(x.bfloat16(), torch.bfloat16), linear(x.bfloat16()).bfloat16()), "bf16 out rounded as torch does"
+
+
+def test_a_rows_q8_result_ignores_the_rows_beside_it_and_both_instruction_sets_agree():
+    linear = NativeQ8Linear(torch.randn(528, 640, generator=torch.Generator().manual_seed(2)) * 0.05)
+    x = torch.randn(KERNEL_ROWS - 1, 640)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in (2, 3, 4, 5, 8, 17, KERNEL_ROWS - 1):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows together differ from each alone"
+    if native.cpu_has_vnni():  # integer sums are exact and the float steps run in one order: the same bits
+        out = {}
+        for vnni in (True, False):
+            out[vnni] = torch.empty(5, 528)
+            native.q8_linear()(x.data_ptr(), 5, 640, linear.packed.data_ptr(), linear.scale.data_ptr(), 528,
+                               out[vnni].data_ptr(), 0, 0, vnni)
+        assert torch.equal(out[True], out[False])
+
+
+def test_q8_sizes_it_cannot_tile_are_refused():
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0"):
+        NativeQ8Linear(torch.randn(24, 640))
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0"):
+        NativeQ8Linear(torch.randn(32, 48))

@@ -32,17 +32,6 @@ def test_the_server_logs_its_start_up_phases_and_resident_memory_by_part(server)
     assert allocated > kv  # the KV cache's untouched pages are not resident
 
 
-def test_the_grammar_compiler_is_built_after_the_server_said_it_is_ready(server):
-    """Its seconds holding the GIL once delayed the ready line by 2.3 s (issue 27's warm start)."""
-    import time
-
-    deadline = time.monotonic() + 60
-    while "grammar compiler built" not in server.log_path.read_text() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    log = server.log_path.read_text()
-    assert log.index("ready: ") < log.index("structured output: grammar compiler built"), log[-3000:]
-
-
 def test_the_engine_configuration_is_logged_once_and_served_with_every_auto_decided(server):
     info = httpx.get(server.url + "/v1/server_info").json()
     config = info["engine_config"]
@@ -112,9 +101,8 @@ def test_the_tokenizer_read_by_tokenizers_answers_as_transformers_does():
         assert getattr(ours, name) == getattr(theirs, name), name
 
 
-def test_the_grammar_compiler_is_built_after_ready_or_at_first_use(monkeypatch):
-    """Its token trie holds the GIL for seconds: built beside warm-up it stalled warm-up's steps and the ready line
-    on 2 cores, so warm-up builds nothing and the server starts the build once it said it is ready."""
+def test_the_grammar_compiler_is_built_after_warm_up_or_at_first_use(monkeypatch):
+    """Its token trie holds the GIL for seconds: built beside warm-up it stalled warm-up's steps on 2 cores."""
     import threading
 
     from oai_gemma.engine import engine as engine_module
@@ -133,8 +121,7 @@ def test_the_grammar_compiler_is_built_after_ready_or_at_first_use(monkeypatch):
 
     engine = Bare()
     engine.warm_up()
-    assert during_warm_up == [[]] and built == [], "nothing built by warm-up"
-    engine.build_grammars()
+    assert during_warm_up == [[]], "nothing built while warm-up ran"
     assert engine.grammars == "compiler" and engine.grammars == "compiler"
     assert built == [("tokenizer", [1])], "built once"
     lazy = Bare()

@@ -98,7 +98,6 @@ class ServerState:
         self.services = Services.build(engine, self.settings, self.store)
         asyncio.run_coroutine_threadsafe(self._watch(engine), loop)
         log.info("ready: %s (%s) in %.1f s; %s", self.served_name, engine.description, time.monotonic() - started, self.where())
-        engine.build_grammars()  # after the ready line: its seconds holding the GIL would delay it (issue 27)
 
     def where(self) -> str:
         """The URLs to open, for the "ready" line."""

@@ -18,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..engine.observer import RequestObserver
 from ..engine.types import GenerationRequest, TokenEvent
 from .access_log import AccessRecord, GenerationStats, current_record
-from .metrics_vllm import VLLM, LoraInfoCollector, PrefixCacheCollector, PrefixCacheCounts, VllmLoadCollector
+from .metrics_vllm import VLLM, LoraInfoCollector, PrefixCacheCollector, PrefixCacheCounts, SpecDecodeCollector, VllmLoadCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no `_created` twin of every series (process-wide; this server has only ours)
@@ -86,9 +86,11 @@ class ServerMetrics(RequestObserver):
         self.prefix_cache = PrefixCacheCounts()
         self.registry.register(PrefixCacheCollector("oai_gemma:", model_name, self.prefix_cache))
         self.registry.register(LoraInfoCollector("oai_gemma:", lora_stats))
+        self.registry.register(SpecDecodeCollector("oai_gemma:", model_name, stats))
         if vllm_names:
             self.registry.register(PrefixCacheCollector(VLLM, model_name, self.prefix_cache))
             self.registry.register(LoraInfoCollector(VLLM, lora_stats))
+            self.registry.register(SpecDecodeCollector(VLLM, model_name, stats))
             self.registry.register(VllmLoadCollector(model_name, stats, cache_config))
 
     def render(self) -> bytes:

@@ -88,3 +88,28 @@ class LoraInfoCollector:
         gauge = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on lora requests.", labels=sorted(labels))
         gauge.add_metric([labels[k] for k in sorted(labels)], time.time())
         yield gauge
+class SpecDecodeCollector:
+    """Speculative decoding's counters as vLLM names them (`<prefix>spec_decode_num_drafts_total`, ...), read from
+    the engine's stats at scrape time: drafts verified, draft tokens, accepted tokens, and accepted tokens by their
+    position in the draft (`position` label, 0 first)."""
+
+    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict | None]):
+        self.prefix, self.model_name, self.stats = prefix, model_name, stats
+
+    def collect(self):
+        stats = self.stats() or {}
+        labels, values = ["model_name", "engine"], [self.model_name, "0"]
+        for name, doc, key in (
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
+        ):
+            counter = CounterMetricFamily(self.prefix + name, doc, labels=labels)
+            counter.add_metric(values, stats.get(key, 0))
+            yield counter
+        per_pos = CounterMetricFamily(
+            self.prefix + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", labels=[*labels, "position"],
+        )
+        for position, count in enumerate(stats.get("spec_accepted_per_pos", ())):
+            per_pos.add_metric([*values, str(position)], count)
+        yield per_pos

@@ -16,6 +16,7 @@ from ..chat import Prompt
 from ..chat.tools import ToolPlan
 from ..engine.engine import Engine
 from ..engine.types import GenerationRequest
+from .errors import invalid_request
 from .protocol import SamplingFields
 from .response_format import OutputFormat, request_grammar
 from .sampling import choice_count, completion_budget, sampling_params
@@ -46,6 +47,8 @@ class GenerationPlan:
     """The tenant whose cached prefixes the request may share (`engine.prefix_cache_scope`): empty, everyone's."""
     adapter: str | None = None
     """The LoRA adapter the request's `model` names, None for the base model."""
+    prediction: str = ""
+    """Predicted Outputs' text (chat's `prediction.content`), drafted from by speculative decoding."""
 
 
 async def generation_request(plan: GenerationPlan, engine: Engine, max_model_len: int) -> GenerationRequest:
@@ -62,4 +65,14 @@ async def generation_request(plan: GenerationPlan, engine: Engine, max_model_len
         plan.request_id, prompt.token_ids, sampling, plan.arrival, pixel_values=prompt.pixel_values,
         crop_keys=prompt.cache_keys, grammar=grammar, n=n, cache_salt=f"{plan.cache_scope}/{salt}" if plan.cache_scope else salt,
         adapter=plan.adapter,
+        prediction=predicted_tokens(plan.prediction, engine, max_model_len), speculative=plan.sampling.speculative is not False,
     )
+
+
+def predicted_tokens(text: str, engine: Engine, max_model_len: int) -> tuple[int, ...]:
+    """The prediction's token ids; one longer than the context could never be an output (a 400)."""
+    if not text:
+        return ()
+    if len(text) > 8 * max_model_len or len(ids := engine.encode(text)) > max_model_len:  # chars: before tokenizing
+        raise invalid_request(f"`prediction` is longer than the context window ({max_model_len} tokens)", "prediction")
+    return tuple(ids)

@@ -92,6 +92,20 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     """Requests share cached prompt prefixes only with requests of the same salt (and, under
     `engine.prefix_cache_scope = key`, the same API key)."""
+    speculative: bool | None = None
+    """False: no speculative decoding for this request (the output is the same either way; only its speed differs)."""
+
+
+class Prediction(Struct):
+    """Predicted Outputs: text the output is expected to largely repeat (a file regenerated with a small change);
+    drafted from as the output aligns with it (engine/speculative/prediction.py)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class SamplingRequest(SamplingFields, kw_only=True, omit_defaults=True):
@@ -127,7 +141,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
-    prediction: dict[str, Any] | None = None
+    prediction: Prediction | None = None
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
 
@@ -137,7 +151,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
             "functions": (None, []),
             "function_call": (None, "none"),
             "audio": (None,),
-            "prediction": (None,),
             "reasoning_effort": (None,),
             "web_search_options": (None,),
             "modalities": (None, ["text"]),
@@ -155,11 +168,21 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Struct):
+    """Predicted Outputs' counts (sent when the request has a `prediction`)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class TopLogprob(Struct):

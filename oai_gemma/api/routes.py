@@ -91,7 +91,8 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.ready and not state.draining:
-        return _json({"status": "ok", "model": state.served_name, **state.engine.stats(), **state.engine.server_info()})
+        return _json({"status": "ok", "model": state.served_name, **state.engine.stats(), **state.engine.server_info(),
+                      "kv_cache_resident_bytes": state.engine.kv_cache_resident_bytes()})
     reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
     return _json({"status": "unavailable", "reason": reason}, status=503)
 

@@ -27,6 +27,7 @@ from .protocol import (
     ChatCompletionRequest,
     Choice,
     ChoiceLogprobs,
+    CompletionTokensDetails,
     Delta,
     FunctionCallDelta,
     PromptTokensDetails,
@@ -72,6 +73,7 @@ class ChatService(OpenAIServing):
             self.default_max_tokens, "messages", tools, chat_output_format(request.response_format),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None, n=request.n, cache_scope=cache_scope,
             adapter=self.adapter_of(request.model),
+            prediction=request.prediction.text if request.prediction else "",
         )
         return PreparedChat(request, await self.generation(plan), int(time.time()), tools)
 
@@ -91,7 +93,7 @@ class ChatService(OpenAIServing):
             raise generation_failure(None)
         _report(prepared, assemblers.values(), exchange)
         choices = [self._choice(a, prepared) for a in assemblers.values()]
-        usage = _usage([a.last for a in assemblers.values()])
+        usage = _usage([a.last for a in assemblers.values()], prepared.request.prediction is not None)
         response = ChatCompletion(prepared.generation.request_id, prepared.created, prepared.request.model, choices, usage)
         return encoder.encode(response)
 
@@ -125,7 +127,7 @@ class ChatService(OpenAIServing):
         _report(prepared, assemblers.values(), exchange)
         finished = [a.last for a in assemblers.values() if a.finish_reason is not None]
         if chunks.include_usage and finished:
-            yield chunks.usage(_usage(finished))
+            yield chunks.usage(_usage(finished, prepared.request.prediction is not None))
         yield DONE
 
 class _ChunkEncoder:
@@ -183,8 +185,12 @@ def _wire_delta(delta: ChoiceDelta) -> Delta:
     return Delta(tool_calls=[ToolCallDelta(delta.call, function=FunctionCallDelta(arguments=delta.arguments))])
 
 
-def _usage(last_events: list[TokenEvent]) -> Usage:
-    """One prompt, however many choices: completion tokens add up over the choices' last events."""
+def _usage(last_events: list[TokenEvent], predicted: bool = False) -> Usage:
+    """One prompt, however many choices: completion tokens add up over the choices' last events (so do Predicted
+    Outputs' accepted and rejected tokens, sent when the request had a `prediction`)."""
     prompt = last_events[0].num_prompt_tokens
     completion = sum(e.num_output_tokens for e in last_events)
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(last_events[0].num_cached_tokens))
+    details = CompletionTokensDetails(
+        sum(e.accepted_prediction_tokens for e in last_events), sum(e.rejected_prediction_tokens for e in last_events),
+    ) if predicted else msgspec.UNSET
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(last_events[0].num_cached_tokens), details)

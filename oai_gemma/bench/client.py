@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .prompts import messages_for
+from .edits import edit_prediction
+from .prompts import messages_for, response_format_for
 
 
 @dataclass
@@ -59,8 +60,9 @@ class LevelRun:
     results: list[RequestResult]
 
 
-def request_body(model: str, index: int, max_tokens: int, prompts: str = "short") -> dict:
-    return {
+def request_body(model: str, index: int, max_tokens: int, prompts: str = "short", prediction: bool = False) -> dict:
+    """`prediction`: the edit set's original function as Predicted Outputs."""
+    body = {
         "model": model,
         "messages": messages_for(index, prompts),
         "max_tokens": max_tokens,
@@ -68,6 +70,11 @@ def request_body(model: str, index: int, max_tokens: int, prompts: str = "short"
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if prediction:
+        body["prediction"] = {"type": "content", "content": edit_prediction(index)}
+    if (response_format := response_format_for(prompts)) is not None:
+        body["response_format"] = response_format
+    return body
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
@@ -121,6 +128,7 @@ async def run_level(
     prompts: str = "short",
     first: int = 0,
     route: Callable[[int, dict], dict] | None = None,
+    prediction: bool = False,
 ) -> LevelRun:
     """Send `num_requests` requests (request i uses prompt i, from `first` on) with at most `concurrency` in flight;
     `route(i, body)`: request i's body as sent (its LoRA adapter: bench/lora.py)."""
@@ -130,7 +138,7 @@ async def run_level(
     async with make_client(concurrency, timeout_s, api_key) as client:
 
         async def one(index: int) -> RequestResult:
-            body = request_body(model, index, max_tokens, prompts)
+            body = request_body(model, index, max_tokens, prompts, prediction)
             async with gate:
                 return await stream_one(client, url, route(index, body) if route else body)
 
@@ -141,13 +149,14 @@ async def run_level(
 
 
 async def warm_up(base_url: str, model: str, max_tokens: int, timeout_s: float, api_key: str | None,
-                  prompts: str = "short", route: Callable[[int, dict], dict] | None = None, count: int = 1) -> RequestResult:
+                  prompts: str = "short", route: Callable[[int, dict], dict] | None = None, count: int = 1,
+                  prediction: bool = False) -> RequestResult:
     """`count` untimed requests (one per LoRA adapter with `route`), so lazy first-request work (CB init, caches,
     kernels) is not counted in the sweep; the first failure, else the last result."""
     url = base_url.rstrip("/") + "/chat/completions"
     async with make_client(1, timeout_s, api_key) as client:
         for index in range(count):
-            body = request_body(model, 0, max_tokens, prompts)
+            body = request_body(model, 0, max_tokens, prompts, prediction)
             result = await stream_one(client, url, route(index, body) if route else body)
             if result.error:
                 break

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from .client import run_level, warm_up
 from .compare import LORA_SERVERS, SERVER_NAMES, build_spec, default_servers, free_port, running
-from .floor import engine_step_ms, health, read_bandwidth
+from .floor import engine_step_ms, health, read_bandwidth, speculation
 from .lora import prepare as prepare_lora, route as lora_route, served_adapters, time_load
-from .prompts import PROMPT_SETS, PROMPTS, QUESTIONS
+from .prompts import EDITS, JSON_SUBJECTS, PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
 from .stats import summarize_level
 
@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", choices=PROMPT_SETS, default="short",
                         help="the prompt set of oai_gemma/bench/prompts.py: "
                              + "; ".join(f"{name}: {what}" for name, what in PROMPT_SETS.items()))
+    parser.add_argument("--prediction", action="store_true",
+                        help="with --prompts edit: send each original function as Predicted Outputs (`prediction`)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may wait for its next byte")
     parser.add_argument("--bare", action="store_true", help="also time the bare model, loaded as the server loads it (in a child process, before the sweep; short prompt set only)")
@@ -134,7 +136,7 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         server["lora_adapters"] = len(adapters)
     for _ in range(args.warmup):
         result = await warm_up(base_url, model, args.max_tokens, args.request_timeout, args.api_key, args.prompts,
-                               route, len(adapters) if adapters else 1)
+                               route, len(adapters) if adapters else 1, prediction=args.prediction)
         if result.error:
             server["warmup_error"] = result.error
             print(f"[{label}] warm-up failed: {result.error}", file=sys.stderr)
@@ -152,10 +154,12 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
         first = sent if args.prompts == "shared" else 0
         before = health(health_url)
         run = await run_level(base_url, model, concurrency, num, args.max_tokens, args.request_timeout, args.api_key,
-                              args.prompts, first, route=route)
+                              args.prompts, first, route=route, prediction=args.prediction)
         sent += num
         level = summarize_level(run)
-        level["engine_step_ms"] = engine_step_ms(before, health(health_url))
+        after = health(health_url)
+        level["engine_step_ms"] = engine_step_ms(before, after)
+        level["speculation"] = speculation(before, after, level["output_tokens"])
         server["levels"].append(level)
         print(f"[{label}] c={concurrency:<3} n={num:<3} {level['output_tok_s']:7.1f} tok/s  "
               f"TTFT p50 {level['ttft_ms']['p50'] or 0:8.1f} ms  ITL p50 {level['itl_ms']['p50'] or 0:7.1f} ms  "
@@ -182,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.max_tokens < 1:
         print("--num-requests and --max-tokens must be >= 1", file=sys.stderr)
         return 2
+    if args.prediction and args.prompts != "edit":
+        print("--prediction needs --prompts edit (the original functions are the predictions)", file=sys.stderr)
+        return 2
     settings = load_settings().model
     device = pick_device(settings)
     dtype = str(pick_dtype(settings, device)).removeprefix("torch.")
@@ -199,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
             "prompts": args.prompts,
-            "num_prompts": len(QUESTIONS if args.prompts == "shared" else PROMPTS),
+            "prediction": args.prediction,
+            "num_prompts": len({"shared": QUESTIONS, "edit": EDITS, "json": JSON_SUBJECTS}.get(args.prompts, PROMPTS)),
             "lora": {"adapters": args.lora, "rank": None if args.lora_dir else args.lora_rank, "dir": args.lora_dir} if args.lora else None,
         },
         "bare": None,
@@ -230,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                         server["lora_load_s"] = load_s = time_load(spec.base_url, lora.spare, args.api_key)
                         print(f"[{name}] loading one more adapter at run time: {load_s} s", file=sys.stderr)
                 server["command"], server["ready_s"] = shlex.join(spec.argv), ready_s
-                if name == "llama-server":  # it reads its GGUF's tensors once a token
+                if name.startswith("llama-server"):  # it reads its GGUF's tensors once a token
                     server["decode_bytes"] = Path(spec.argv[spec.argv.index("-m") + 1]).stat().st_size
             except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
                 print(f"[{name}] failed: {exc}", file=sys.stderr)

@@ -20,17 +20,21 @@ import httpx
 
 import oai_gemma
 
-SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "ours-none", "transformers", "transformers-cb",
-                "transformers-cb-our-dtype", "tutorial", "llama-server", "ours-lora", "llama-server-lora")
+SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "ours-none", "ours-spec-off", "transformers", "transformers-cb",
+                "transformers-cb-our-dtype", "tutorial", "llama-server", "llama-server-ngram", "ours-lora", "llama-server-lora")
 LORA_SERVERS = ("ours-lora", "llama-server-lora")
 """Serving `--lora N` adapters, requests spread over them (bench/lora.py); only with --lora."""
 LLAMA_SERVER_ENV = "OAI_GEMMA_LLAMA_SERVER"
 """The `llama-server` binary to compare with (else the one on PATH): built from source, see docs/benchmarks.md."""
 OURS_FLAGS = {"ours": [], "ours-no-prefix-cache": ["--no-prefix-caching"], "ours-int4": ["--quantization", "int4"],
-              "ours-none": ["--quantization", "none"], "ours-lora": []}
+              "ours-none": ["--quantization", "none"], "ours-spec-off": ["--speculative", "off"], "ours-lora": []}
 """What each of our variants adds to `oai-gemma serve` (after --ours-args)."""
 SHARED_SERVERS = ("ours", "ours-no-prefix-cache", "llama-server")
 """The shared prompt set's default comparison: the servers its targets name (issue 12)."""
+EDIT_SERVERS = ("ours", "ours-spec-off", "llama-server", "llama-server-ngram")
+"""The edit prompt set's default comparison: speculative decoding on and off, llama-server's n-gram drafts (issue 26)."""
+LLAMA_NGRAM_FLAGS = ["--spec-type", "ngram-simple"]
+"""llama-server's own n-gram speculation (its defaults: an n-gram of 12 looked up, drafts of up to 48 tokens)."""
 LLAMA_SLOT_CONTEXT = 2048
 """llama-server's context per slot (the short prompts need a few hundred tokens, the shared ones ~1,100)."""
 PACKAGE_PARENT = Path(oai_gemma.__file__).resolve().parent.parent
@@ -80,7 +84,7 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
         flags = lora.ours_flags() if name == "ours-lora" else OURS_FLAGS[name]
         return ServerSpec(name, argv + flags, port, "gemma-3-270m")
     if name.startswith("llama-server"):
-        extra = lora.llama_flags(model_dir) if name == "llama-server-lora" else []
+        extra = {"llama-server-ngram": LLAMA_NGRAM_FLAGS, "llama-server-lora": lora.llama_flags(model_dir) if lora else []}.get(name, [])
         return ServerSpec(name, llama_server_argv(port, slots) + extra, port, "gemma-3-270m")
     if name.startswith("transformers"):
         # the positional model is preloaded before the port opens and pins the server: requests must name it.
@@ -101,12 +105,14 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
 
 
 def default_servers(prompts: str = "short") -> list[str]:
-    """`--compare`'s servers: for the short set all but ours-no-prefix-cache and ours-none, for the shared set SHARED_SERVERS;
-    llama-server only where its binary is found."""
-    names = SHARED_SERVERS if prompts == "shared" else [
-        n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none", *LORA_SERVERS)
-    ]
-    return [name for name in names if name != "llama-server" or llama_server_binary() is not None]
+    """`--compare`'s servers: for the short set all but our A/B variants, llama-server-ngram and the `--lora` servers,
+    for the shared set SHARED_SERVERS, for the edit and json sets EDIT_SERVERS; llama-server only where its binary is
+    found."""
+    if prompts in ("shared", "edit", "json"):
+        names = SHARED_SERVERS if prompts == "shared" else EDIT_SERVERS
+    else:
+        names = [n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none", "ours-spec-off", "llama-server-ngram", *LORA_SERVERS)]
+    return [name for name in names if not name.startswith("llama-server") or llama_server_binary() is not None]
 
 
 def llama_server_binary() -> str | None:

@@ -52,6 +52,24 @@ def engine_step_ms(before: dict, after: dict) -> float | None:
         return None
 
 
+def speculation(before: dict, after: dict, output_tokens: int) -> dict | None:
+    """Speculative decoding between two of ours' `/health` answers: the share of draft tokens accepted, the mean
+    draft length, and the output tokens per engine step (at concurrency 1: per forward of the model); None for a
+    server that does not report them."""
+    try:
+        drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
+        drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+        accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+        steps = after["steps"] - before["steps"]
+    except (KeyError, TypeError):
+        return None
+    return {
+        "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance": accepted / drafted if drafted else None, "draft_len": drafted / drafts if drafts else None,
+        "tokens_per_step": output_tokens / steps if steps else None,
+    }
+
+
 def floor_table(servers: dict, bandwidth: float | None, markdown: bool = False) -> str | None:
     """Per server, at one stream: its bytes per token, the floor they imply, ITL p50 against it, and for ours the
     engine's mean step and what the server adds to it per token (ITL p50 - step)."""

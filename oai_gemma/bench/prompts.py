@@ -1,6 +1,9 @@
 """The fixed prompt sets. `short`: requests that make the model write long, since `ignore_eos` is not an OpenAI
 field. `shared`: one ~1,000-token system prompt (a support assistant's policies) in every request, then a distinct
-short question each: the workload of a cross-request prefix cache (issue 12)."""
+short question each: the workload of a cross-request prefix cache (issue 12). `edit`: real functions asked back
+with one name changed (bench/edits.py): the output copies the prompt, where speculative decoding pays (issue 26)."""
+
+from .edits import EDITS, edit_messages
 
 PROMPTS: tuple[str, ...] = (
     "Write a long story about a lighthouse keeper who finds a message in a bottle.",
@@ -149,10 +152,41 @@ QUESTIONS: tuple[str, ...] = (
 )
 
 
+JSON_SUBJECTS: tuple[str, ...] = (
+    "a lighthouse keeper", "a mountain bicycle", "a small bakery", "a river ferry", "a public library",
+    "a chess club", "a vegetable garden", "a night train", "a fishing village", "a museum of clocks",
+    "a desert expedition", "a music school", "a city park", "a space probe", "a farmers' market", "a ski resort",
+)
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "category": {"type": "string"}, "founded_year": {"type": "integer"},
+        "location": {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+                     "required": ["city", "country"]},
+        "features": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 5},
+        "rating": {"type": "number"}, "open_all_year": {"type": "boolean"}, "summary": {"type": "string"},
+    },
+    "required": ["name", "category", "founded_year", "location", "features", "rating", "open_all_year", "summary"],
+}
+"""The `json` set's schema (sent as `response_format` json_schema): many keys, a nested object, an array."""
+
+
+def response_format_for(prompts: str) -> dict | None:
+    """The `json` set's structured output; None for the others."""
+    if prompts != "json":
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "record", "schema": JSON_SCHEMA, "strict": True}}
+
+
 def messages_for(index: int, prompts: str = "short") -> list[dict[str, str]]:
     """The chat messages of request `index` in a prompt set, the same on every server. `shared`: the one system
     prompt, then question `index` (cycling) led by its request number, so that no two requests share more than the
     system prompt and a few tokens (a prefix cache hits whole 16-token blocks)."""
+    if prompts == "edit":
+        return edit_messages(index)
+    if prompts == "json":
+        subject = JSON_SUBJECTS[index % len(JSON_SUBJECTS)]
+        return [{"role": "user", "content": f"Describe {subject} as a JSON record, inventing plausible details."}]
     if prompts == "shared":
         question = QUESTIONS[index % len(QUESTIONS)]
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"Ticket {index}: {question}"}]
@@ -163,5 +197,9 @@ PROMPT_SETS = {
     "short": f"{len(PROMPTS)} fixed user prompts that ask for long texts",
     "shared": f"one ~1,000-token system prompt shared by every request, then one of {len(QUESTIONS)} short "
               "questions, led by the request's number",
+    "json": f"{len(JSON_SUBJECTS)} requests for a JSON record of a subject, under one JSON schema of eight keys "
+            "(`response_format` json_schema)",
+    "edit": f"{len(EDITS)} real functions (this project's own) asked back with one name changed: the answer copies "
+            "the prompt (with --prediction, the original function is sent as Predicted Outputs)",
 }
 """The `--prompts` choices and how the report describes them."""

@@ -33,6 +33,10 @@ NOTES = (
     "`F.linear` as a bmm that first copies the whole vocabulary matrix (~0.8 s here), while with trainable "
     "weights (a plain `from_pretrained`, as the tutorial server and `transformers serve` load) it does not. "
     "That stock figure is reported next to it.",
+    "Speculative decoding (ours; issue 26): `accept` is the share of draft tokens the model accepted, `draft len` "
+    "the mean draft's tokens, `tok/step` the output tokens per engine step (at concurrency 1, per forward of the "
+    "model), read from `/health` before and after each level; `-` where a server does not report them. A chunk may "
+    "then carry several tokens, so TPOT, not ITL, is the per-token figure.",
 )
 SHARED_NOTE = (
     "Shared prompt set: every request carries the same ~1,000-token system prompt (about 1,010 tokens with the "
@@ -65,7 +69,15 @@ COLUMNS = (
     ("TPOT p50", lambda s: _f(s["tpot_ms"]["p50"])),
     ("E2E p50", lambda s: _f(s["e2e_ms"]["p50"])),
     ("E2E p99", lambda s: _f(s["e2e_ms"]["p99"])),
+    ("accept", lambda s: _f(_spec(s, "acceptance"), 2)),
+    ("draft len", lambda s: _f(_spec(s, "draft_len"))),
+    ("tok/step", lambda s: _f(_spec(s, "tokens_per_step"), 2)),
 )
+
+
+def _spec(level: dict, key: str) -> float | None:
+    """A speculative-decoding figure of a level (bench/floor.py `speculation`), None where not reported."""
+    return (level.get("speculation") or {}).get(key)
 
 
 def _grid(header: list[str], rows: list[list[str]], markdown: bool) -> str:
@@ -153,7 +165,8 @@ def _prompt_set(meta: dict) -> str:
 
 
 def prompt_set_line(meta: dict) -> str:
-    return f"prompt set: {_prompt_set(meta)} ({PROMPT_SETS[_prompt_set(meta)]})"
+    predicted = ", each request with its Predicted Output (--prediction)" if meta.get("prediction") else ""
+    return f"prompt set: {_prompt_set(meta)} ({PROMPT_SETS[_prompt_set(meta)]}){predicted}"
 
 
 def bare_table(servers: dict[str, dict], bare: dict, markdown: bool = False) -> str | None:

@@ -23,7 +23,7 @@ from ..settings import Settings
 from .cache.memory import blocks_within_budget
 from .lora.adapter import LoraModule, parse_module
 from .model import native
-from .model.quantized import FORMAT, resolve as resolve_quantization
+from .model.quantized import FORMAT, q8_lm_head, resolve as resolve_quantization
 
 if TYPE_CHECKING:
     from .model.loader import LoadedModel
@@ -86,11 +86,26 @@ class EngineConfig:
     def lora_enabled(self) -> bool:
         """Adapters are served: the engine keeps a registry (without it, no step pays anything for LoRA)."""
         return bool(self.lora_modules) or self.lora_runtime_loading
+    speculative: str = "ngram"
+    """`engine.speculative` as resolved: `ngram` (drafts from prompt lookup and Predicted Outputs) or `off`
+    (`auto` is `ngram` on the dynamic path, `off` with static decode: a drafted step runs dynamic)."""
+    speculative_k: int = 32
+    """Most draft tokens one sequence carries into a step."""
+    speculative_budget: int = 32
+    """Most decode tokens (each row's own and the drafts) a step carries while it adds drafts."""
+    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = 2
+    """Prompt lookup's longest n-gram and its minimum match (also the Predicted Output's realignment)."""
+
+    @property
+    def max_logits_rows(self) -> int:
+        """A step's most logits rows: one per sequence, and one per draft token (engine/speculative/planner.py)."""
+        return max(self.max_num_seqs, self.speculative_budget if self.speculative != "off" else 0)
 
     @property
     def max_tokens_per_step(self) -> int:
-        """A step's most tokens: one prefill chunk (or one whole image) and every row's decode token."""
-        return max(self.max_prefill_tokens, self.image_tokens) + self.max_num_seqs
+        """A step's most tokens: one prefill chunk (or one whole image) and every row's decode token and drafts."""
+        return max(self.max_prefill_tokens, self.image_tokens) + self.max_logits_rows
 
     def as_dict(self) -> dict[str, object]:
         """Plain data (paths as strings), as the start-up log and `/v1/server_info` show it."""
@@ -122,6 +137,10 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
         max_backlog=settings.server.max_stream_backlog,
         threads=compute_thread_count(), cache_dir=cache_dir, native_dir=native_dir,
         **_lora(settings, static),
+        speculative="off" if engine.speculative == "off" or (engine.speculative == "auto" and static) else "ngram",
+        speculative_k=engine.speculative_k, speculative_budget=engine.speculative_budget,
+        speculative_ngram_max=engine.speculative_ngram_max,
+        speculative_ngram_min=min(engine.speculative_ngram_min, engine.speculative_ngram_max),
     )
 
 
@@ -181,5 +200,5 @@ def _quantized_file(cache_dir: Path, source_dir: str, quantization: str, dtype: 
     """Quantized weights kept between starts, named by the model, the setting, the dtype, torch's version (its
     int4 layout is torch's own) and the stored layout's version."""
     model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source_dir).resolve()).strip("/"))
-    name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}.safetensors"
+    name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}{'q8' if q8_lm_head() else ''}.safetensors"
     return cache_dir / "quantized" / name

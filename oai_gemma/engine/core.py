@@ -30,6 +30,8 @@ from .sampling.postprocess import Events, Limits, finish, postprocess
 from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
 from .scheduler import Scheduler
+from .speculative.planner import Speculator
+from .speculative.verify import accept, sampler_rows
 from .sequence import ParentRequest, Sequence, Step
 from .types import GenerationRequest, TokenEvent, completion_room
 
@@ -52,10 +54,12 @@ class EngineCore:
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,
                  cache.nbytes / 2**30, "on" if config.prefix_caching else "off")
+        self.speculator = Speculator(config)
         self.scheduler = Scheduler(
             BlockPool(cache.num_blocks, cache.block_size, caching=config.prefix_caching), config.max_num_seqs,
             config.max_prefill_tokens, config.max_model_len, reuse_decoded=not self.runner.batch_invariant,
             adapters=self.adapters,
+            speculator=self.speculator if self.speculator.on else None,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,6 +116,7 @@ class EngineCore:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps,
             "step_seconds": self.step_seconds,
             "kv_cache_usage": 1 - pool.available / pool.num_blocks, "prefix_cache_usage": len(pool.cached) / pool.num_blocks,
+            **self.speculator.stats(),
         }
 
     # ---- the engine thread ----------------------------------------------------------------------
@@ -151,7 +156,7 @@ class EngineCore:
 
     def _sequence(self, request: GenerationRequest, sink, index: int) -> Sequence:
         seed = request.sampling.seed
-        return Sequence(
+        seq = Sequence(
             request=request,
             sink=sink,
             # each choice its own stream of uniforms, still reproducible from the request's seed
@@ -164,6 +169,8 @@ class EngineCore:
                 budget=min(request.sampling.max_tokens, completion_room(self.limits.max_model_len, len(request.prompt_token_ids)))
             ),
         )
+        seq.speculation = self.speculator.start(request, grammar=seq.matcher is not None)
+        return seq
 
     def _admit(self, request: GenerationRequest, sink) -> None:
         prompt = request.prompt_token_ids
@@ -224,8 +231,10 @@ class EngineCore:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             self._prompt_logprobs(step)
             logits, sampled = self._fork(logits, step.sampled)
-            logits = self.grammar_masks.apply(logits, [seq.matcher for seq in sampled])
-            tokens, logprobs = sample_with_logprobs(logits, sampled, self.limits.eos_token_ids)
+            rows = sampler_rows(sampled)  # a drafted sequence has a row per draft, and one more
+            logits = self.grammar_masks.apply(logits, [row.matcher for row in rows])
+            tokens, logprobs = sample_with_logprobs(logits, rows, self.limits.eos_token_ids)
+            runs = accept(sampled, step, tokens, logprobs, self.speculator)
         except Exception as exc:  # the culprits fail alone; the engine keeps serving
             log.exception("engine step failed")
             # a new prompt (huge, or with a bad image) is the likely cause: fail the prefills and let the
@@ -238,7 +247,7 @@ class EngineCore:
             return
         self.scheduler.advance(step)
         self.steps += 1
-        self._deliver(postprocess(self.scheduler, self.limits, sampled, tokens, logprobs, time.perf_counter()))
+        self._deliver(postprocess(self.scheduler, self.limits, sampled, runs, time.perf_counter()))
         self.step_seconds += time.perf_counter() - started
 
     def _prompt_logprobs(self, step: Step) -> None:

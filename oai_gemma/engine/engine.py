@@ -114,11 +114,12 @@ class Engine:
     def warm_up(self) -> None:
         """Run every step shape once before serving: the first user request must not pay for compilation."""
         warm_up(self.core, lambda: self.grammars)
+        self.build_grammars()
 
     def build_grammars(self) -> Future:
         """Start the grammar compiler's build, once, on its own thread (seconds holding the GIL: the vocabulary's
-        token trie): once the server has said it is ready (`api/app.py`; beside warm-up it stalled warm-up's
-        steps and the ready line on a 2-core machine), or at the first structured request, whichever comes first."""
+        token trie): after warm-up, whose steps it would stall on a 2-core machine, or at the first structured
+        request, whichever comes first."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = _in_background(build_grammars, *self._grammar_inputs)
@@ -206,6 +207,12 @@ class Engine:
         the weights as built (`batch_invariant`: the mode as the runner's start-up check found it)."""
         adapters = {"lora_adapters": self.adapters.describe()} if self.adapters is not None else {}
         return {"engine_config": self.config.as_dict(), **self.weights_report(), **adapters}
+
+    def kv_cache_resident_bytes(self) -> int:
+        """Bytes of the KV cache backed by memory now: it grows, up to `engine.kv_cache_gib`, as blocks are first
+        written (prefix caching keeps released blocks and hands out never-used ones first), which a memory soak
+        tells apart from a leak (`/health`; a pagemap read of ~2 MB, so not in `stats()`, which every scrape reads)."""
+        return self.core.runner.cache.resident_bytes()
 
     def weights_report(self) -> dict[str, object]:
         """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on."""

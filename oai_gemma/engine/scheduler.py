@@ -46,12 +46,14 @@ def _chunk_embeds(seq: Sequence, start: int, end: int):
 class Scheduler:
     def __init__(
         self, pool: BlockPool, max_seqs: int, max_prefill_tokens: int, max_len: int, reuse_decoded: bool = True,
-        adapters: LoraRegistry | None = None,
+        adapters: LoraRegistry | None = None, speculator=None,
     ):
         """`reuse_decoded`: generated tokens' blocks are offered to later requests too, not only prompts' (off in
         batch-invariant mode: a decoded token's KV differs in its last bits from the same token prefilled).
-        `adapters`: the LoRA registry; a sequence with an adapter is admitted once a slot holds it."""
+        `adapters`: the LoRA registry; a sequence with an adapter is admitted once a slot holds it.
+        `speculator`: gives decoding sequences their drafts each step (engine/speculative/planner.py)."""
         self.pool = pool
+        self.speculator = speculator
         self.max_seqs = max_seqs
         self.max_len = max_len
         self.reuse_decoded = reuse_decoded
@@ -152,17 +154,20 @@ class Scheduler:
             seq.adapter = 0
 
     def advance(self, step: Step) -> None:
-        """Count the tokens the step wrote into the cache; the blocks it filled become reusable."""
-        for seq, item in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes):
+        """Count the tokens the step wrote into the cache; the blocks it filled become reusable.
+        A drafted decode item was cut back to its accepted positions (engine/speculative/verify.py) before this."""
+        decoding = [False] * len(step.prefills) + [True] * len(step.decodes)
+        for seq, item, decode in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes, decoding):
             before = seq.num_computed // self.size
             seq.num_computed += len(item.token_ids)
             for index in range(before, seq.num_computed // self.size):
                 self.pool.written(seq.blocks[index])
                 if index == len(seq.hashes) and self.reuse_decoded:  # a block of generated tokens filled up
-                    self._index_generated(seq, index)
+                    self._index_generated(seq, index, item.token_ids[1:] if decode else [])
 
-    def _index_generated(self, seq: Sequence, index: int) -> None:
-        keys = seq.cache_keys + seq.output_ids
+    def _index_generated(self, seq: Sequence, index: int, accepted: list[int]) -> None:
+        """`accepted`: drafts this step kept, not in `output_ids` yet."""
+        keys = seq.cache_keys + seq.output_ids + accepted
         tokens = keys[index * self.size : (index + 1) * self.size]
         seq.hashes += block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else salt_root(seq.request.cache_salt))
         if len(seq.hashes) > index:
@@ -188,11 +193,15 @@ class Scheduler:
                 self.waiting.remove(seq)
         prefills, decodes, prefill_seqs, decode_seqs = [], [], [], []
         budget = self.max_prefill_tokens
+        if self.speculator is not None:
+            self.speculator.plan([seq for seq in self.running if not seq.in_prefill], self.max_len)
         for seq in self.running:
             if not seq.in_prefill:
-                if seq.num_computed == len(seq.blocks) * self.size:
-                    seq.blocks += self.pool.allocate(1)  # kept free for it since admission
-                decodes.append(StepItem(seq.blocks, [seq.output_ids[-1]], seq.num_computed))
+                tokens = [seq.output_ids[-1], *seq.draft]
+                missing = -(-(seq.num_computed + len(tokens)) // self.size) - len(seq.blocks)
+                if missing > 0:
+                    seq.blocks += self.pool.allocate(missing)  # kept free for it since admission
+                decodes.append(StepItem(seq.blocks, tokens, seq.num_computed, num_logits=len(tokens)))
                 decode_seqs.append(seq)
             elif budget > 0:
                 start = seq.num_computed

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
     from .sampling.json_document import DocumentMatcher
     from .sampling.sampler import RowRandom
+    from .speculative.planner import Speculation
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]]] | None]
 """One entry per prompt token (None for the first): its logprob and the most likely tokens at that position."""
@@ -45,6 +46,9 @@ class StepItem:
     hidden: torch.Tensor | None = None
     adapter: int = 0
     """The LoRA adapter's resident slot its tokens run under (engine/lora/); 0: the base model."""
+    num_logits: int = 1
+    """How many trailing positions want logits (with `want_logits`): a decode row carrying k draft tokens wants k + 1
+    (engine/speculative/)."""
 
 
 @dataclass(eq=False)
@@ -85,6 +89,10 @@ class Sequence:
     """The LoRA adapter the request names (engine/lora/registry.py), else None."""
     adapter: int = 0
     """Its adapter's resident slot while it runs (acquired at admission, released when it ends); 0: none."""
+    draft: list[int] = field(default_factory=list)
+    """Tokens proposed to follow `output_ids` in the next step (speculative decoding), verified by that step."""
+    speculation: Speculation | None = None
+    """Its draft sources, draft length and acceptance counts; None when it does not speculate."""
 
     @property
     def sampling(self) -> SamplingParams:

@@ -73,6 +73,11 @@ class GenerationRequest:
     puts the caller's tenant in it where `engine.prefix_cache_scope` is `key`)."""
     adapter: str | None = None
     """The LoRA adapter to run under (its name, a request's `model`), else None: the base model."""
+    prediction: tuple[int, ...] = ()
+    """Predicted Outputs: the token ids of the text the output is expected to resemble, drafted from as it aligns
+    (engine/speculative/prediction.py)."""
+    speculative: bool = True
+    """False: this request never carries drafts (the `"speculative": false` extension)."""
 
 
 @dataclass
@@ -103,5 +108,10 @@ class TokenEvent:
     """On a choice's first event, when asked for: one entry per prompt token, None for the first (nothing
     precedes it), else (its logprob, [(id, logprob)] of the most likely tokens at that position)."""
     error: str | None = None
+    drafted: bool = False
+    """The token was a draft the model accepted (speculative decoding): it came without a step of its own."""
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    """Predicted Outputs: prediction tokens that appeared in the output so far, and those drafted but rejected."""
     scheduled_time: float | None = field(default=None)
     """On the first event: when the request got a batch slot (queue time = scheduled - arrival)."""

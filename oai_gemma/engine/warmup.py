@@ -4,7 +4,6 @@ for kernel compilation (oneDNN per shape on a CPU, CUDA graphs and the grammar m
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -29,6 +28,8 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
         runner.forward([StepItem(scratch, [0] * min(size, core.limits.max_model_len), 0)], [])
     for rows in runner.row_buckets:
         logits = runner.forward([], [StepItem(scratch, [0], 0) for _ in range(rows)])
+    for rows in runner.logits_buckets[len(runner.row_buckets) :]:  # draft rows beyond the batch's (speculative decoding)
+        runner.logits_of(torch.zeros(rows, runner.config.hidden_size, dtype=runner.dtype))
     runner.capture_decode_graphs()
     rows = [
         PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),
@@ -46,15 +47,14 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
 
 
 def build_grammars(tokenizer, eos_token_ids: list[int], masks: GrammarMasks, vocab_limit: int, device: torch.device) -> GrammarCompiler:
-    """The grammar compiler (seconds of one core: the vocabulary's token trie). It runs once the server is ready,
-    beside serving: a structured request in the first seconds waits for it (off the event loop). The CPU mask kernel is warmed here too; a GPU's is warmed on the engine thread,
+    """The grammar compiler (seconds of one core: the vocabulary's token trie). It runs beside warm-up and
+    serving: on a CPU the server is ready without it, and a structured request in the first seconds waits for
+    it (off the event loop). The CPU mask kernel is warmed here too; a GPU's is warmed on the engine thread,
     which owns the device (`warm_up`)."""
-    started = time.monotonic()
     try:
         compiler = GrammarCompiler(tokenizer, eos_token_ids)
         if device.type == "cpu":
             masks.apply(torch.zeros(1, vocab_limit), [compiler.json_object().matcher()])
-        log.info("structured output: grammar compiler built in %.1f s", time.monotonic() - started)
     except Exception as exc:  # a tokenizer llguidance cannot read (e.g. a stand-in): serve without it
         log.warning("structured output is unavailable for this tokenizer: %s", exc)
         raise

@@ -142,6 +142,41 @@ class NativeInt8Linear(QuantizedLinear):
         return y
 
 
+class NativeQ8Linear(NativeInt8Linear):
+    """The lm_head's int8 copy wherever the native kernel runs: the same int8 weights and scales laid out as [N/16,
+    K/4, 16, 4], the activations quantized per block of 32 inputs in the kernel (llama.cpp's Q8_0), int8 x int8
+    products (woq_int8.c `q8_linear`: VNNI's vpdpbusd, else AVX2's vpmaddubsw): a step of few rows no longer waits on widening 168M weights to float32
+    (issue 27; measured in docs/engine.md, quality in its table). The projections keep float32 activations: their
+    inputs have outliers that 8 bits do not hold (fbgemm's per-call scale: +23% perplexity there)."""
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        if n % 16 or k % 32:
+            raise ValueError(f"the int8 x int8 kernel needs N % 16 == 0 and K % 32 == 0; this layer is {n} x {k}")
+        q, self.scale = int8_per_channel(weight)
+        self.packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+    def dequantized(self) -> torch.Tensor:
+        groups, quads, _, _ = self.packed.shape
+        return self.packed.permute(0, 2, 1, 3).reshape(groups * 16, quads * 4).float() * self.scale[:, None]
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if x.shape[0] >= KERNEL_ROWS:
+            return F.linear(x.float(), self.dequantized()).to(out_dtype)
+        x = x.contiguous()
+        rows, k = x.shape
+        n = self.scale.numel()
+        y = torch.empty(rows, n, dtype=out_dtype)
+        native.q8_linear()(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr(),
+                           x.dtype == torch.bfloat16, out_dtype == torch.bfloat16, native.cpu_has_vnni())
+        return y
+
+
+def q8_lm_head() -> bool:
+    """The lm_head's int8 copy is `NativeQ8Linear` here (the model cache's file name says so: another layout)."""
+    return native_unavailable() is None
+
+
 PER_STEP_ROWS = {"AVX512": 8, "AVX2": 4}
 """`per-step`: calls of fewer rows than this (by the native kernel's instruction set) go through the int8 kernel,
 the others through packed bf16 (busy-machine medians, 2026-12-05, benchmarks/weight_only_kernels.py --step
@@ -233,10 +268,11 @@ def linear_for(quantization: str, name: str, dtype: torch.dtype):
     """The quantized linear class for weight `name` (`lm_head` or a projection) under a `model.quantization`
     value and the model's dtype; None: that weight stays as it is (packed float32). `per-step`: the int8 copy,
     which the runner pairs with the packed weight (`PerStepLinear`)."""
+    native_lm_head = NativeQ8Linear if name == "lm_head" and q8_lm_head() else NativeInt8Linear
     if quantization == "per-step":
-        return NativeInt8Linear
+        return native_lm_head
     if dtype == torch.float32 and native_unavailable() is None:
-        return DynamicInt8Linear if quantization == "int4" and name == "lm_head" else NativeInt8Linear
+        return DynamicInt8Linear if quantization == "int4" and name == "lm_head" else native_lm_head
     if dtype == torch.float32 and quantization == "int4":
         return DynamicInt8Linear if name == "lm_head" else None
     if quantization == "int4" and name == "lm_head":

@@ -117,6 +117,8 @@ class ModelRunner:
         self.num_slots = num_slots
         """Most rows a step samples (the scheduler's batch size)."""
         self.row_buckets = buckets(num_slots)
+        self.logits_buckets = buckets(config.max_logits_rows)
+        """Logits rows of a step: the rows' and their drafts' (speculative decoding)."""
         self.token_buckets = buckets(config.max_tokens_per_step)
         if config.batch_invariant == "on" and config.quantization == "per-step":  # one layout whatever a step's rows
             for linear in [self.lm_head_linear, *(p for w in self.weights for p in w)]:
@@ -234,10 +236,16 @@ class ModelRunner:
     def forward(self, prefills: list[StepItem], decodes: list[StepItem]):
         """Run one step; returns logits [rows, vocab] (model dtype) for the items with `want_logits`, in order
         prefills then decodes."""
-        if self.static is not None and decodes and not prefills:
+        if self.static is not None and decodes and not prefills and all(len(it.token_ids) == 1 for it in decodes):
             return self.static.run(decodes)
-        batch = self._pack(prefills, decodes)
-        return self._logits(batch, self._layers(batch))
+        # a decode item with drafts (engine/speculative/) runs as a short prefill chunk, its past gathered once;
+        # in batch-invariant mode as one decode row per position, computed exactly as plain decode steps are
+        drafted = [] if self.batch_invariant else [it for it in decodes if len(it.token_ids) > 1]
+        if drafted:
+            batch = self._pack(prefills + drafted, [it for it in decodes if len(it.token_ids) == 1])
+        else:
+            batch = self._pack(prefills, decodes)
+        return self._logits(batch, self._layers(batch), prefills + decodes)
 
     def _pack(self, prefills: list[StepItem], decodes: list[StepItem]) -> Batch:
         """The step's token ids and positions as tensors, padded to a token bucket: a few shapes only, each
@@ -255,7 +263,9 @@ class ModelRunner:
         decode = {}
         if decodes:
             step = self.invariance.span_step if self.invariance else 0
-            tables, starts = [it.blocks for it in decodes], [it.start for it in decodes]
+            # a decode item with drafts is one row per position, each over its own past (engine/speculative/)
+            tables = [it.blocks for it in decodes for _ in it.token_ids]
+            starts = [it.start + i for it in decodes for i in range(len(it.token_ids))]
             for sliding in set(self.cache.sliding):
                 keys = decode_keys(tables, starts, self.cache.window if sliding else None, self.cache, step)
                 decode[sliding] = keys.to(self.input_device)
@@ -312,30 +322,33 @@ class ModelRunner:
             ))
             offset += len(it.token_ids)
         if batch.decodes:
-            sl = slice(offset, offset + len(batch.decodes))
+            sl = slice(offset, k.shape[0] - batch.pad)
             outs.append(decode_attention(self.cache, li, decode[self.cache.sliding[li]], q[sl], self.scaling))
         if batch.pad:
             outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _logits(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of each item's last position that wants them; keeps the hidden states asked for."""
-        rows, offset = [], 0
+    def _logits(self, batch: Batch, hidden: torch.Tensor, order: list[StepItem]) -> torch.Tensor:
+        """Logits of each item's last `num_logits` positions when it wants them, items in `order`; keeps the hidden
+        states asked for."""
+        ends, offset = {}, 0
         for it in batch.items:
             if it.keep_hidden:
                 it.hidden = hidden[offset : offset + len(it.token_ids)]
             offset += len(it.token_ids)
-            if it.want_logits:
-                rows.append(offset - 1)
+            ends[id(it)] = offset
+        rows = [row for it in order if it.want_logits for row in range(ends[id(it)] - it.num_logits, ends[id(it)])]
         if not rows:
             return torch.empty(0, self.config.vocab_size)
-        return self.logits_of(hidden[rows])
+        most = self.logits_buckets[-1]
+        parts = [self.logits_of(hidden[rows[lo : lo + most]]) for lo in range(0, len(rows), most)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of last-layer hidden states [rows, hidden] (at most the largest row bucket).
         The rows are padded to a row bucket: the lm_head runs only at the shapes warm-up compiled."""
         wanted = hidden.shape[0]
-        padded = bucket(wanted, self.row_buckets)
+        padded = bucket(wanted, self.logits_buckets)
         if padded > wanted:
             hidden = torch.cat((hidden, hidden[-1:].expand(padded - wanted, -1)))
         normed = self.text_model.norm(hidden.to(self.device))

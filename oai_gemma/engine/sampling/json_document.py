@@ -18,6 +18,7 @@ again and again, or digits without end) until `max_tokens` cuts the document and
 from __future__ import annotations
 
 import bisect
+import copy
 
 import llguidance
 import numpy as np
@@ -203,6 +204,24 @@ class DocumentMatcher:
 
     def is_stopped(self) -> bool:
         return self.matcher.is_stopped()
+
+    def forced_run(self, most: int) -> list[int]:
+        """Up to `most` tokens the grammar forces from here (speculative decoding's drafts), none while this
+        document is being closed (or soon may be): those steps are planned one token at a time."""
+        if self.plan is not None or self.calm or self.matcher.is_stopped():
+            return []
+        forced = self.matcher.compute_ff_tokens()[:most]
+        if self.budget is not None and self.budget - len(forced) - 1 <= self._next_check:
+            return []
+        return forced
+
+    def probe(self, token: int) -> "DocumentMatcher":
+        """A copy that has taken `token`: a draft row's grammar state (engine/speculative/verify.py)."""
+        probe = copy.copy(self)
+        probe.matcher, probe.cursor = self.matcher.deep_copy(), self.cursor.copy()
+        probe.plan = None if self.plan is None else list(self.plan)
+        probe.consume_token(token)
+        return probe
 
     def get_error(self) -> str:
         return self.matcher.get_error()

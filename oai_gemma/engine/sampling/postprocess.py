@@ -25,30 +25,40 @@ class Limits:
     max_model_len: int
 
 
-def postprocess(scheduler: Scheduler, limits: Limits, sampled: list[Sequence], tokens, logprobs, now: float) -> Events:
-    """The events of one step's sampled tokens (rows in the order of `sampled`); finished sequences leave."""
+def postprocess(scheduler: Scheduler, limits: Limits, sampled: list[Sequence], runs, now: float) -> Events:
+    """The events of one step's tokens: `runs[i]` holds sequence `sampled[i]`'s (token, logprob entry, accepted
+    draft) in order, several when drafts were accepted (engine/speculative/verify.py); a sequence's tokens after
+    the one that ends it are dropped. Finished sequences leave."""
     events: Events = []
-    for seq, token, entry in zip(sampled, tokens, logprobs):
-        first = not seq.output_ids
-        error = None
-        if seq.sampling.max_tokens == 0:  # only the prompt's logprobs were wanted (`echo`): drop the sampled token
-            token = entry = None
-            text, finish = "", "length"
-        else:
-            seq.output_ids.append(token)
-            if _ends_turn(limits, seq, token):
-                entry = None  # the stop token is not part of the output, nor of its logprobs
-            text, finish, error = _outcome(limits, seq, token)
-        event = make_event(seq, token, text, now, finish, error)
-        if entry is not None:
-            event.logprob, event.top_logprobs = entry
-        if first:
-            event.scheduled_time = seq.scheduled_time
-            event.prompt_logprobs = seq.prompt_logprobs
-        events.append((seq.sink, event))
-        if finish:
-            scheduler.finish(seq)
+    for seq, run in zip(sampled, runs):
+        for token, entry, drafted in run:
+            event = _event(limits, seq, token, entry, now)
+            event.drafted = drafted
+            events.append((seq.sink, event))
+            if event.finish_reason:
+                scheduler.finish(seq)
+                break
     return events
+
+
+def _event(limits: Limits, seq: Sequence, token: int, entry, now: float) -> TokenEvent:
+    first = not seq.output_ids
+    error = None
+    if seq.sampling.max_tokens == 0:  # only the prompt's logprobs were wanted (`echo`): drop the sampled token
+        token = entry = None
+        text, finish = "", "length"
+    else:
+        seq.output_ids.append(token)
+        if _ends_turn(limits, seq, token):
+            entry = None  # the stop token is not part of the output, nor of its logprobs
+        text, finish, error = _outcome(limits, seq, token)
+    event = make_event(seq, token, text, now, finish, error)
+    if entry is not None:
+        event.logprob, event.top_logprobs = entry
+    if first:
+        event.scheduled_time = seq.scheduled_time
+        event.prompt_logprobs = seq.prompt_logprobs
+    return event
 
 
 def _ends_turn(limits: Limits, seq: Sequence, token: int) -> bool:
@@ -68,13 +78,14 @@ def _outcome(limits: Limits, seq: Sequence, token: int) -> tuple[str, str | None
         return "", "error", f"the grammar rejected token {token}: {seq.matcher.get_error()}"
     if seq.matcher is not None and seq.matcher.is_stopped():  # the document is complete
         return text + seq.stopper.flush(), done, None
-    # num_computed + 1: the prompt and the output so far (the token just sampled is not computed yet)
-    if len(seq.output_ids) >= seq.sampling.max_tokens or completion_room(limits.max_model_len, seq.num_computed + 1) < 1:
+    if len(seq.output_ids) >= seq.sampling.max_tokens or completion_room(limits.max_model_len, len(seq.prompt_ids) + len(seq.output_ids)) < 1:
         return text + seq.stopper.flush(), "length", None
     return text, None, None
 
 
 def make_event(seq: Sequence, token, text: str, now: float, finish, error: str | None = None) -> TokenEvent:
+    prediction = seq.speculation.prediction if seq.speculation is not None else None
+    accepted, rejected = prediction.counts if prediction is not None and finish else (0, 0)
     return TokenEvent(
         request_id=seq.request_id,
         token_id=token,
@@ -86,6 +97,8 @@ def make_event(seq: Sequence, token, text: str, now: float, finish, error: str |
         num_cached_tokens=seq.num_cached,
         error=error,
         index=seq.index,
+        accepted_prediction_tokens=accepted,
+        rejected_prediction_tokens=rejected,
     )
 
 

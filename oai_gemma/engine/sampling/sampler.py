@@ -15,7 +15,9 @@ from ..types import SamplingParams
 
 
 class RowRandom:
-    """The per-request source of uniforms: seeded when the request has a seed."""
+    """The per-request source of uniforms: seeded when the request has a seed. The n-th sampled output token
+    takes the n-th uniform, whether it came from a step of its own or from a verified draft: a draft row looks
+    ahead (`peek`) and the step then consumes only the uniforms of the tokens it kept (`advance`)."""
 
     def __init__(self, seed: int | None):
         self.generator = torch.Generator()
@@ -23,9 +25,22 @@ class RowRandom:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed % (2**63))
+        self.ahead: list[float] = []
 
     def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator))
+        value = self.peek(0)
+        self.advance(1)
+        return value
+
+    def peek(self, offset: int) -> float:
+        """The uniform `offset` places after the next one, without consuming it."""
+        while len(self.ahead) <= offset:
+            self.ahead.append(float(torch.rand((), generator=self.generator)))
+        return self.ahead[offset]
+
+    def advance(self, count: int) -> None:
+        """Consume the next `count` uniforms that were looked at (a greedy row looks at none)."""
+        del self.ahead[:count]
 
 
 class Row(Protocol):

@@ -2,6 +2,7 @@
 // and each token's gap to the one before it, drawn as one bar per token in a small inline SVG.
 
 const SVG = "http://www.w3.org/2000/svg";
+const TOGETHER_MS = 1; // tokens of one engine step arrive together: the server's speculative decoding accepted drafts
 
 export class Timing {
   constructor() {
@@ -61,13 +62,15 @@ function drawPlot(svg, timing, top) {
   timing.marks.forEach((mark, i) => {
     const h = i === 0 ? 100 : Math.max((mark.gap / top) * 100, 1.5);
     const bar = document.createElementNS(SVG, "rect");
-    bar.setAttribute("class", i === 0 ? "mark first" : "mark");
+    // a token that came with the one before it, without a wait of its own: an accepted draft (speculative decoding)
+    const drafted = i > 0 && mark.gap < TOGETHER_MS;
+    bar.setAttribute("class", i === 0 ? "mark first" : drafted ? "mark drafted" : "mark");
     bar.setAttribute("x", String(i + 0.1));
     bar.setAttribute("width", "0.8");
     bar.setAttribute("y", String(100 - h));
     bar.setAttribute("height", String(h));
     const title = document.createElementNS(SVG, "title");
-    const what = i === 0 ? `first token after ${fmt(timing.ttft)} ms` : `+${fmt(mark.gap, 1)} ms`;
+    const what = i === 0 ? `first token after ${fmt(timing.ttft)} ms` : drafted ? "with the token before (an accepted draft)" : `+${fmt(mark.gap, 1)} ms`;
     title.textContent = `#${i + 1} ${JSON.stringify(mark.token)} ${what}`;
     bar.append(title);
     bars.append(bar);
@@ -89,7 +92,9 @@ export function timingPanel() {
     `<div class="stats usage">${stat("prompt", "prompt")}${stat("cached", "cached", "", cached)}${stat("completion", "completion")}</div>` +
     `<div class="plot-box"><span class="axis top" data-axis="top">– ms</span><span class="axis zero">0 ms</span></div>` +
     `<p class="legend">one bar per token, its height the wait since the token before (ms, to the scale on the left); ` +
-    `<span class="swatch first"></span> the first token, after the TTFT (not to scale)</p>`;
+    `<span class="swatch first"></span> the first token, after the TTFT (not to scale); ` +
+    `<span class="swatch drafted"></span> a token that came with the one before, in the same step: a draft the model ` +
+    `accepted (speculative decoding)</p>`;
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("class", "plot");
   svg.setAttribute("preserveAspectRatio", "none");

@@ -24,7 +24,7 @@ from ....settings import ModelSettings
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("woq_int8.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm")
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -46,6 +46,7 @@ def build(directory: Path) -> str | None:
     if directory != _directory:
         _directory = directory
         _library.cache_clear()
+        rms_norm_rows.cache_clear()
     return native_unavailable()
 
 
@@ -78,6 +79,12 @@ def _library() -> ctypes.CDLL:
         function.restype = None
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    library.rms_norm_rows.restype = None
+    library.rms_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+                                      ctypes.c_void_p, ctypes.c_int]
+    library.q8_linear.restype = None
+    library.q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return library
 
 
@@ -87,12 +94,34 @@ def cpu_has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in cpu_flags()
 
 
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """AVX512 VNNI (and BW) here and AVX512 not switched off: the int8 x int8 kernel's VNNI tiles, else AVX2's."""
+    return cpu_has_avx512() and cpu_flags() >= {"avx512_vnni", "avx512bw"}
+
+
+def q8_linear():
+    """The compiled `q8_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16, vnni)` (woq_int8.c: activations quantized per block
+    of 32, int8 x int8 products), compiled on first use."""
+    return _library().q8_linear
+
+
 def woq_int8_linear(even_k: bool = False):
     """The compiled `woq_int8_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16)` (woq_int8.c), compiled on first use: its AVX512
     variant where the CPU has it and K (`even_k`) is even, else the AVX2 one; raises NativeKernelUnavailable with
     the reason where it cannot run here."""
     library = _library()
     return library.woq_int8_linear_avx512 if even_k and cpu_has_avx512() else library.woq_int8_linear
+
+
+@functools.cache
+def rms_norm_rows():
+    """The compiled `rms_norm_rows(x, rows, D, scale, eps, y, bf16)` (Gemma-3's RMSNorm in one call), or None where
+    the kernel cannot run here (the caller keeps torch's ops)."""
+    try:
+        return _library().rms_norm_rows
+    except NativeKernelUnavailable:
+        return None
 
 
 def native_unavailable() -> str | None:

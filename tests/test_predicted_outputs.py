@@ -1,0 +1,83 @@
+"""Predicted Outputs and speculative decoding on the wire (the shared server: float32, batch-invariant mode, speculation
+`auto`): the real openai client's `prediction`, its usage counts, the stream, the `speculative: false` opt-out,
+refusals, and the spec-decode metrics."""
+
+import json
+
+import pytest
+from conftest import MODEL
+from metrics_scrape import delta, scrape
+from test_errors import error_of, post
+
+CODE = '''def merge_ranges(ranges):
+    merged = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+'''
+EDIT = [{"role": "user", "content": f"Rename the variable merged to joined. Reply with the code only.\n\n```python\n{CODE}```"}]
+
+
+def ask(client, **kw):
+    slow = client.with_options(timeout=600)  # a loaded shared machine: the assertions never time the model
+    return slow.chat.completions.create(model=MODEL, messages=EDIT, **{"max_tokens": 80, "temperature": 0, **kw})
+
+
+def test_prediction_usage_counts_add_up_and_the_output_is_the_same_without_it(client, http, base_url):
+    before = scrape(base_url)
+    plain = ask(client, extra_body={"speculative": False})
+    predicted = ask(client, prediction={"type": "content", "content": CODE})
+    after = scrape(base_url)
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    predicted_tokens = len(http.post("/tokenize", json={"model": MODEL, "prompt": CODE, "add_special_tokens": False}).json()["tokens"])
+    assert details.accepted_prediction_tokens > 20, details  # the answer copies most of the code
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens <= predicted_tokens
+    assert details.accepted_prediction_tokens <= predicted.usage.completion_tokens
+    assert plain.usage.completion_tokens_details is None  # sent when the request has a prediction
+    for prefix in ("vllm:", "oai_gemma:"):
+        labels = {"engine": "0"}
+        drafted = delta(before, after, prefix + "spec_decode_num_draft_tokens_total", **labels)
+        accepted = delta(before, after, prefix + "spec_decode_num_accepted_tokens_total", **labels)
+        assert delta(before, after, prefix + "spec_decode_num_drafts_total", **labels) > 0
+        assert drafted >= accepted >= details.accepted_prediction_tokens
+        key = (prefix + "spec_decode_num_accepted_tokens_per_pos_total", frozenset({"position": "0", "model_name": MODEL, **labels}.items()))
+        first = after.samples[key] - before.samples.get(key, 0.0)  # no series before the server's first draft
+        assert 0 < first <= accepted
+
+
+def test_a_prediction_in_text_parts_streams_the_same_text_and_usage(client):
+    whole = ask(client, prediction={"type": "content", "content": CODE})
+    parts = [{"type": "text", "text": CODE[:40]}, {"type": "text", "text": CODE[40:]}]
+    stream = ask(client, prediction={"type": "content", "content": parts}, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.completion_tokens_details.accepted_prediction_tokens == whole.usage.completion_tokens_details.accepted_prediction_tokens
+
+
+def test_opting_out_drafts_nothing(client):
+    out = ask(client, prediction={"type": "content", "content": CODE}, extra_body={"speculative": False}, max_tokens=24)
+    details = out.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
+
+
+@pytest.mark.parametrize("prediction", [
+    {"type": "image", "content": "x"},
+    {"type": "content"},
+    {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
+    "just a string",
+])
+def test_a_malformed_prediction_is_a_400_naming_it(http, prediction):
+    error = error_of(post(http, {"model": MODEL, "messages": EDIT, "max_tokens": 1, "prediction": prediction}), 400)
+    assert "prediction" in (error["param"] or "") + error["message"], json.dumps(error)
+
+
+def test_a_prediction_longer_than_the_context_is_a_400(http):
+    error = error_of(post(http, {"model": MODEL, "messages": EDIT, "max_tokens": 1,
+                                 "prediction": {"type": "content", "content": "word " * 5000}}), 400)
+    assert error["param"] == "prediction"
