@@ -24,7 +24,8 @@ TIMEOUT_S = 20
 def small_server(tmp_path_factory, name: str, request_timeout: float):
     env = {"OAI_GEMMA_ENGINE__MAX_WAITING": str(WAITING), "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": str(request_timeout)}
     log = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    return ServerProcess("--max-num-seqs", str(SLOTS), env=env, log=log)
+    # speculation off: these tests need requests that run for seconds (a repetitive greedy story is mostly drafts)
+    return ServerProcess("--max-num-seqs", str(SLOTS), "--speculative", "off", env=env, log=log)
 
 
 @pytest.fixture(scope="module")

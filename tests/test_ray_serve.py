@@ -135,12 +135,14 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost_or_hung(ray_server)
         under_way = asyncio.Semaphore(0)
         async with httpx.AsyncClient(base_url=ray_server.url, timeout=120) as client:
             streams = [
-                asyncio.ensure_future(stream(client, f"{i}: tell a long story.", 120, under_way.release, ignore_eos=True))
+                # speculation off: the streams must still run when the kill lands (a repetitive story is mostly drafts)
+                asyncio.ensure_future(stream(client, f"{i}: tell a long story.", 120, under_way.release, ignore_eos=True,
+                                             speculative=False))
                 for i in range(6)
             ]
             plain = [
                 asyncio.ensure_future(client.post("/v1/chat/completions", json={
-                    "model": MODEL, "messages": user(f"{i}: a word?"), "max_tokens": 30, "ignore_eos": True,
+                    "model": MODEL, "messages": user(f"{i}: a word?"), "max_tokens": 30, "ignore_eos": True, "speculative": False,
                 })) for i in range(4)
             ]
             for _ in streams:  # every stream is under way before the kill
