@@ -23,7 +23,7 @@ from ..settings import Settings
 from .cache.memory import blocks_within_budget
 from .lora.adapter import LoraModule, parse_module
 from .model import native
-from .model.quantized import FORMAT, q8_lm_head, resolve as resolve_quantization
+from .model.quantized import FORMAT, NativeQ8Linear, linear_for, resolve as resolve_quantization
 
 if TYPE_CHECKING:
     from .model.loader import LoadedModel
@@ -82,10 +82,6 @@ class EngineConfig:
     lora_runtime_loading: bool = False
     """Adapters may be loaded and unloaded while serving (`lora.runtime_loading`)."""
 
-    @property
-    def lora_enabled(self) -> bool:
-        """Adapters are served: the engine keeps a registry (without it, no step pays anything for LoRA)."""
-        return bool(self.lora_modules) or self.lora_runtime_loading
     speculative: str = "ngram"
     """`engine.speculative` as resolved: `ngram` (drafts from prompt lookup and Predicted Outputs) or `off`
     (`auto` is `ngram` on the dynamic path, `off` with static decode: a drafted step runs dynamic)."""
@@ -96,6 +92,11 @@ class EngineConfig:
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 2
     """Prompt lookup's longest n-gram and its minimum match (also the Predicted Output's realignment)."""
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters are served: the engine keeps a registry (without it, no step pays anything for LoRA)."""
+        return bool(self.lora_modules) or self.lora_runtime_loading
 
     @property
     def max_logits_rows(self) -> int:
@@ -200,5 +201,5 @@ def _quantized_file(cache_dir: Path, source_dir: str, quantization: str, dtype: 
     """Quantized weights kept between starts, named by the model, the setting, the dtype, torch's version (its
     int4 layout is torch's own) and the stored layout's version."""
     model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source_dir).resolve()).strip("/"))
-    name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}{'q8' if q8_lm_head() else ''}.safetensors"
+    name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}{'q8' if linear_for(quantization, 'lm_head', dtype) is NativeQ8Linear else ''}.safetensors"
     return cache_dir / "quantized" / name

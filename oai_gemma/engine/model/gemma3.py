@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     one call of the native kernel (engine/model/native: eight torch ops' dispatch cost more than their arithmetic
     at one row: 108 norms a decode step), else torch's ops."""
     if (x.device.type == "cpu" and x.dtype in NATIVE_NORM_DTYPES and x.is_contiguous() and x.shape[-1] % 8 == 0
-            and not torch.compiler.is_compiling()):  # a compiled layer fuses the ops itself, in one graph
+            and scale.dtype == torch.float32 and scale.is_contiguous() and not torch.compiler.is_compiling()):  # a compiled layer fuses the ops itself, in one graph
         kernel = native.rms_norm_rows()
         if kernel is not None:
             y = torch.empty_like(x)

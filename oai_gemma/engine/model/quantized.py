@@ -172,11 +172,6 @@ class NativeQ8Linear(NativeInt8Linear):
         return y
 
 
-def q8_lm_head() -> bool:
-    """The lm_head's int8 copy is `NativeQ8Linear` here (the model cache's file name says so: another layout)."""
-    return native_unavailable() is None
-
-
 PER_STEP_ROWS = {"AVX512": 8, "AVX2": 4}
 """`per-step`: calls of fewer rows than this (by the native kernel's instruction set) go through the int8 kernel,
 the others through packed bf16 (busy-machine medians, 2026-12-05, benchmarks/weight_only_kernels.py --step
@@ -268,7 +263,7 @@ def linear_for(quantization: str, name: str, dtype: torch.dtype):
     """The quantized linear class for weight `name` (`lm_head` or a projection) under a `model.quantization`
     value and the model's dtype; None: that weight stays as it is (packed float32). `per-step`: the int8 copy,
     which the runner pairs with the packed weight (`PerStepLinear`)."""
-    native_lm_head = NativeQ8Linear if name == "lm_head" and q8_lm_head() else NativeInt8Linear
+    native_lm_head = NativeQ8Linear if name == "lm_head" else NativeInt8Linear
     if quantization == "per-step":
         return native_lm_head
     if dtype == torch.float32 and native_unavailable() is None:
