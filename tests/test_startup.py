@@ -126,3 +126,36 @@ def test_the_grammar_compiler_is_built_after_warm_up_or_at_first_use(monkeypatch
     assert built == [("tokenizer", [1])], "built once"
     lazy = Bare()
     assert lazy.grammars == "compiler" and len(built) == 2, "without warm-up: at the first structured request"
+
+
+def test_the_grammar_tokenizer_from_the_cached_token_table_is_the_one_from_tokenizer_json(tmp_path, caplog):
+    """Start-up builds llguidance's tokenizer from a token table cached on the first start (2.7 s -> 0.9 s,
+    engine/sampling/token_table.py): it must tokenize, mask and force exactly as the one read from tokenizer.json,
+    and an unreadable table is rebuilt, not trusted."""
+    from oai_gemma.engine.model.loader import embedded_model_dir
+    from oai_gemma.engine.model.tokenizer import load_tokenizer
+    from oai_gemma.engine.sampling.grammar import GrammarCompiler
+
+    tokenizer = load_tokenizer(str(embedded_model_dir()))
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
+    from_json = GrammarCompiler(tokenizer, eos)  # no cache: llguidance reads tokenizer.json
+    (table,) = list(tmp_path.rglob("*.bin")) or [None]
+    assert table is None
+    GrammarCompiler(tokenizer, eos, tmp_path)  # writes the table
+    (table,) = tmp_path.rglob("*.bin")
+    from_table = GrammarCompiler(tokenizer, eos, tmp_path)
+    assert from_table.json.pieces == from_json.json.pieces and table.stat().st_size > 1_000_000
+    for text in ('{"name":"Ada","n":[1,2.5e3]}', "hello <end_of_turn> world", " \n\t x", "日本語 🎉", "<start_of_image>"):
+        assert from_table.tokenizer.tokenize_str(text) == from_json.tokenizer.tokenize_str(text), text
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"enum": ["x", "yy"]}},
+              "required": ["a", "b", "c"]}
+    ours, theirs = from_table.json_schema(schema).matcher(), from_json.json_schema(schema).matcher()
+    ours, theirs = ours.matcher, theirs.matcher  # llguidance's own matchers under json_document's wrapper
+    for token in tokenizer.encode('{"a":"hello there","b":42,"c":"yy"}', add_special_tokens=False):
+        assert ours.compute_bitmask() == theirs.compute_bitmask()
+        assert ours.compute_ff_tokens() == theirs.compute_ff_tokens()
+        assert ours.consume_token(token) and theirs.consume_token(token)
+    assert ours.is_accepting() and theirs.is_accepting()
+    table.write_bytes(table.read_bytes()[:-7])  # truncated: rebuilt with a warning
+    assert GrammarCompiler(tokenizer, eos, tmp_path).json.pieces == from_json.json.pieces
+    assert "unreadable" in caplog.text and len(table.read_bytes()) > 1_000_000

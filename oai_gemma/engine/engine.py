@@ -73,7 +73,7 @@ class Engine:
         self.decode_bytes = self.core.runner.decode_bytes()
         """Bytes of weights one decode step of one row reads (/health: the benchmark's floor)."""
         self.description = f"{loaded.source_dir}, {str(loaded.dtype).removeprefix('torch.')} on {loaded.device}"
-        self._grammar_inputs = (loaded.tokenizer, sorted(self.eos_token_ids), self.core.grammar_masks, self.vocab_limit, loaded.device)
+        self._grammar_inputs = (loaded.tokenizer, sorted(self.eos_token_ids), self.core.grammar_masks, self.vocab_limit, loaded.device, config.cache_dir)
         self._grammars: Future | None = None
         self._grammars_lock = threading.Lock()
 

@@ -22,7 +22,9 @@ class RustTokenizer:
     def __init__(self, directory: Path):
         from tokenizers import Tokenizer
 
-        self.backend_tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.source_file = directory / "tokenizer.json"
+        """Its file: the key of the grammar engine's cached token table (engine/sampling/token_table.py)."""
+        self.backend_tokenizer = Tokenizer.from_file(str(self.source_file))
         config_file = directory / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
         for name in SPECIAL:

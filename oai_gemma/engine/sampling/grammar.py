@@ -29,12 +29,13 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import llguidance
-import llguidance.hf
 import torch
 
 from .json_document import DocumentMatcher, JsonVocabulary, bound_numbers
+from .token_table import ll_tokenizer
 
 
 @functools.cache
@@ -83,24 +84,14 @@ class Grammar:
         return DocumentMatcher(self.template.deep_copy(), self.json, budget)
 
 
-def _ll_tokenizer(tokenizer, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
-    """llguidance's tokenizer. `llguidance.hf.from_tokenizer` first copies the Rust tokenizer only to switch off
-    padding and truncation before serializing it (0.9 s of start-up holding the GIL, measured): skipped where
-    neither is on."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.padding is not None or backend.truncation is not None:
-        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos_token_ids)
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=len(tokenizer), eos_token=eos_token_ids)
-
-
 class GrammarCompiler:
     """Schema -> Grammar for one tokenizer, with an LRU cache. Thread-safe."""
 
-    def __init__(self, tokenizer, eos_token_ids: list[int]):
-        # the token trie of a 262k vocabulary: two seconds holding the GIL, once per model
-        self.tokenizer = _ll_tokenizer(tokenizer, list(eos_token_ids))
+    def __init__(self, tokenizer, eos_token_ids: list[int], cache_dir: Path | None = None):
+        # the token trie of a 262k vocabulary, holding the GIL: 0.8 s from the cached token table, 2.7 s without
+        self.tokenizer, table = ll_tokenizer(tokenizer, list(eos_token_ids), cache_dir)
         self.vocab_size = self.tokenizer.vocab_size
-        self.json = JsonVocabulary(tokenizer, self.tokenizer)
+        self.json = JsonVocabulary(tokenizer, table.pieces)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 
 import llguidance
 import numpy as np
@@ -82,21 +83,33 @@ class JsonVocabulary:
     """The model's vocabulary as JSON sees it: token -> bytes, the tokens of `_CLOSING_TEXTS`, and the tokens
     sorted by their bytes (to find every token that starts with given bytes)."""
 
-    def __init__(self, tokenizer, ll_tokenizer: llguidance.LLTokenizer):
-        self.decode = lambda token: ll_tokenizer.decode_bytes([token])
+    def __init__(self, tokenizer, pieces: list[bytes]):
+        """`pieces`: every token's bytes (engine/sampling/token_table.py). The sorted order and the calm mask are
+        made at their first use (a fifth of a second of Python: not on the start-up path)."""
+        self.pieces = pieces
+        self.decode = pieces.__getitem__
         self.closers: dict[str, tuple[int, ...]] = {}
         for place, texts in _CLOSING_TEXTS.items():
             singles = (tokenizer.encode(text, add_special_tokens=False) for text in texts)
             self.closers[place] = tuple(dict.fromkeys(ids[0] for ids in singles if len(ids) == 1))
-        pieces = sorted((ll_tokenizer.decode_bytes([t]), t) for t in range(ll_tokenizer.vocab_size))
-        self._sorted_bytes = [piece for piece, _ in pieces]
-        self._sorted_ids = [token for _, token in pieces]
-        structural = [token for piece, token in pieces if any(c in piece for c in b",{[")]
-        self.calm_mask = torch.full(((ll_tokenizer.vocab_size + 31) // 32,), -1, dtype=torch.int32)
+
+    @functools.cached_property
+    def _sorted_ids(self) -> list[int]:
+        return sorted(range(len(self.pieces)), key=self.pieces.__getitem__)
+
+    @functools.cached_property
+    def _sorted_bytes(self) -> list[bytes]:
+        return [self.pieces[token] for token in self._sorted_ids]
+
+    @functools.cached_property
+    def calm_mask(self) -> torch.Tensor:
         """A bitmask of the tokens without `,` `{` `[` (what a calm sequence may take)."""
-        for token in structural:
-            bit = token % 32
-            self.calm_mask[token // 32] &= 0x7FFFFFFF if bit == 31 else ~(1 << bit)
+        mask = torch.full(((len(self.pieces) + 31) // 32,), -1, dtype=torch.int32)
+        for token, piece in enumerate(self.pieces):
+            if b"," in piece or b"{" in piece or b"[" in piece:
+                bit = token % 32
+                mask[token // 32] &= 0x7FFFFFFF if bit == 31 else ~(1 << bit)
+        return mask
 
     def starting_with(self, prefix: bytes) -> list[int]:
         start = bisect.bisect_left(self._sorted_bytes, prefix)
