@@ -6,6 +6,8 @@
     OAI_GEMMA_FAULT_STORE_FULL=<path>  while <path> exists, the Responses store's SQLite file may not grow (SQLite's
                                        own "database or disk is full", as on a full disk)
     OAI_GEMMA_FAULT_STORE_READONLY=<path>  while <path> exists, the store refuses writes (SQLITE_READONLY)
+    OAI_GEMMA_FAULT_HASH_COLLIDE=<path>  while <path> exists, every prefix-cache block hash is 0 (a crafted collision
+                                       for every block)
 
 Run as `python tests/fault_server.py serve ...` (conftest's `ServerProcess(..., launcher=FAULT_SERVER)`).
 """
@@ -26,10 +28,15 @@ def install() -> None:
     import torch
 
     from oai_gemma.api.responses.store import ResponseStore
+    from oai_gemma.engine import scheduler
     from oai_gemma.engine.scheduler import Scheduler
 
     kv_oom, full, readonly = _switch("OAI_GEMMA_FAULT_KV_OOM"), _switch("OAI_GEMMA_FAULT_STORE_FULL"), _switch("OAI_GEMMA_FAULT_STORE_READONLY")
-    schedule, connection = Scheduler.schedule, ResponseStore._connection
+    collide = _switch("OAI_GEMMA_FAULT_HASH_COLLIDE")
+    schedule, connection, block_hashes = Scheduler.schedule, ResponseStore._connection, scheduler.block_hashes
+
+    def colliding_hashes(keys, size, parent=None):
+        return [0] * (len(keys) // size) if collide() else block_hashes(keys, size, parent)
 
     def faulty_schedule(self, now):
         if kv_oom():
@@ -43,7 +50,7 @@ def install() -> None:
         db.execute(f"PRAGMA query_only = {int(readonly())}")
         return db
 
-    Scheduler.schedule, ResponseStore._connection = faulty_schedule, faulty_connection
+    Scheduler.schedule, ResponseStore._connection, scheduler.block_hashes = faulty_schedule, faulty_connection, colliding_hashes
 
 
 if __name__ == "__main__":
