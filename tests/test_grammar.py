@@ -17,6 +17,7 @@ from oai_gemma.api.errors import APIError
 from oai_gemma.api.response_format import json_schema_grammar
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.sampling.grammar import GrammarCompiler, GrammarMasks, InvalidSchema, UnsupportedSchema, apply_bitmask_torch
+from oai_gemma.engine.sampling.json_document import CLOSING_HORIZON
 
 PERSON = {
     "type": "object",
@@ -83,6 +84,21 @@ def test_document_complete_stops_the_matcher(compiler, tokenizer):
         assert not matcher.is_stopped()
         assert matcher.consume_token(token)
     assert matcher.is_stopped()
+
+
+def test_drafts_are_what_the_grammar_forces_or_takes_and_none_while_the_document_may_close(compiler, tokenizer):
+    """Speculative decoding's view of a matcher: forced tokens, the leading tokens of a guess it takes (the matcher
+    itself not advanced), and nothing once the budget is near its closing horizon."""
+    grammar = compiler.json_schema(PERSON)
+    matcher = grammar.matcher(budget=100)
+    assert tokenizer.decode(matcher.forced_run(32)) == '{"name":"'
+    assert matcher.grammatical(tokenizer.encode('{"name":"ab","rolx":')) == len('{"name":"ab","rol')
+    assert matcher.grammatical(tokenizer.encode('{"name":"ab","role":"admin"}')) == len('{"name":"ab","role":"admin"}')
+    assert tokenizer.decode(matcher.forced_run(4)) == '{"na'  # unchanged by the checks
+    room = 100 - 2 - CLOSING_HORIZON  # every draft row stays before the first closing plan
+    assert matcher.grammatical(tokenizer.encode('{"name":"' + "a" * 50)) == room
+    assert grammar.matcher(budget=CLOSING_HORIZON + 2).forced_run(32) == []
+    assert grammar.matcher().forced_run(32) and grammar.matcher().grammatical(tokenizer.encode("{")) == 1  # no budget
 
 
 def test_matchers_of_one_grammar_advance_independently(compiler, tokenizer):

@@ -339,6 +339,43 @@ def test_screenshot_after_an_answer(chat):
     assert chat.shot.stat().st_size > 20_000  # a page with content, not a blank one
 
 
+# ---- speculative decoding in the timing plot ------------------------------------------------------------------
+
+LOOP = "Repeat the word 'banana' forty times, separated by commas."
+LOOP_TOKENS = 64
+
+
+@browser_tests
+def test_accepted_drafts_are_marked_in_the_plot_and_none_without_speculation(browser, server):
+    """The tokens of one engine step (a draft the model accepted, and its own token) arrive back to back, so the
+    plot marks every token after the first of a step as drafted. A greedy answer that repeats itself is drafted
+    by prompt lookup (most of its tokens); the same request with `"speculative": false` gets one token a step,
+    milliseconds apart, so only a browser that fell behind and read two steps at once could mark one: fewer."""
+    page = Page(browser, server.url + "/")
+    p = page.page
+    try:
+        expect(p.locator("#model")).to_have_text(MODEL)
+        p.fill("#temperature", "0")
+        p.fill("#max_tokens", str(LOOP_TOKENS))
+        drafted = []
+        for extra in ({"ignore_eos": True}, {"ignore_eos": True, "speculative": False}):
+            p.click("#clear")
+            p.fill("#extra", json.dumps(extra))
+            p.fill("#prompt", LOOP)
+            p.press("#prompt", "Enter")
+            page.wait_answered(1)
+            plot = page.answers().first.locator("svg.plot")
+            expect(plot.locator("rect.mark")).to_have_count(LOOP_TOKENS)
+            drafted.append(plot.locator("rect.mark.drafted").count())
+        on, off = drafted
+        assert page.bodies[-1]["speculative"] is False and "speculative" not in page.bodies[-2]
+        assert on >= 1, "a repeating greedy answer should have come with accepted drafts"
+        assert off < on, (on, off)
+        assert not page.errors
+    finally:
+        page.close()
+
+
 # ---- stop, images, keys --------------------------------------------------------------------------------------
 
 @browser_tests

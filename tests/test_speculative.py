@@ -67,6 +67,40 @@ def test_a_prediction_is_followed_realigned_after_an_edit_and_counted_once_per_p
     assert (accepted, rejected) == (5, 2) and accepted + rejected <= len(predicted)
 
 
+class StandInGrammar:
+    """A stand-in for a sequence's DocumentMatcher: it forces `forced`, then takes only the tokens in `allowed`."""
+
+    def __init__(self, forced: list[int], allowed: set[int]):
+        self.forced, self.allowed = forced, allowed
+
+    def forced_run(self, most: int) -> list[int]:
+        return self.forced[:most]
+
+    def grammatical(self, tokens: list[int]) -> int:
+        n = 0
+        while n < len(tokens) and (tokens[n] in self.allowed if n >= len(self.forced) else tokens[n] == self.forced[n]):
+            n += 1
+        return n
+
+
+def test_under_a_grammar_lookup_goes_on_after_the_forced_tokens_while_the_grammar_takes_it():
+    speculator = Speculator(EngineConfig())
+    seq = sequence(prompt=(5, 6, 7, 8, 9, 1))
+    seq.speculation = speculator.start(seq.request, grammar=True)
+    seq.output_ids, seq.matcher = [2], StandInGrammar(forced=[5, 6], allowed={7, 8})
+    spec = seq.speculation
+    assert spec.propose(seq, 32) == [5, 6, 7, 8]  # "5 6" followed by 7 8 9 1; the grammar stops it at 9
+    assert spec.sure == 2 and spec.source is spec.lookup
+    spec.verified(4, 3)  # the forced tokens and 7 kept: only the guess counts towards the draft length
+    assert spec.k == 2 and spec.rate == pytest.approx(0.85)
+    spec.verified(4, 1)  # a forced token rejected (the model chose another tokenization)
+    assert spec.k == 1
+    spec.rate = 0.1  # few guesses kept: the forced tokens still come, guesses only every few steps
+    assert spec.propose(seq, 32) == [5, 6] and spec.source is None
+    seq.matcher = StandInGrammar(forced=[], allowed=set())
+    assert spec.propose(seq, 32) == []
+
+
 # ---- the verifier --------------------------------------------------------------------------------
 
 

@@ -120,15 +120,24 @@ SCHEMA = {
 }
 
 
-def test_a_grammar_drafts_its_forced_tokens_and_the_document_is_the_same(engines):
+GARDEN = ("Describe this garden as a JSON record: the garden has tomatoes, carrots and beans along the south fence, "
+          "with a small pond in the middle.")
+RECORD = {  # a short value, then a long one that copies the prompt and repeats itself
+    "type": "object", "properties": {"name": {"type": "string"}, "summary": {"type": "string"}},
+    "required": ["name", "summary"], "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("schema, prompt", [(SCHEMA, "Describe a person as JSON."), (RECORD, GARDEN)])
+def test_a_grammar_drafts_its_forced_tokens_and_looked_up_values_and_the_document_is_the_same(engines, schema, prompt):
     spec = engines.on.core.speculator
     accepted = spec.num_accepted_tokens
-    grammar = engines.on.grammars.json_schema(SCHEMA)
-    for params in ({},):
+    grammar = engines.on.grammars.json_schema(schema)
+    for params in ({}, {"temperature": 0.8, "seed": 11}):
         runs = []
         for engine in (engines.on, engines.off):
             engines.counter += 1
-            request = GenerationRequest(f"g{engines.counter}", engines.prompt("Describe a person as JSON."),
+            request = GenerationRequest(f"g{engines.counter}", engines.prompt(prompt),
                                         SamplingParams(**{"max_tokens": 100, "temperature": 0.0, **params}), grammar=grammar)
 
             async def main():
@@ -138,6 +147,9 @@ def test_a_grammar_drafts_its_forced_tokens_and_the_document_is_the_same(engines
         on, off = runs
         assert tokens(on) == tokens(off) and text(on) == text(off), params
         assert any(event.drafted for event in on), "the schema's keys should have come as accepted drafts"
+        if schema is RECORD and not params:
+            # the grammar forces keys and punctuation, never a space: a word of the summary was looked up
+            assert any(event.drafted and " " in event.text for event in on), text(on)
     assert spec.num_accepted_tokens > accepted
 
 

@@ -218,15 +218,24 @@ class DocumentMatcher:
     def is_stopped(self) -> bool:
         return self.matcher.is_stopped()
 
-    def forced_run(self, most: int) -> list[int]:
-        """Up to `most` tokens the grammar forces from here (speculative decoding's drafts), none while this
-        document is being closed (or soon may be): those steps are planned one token at a time."""
+    def draft_room(self) -> int:
+        """How many draft tokens (speculative decoding) this document may take in one step: none while it is being
+        closed (or soon may be), so that every draft row is masked as a step of its own would be; those steps are
+        planned one token at a time."""
         if self.plan is not None or self.calm or self.matcher.is_stopped():
-            return []
-        forced = self.matcher.compute_ff_tokens()[:most]
-        if self.budget is not None and self.budget - len(forced) - 1 <= self._next_check:
-            return []
-        return forced
+            return 0
+        return max(0, self.budget - 2 - self._next_check) if self.budget is not None else 1 << 30
+
+    def forced_run(self, most: int) -> list[int]:
+        """Up to `most` tokens the grammar forces from here (drafts that are sure), within the draft room."""
+        most = min(most, self.draft_room())
+        return self.matcher.compute_ff_tokens()[:most] if most > 0 else []
+
+    def grammatical(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar takes from here, within the draft room (the matcher is not
+        advanced: llguidance validates on a copy of its state)."""
+        room = self.draft_room()
+        return self.matcher.validate_tokens(tokens[:room]) if room > 0 else 0
 
     def probe(self, token: int) -> "DocumentMatcher":
         """A copy that has taken `token`: a draft row's grammar state (engine/speculative/verify.py)."""

@@ -25,12 +25,14 @@ class PromptLookup:
                     table[tuple(known[end - n : end])] = end
             known.append(token)
 
-    def propose(self, k: int) -> list[int]:
-        """At most `k` tokens that followed the longest n-gram the sequence now ends with, else none."""
+    def propose(self, k: int, tail: list[int] | None = None) -> list[int]:
+        """At most `k` tokens that followed the longest n-gram the sequence now ends with, else none. `tail`: tokens
+        already drafted before these (a grammar's forced tokens): the lookup goes on from after them."""
+        tokens = self.tokens + tail if tail else self.tokens
         for n in self.sizes:
-            if len(self.tokens) > n:
-                start = self.after[n].get(tuple(self.tokens[-n:]))
+            if len(tokens) > n:
+                start = self.after[n].get(tuple(tokens[-n:]))
                 if start is not None:  # past the end, a repeat goes on as it went (a loop's period)
-                    period = len(self.tokens) - start
-                    return [self.tokens[start + i % period] for i in range(k)]
+                    period = len(tokens) - start
+                    return [tokens[start + i % period] for i in range(k)]
         return []

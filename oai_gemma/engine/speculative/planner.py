@@ -1,10 +1,12 @@
 """When to speculate and how much: drafts spend compute to save weight reads, which pays at small batches only.
-Which drafts: a grammar's forced tokens, the request's Predicted Output while the output follows it, prompt lookup.
+Which drafts: the request's Predicted Output while the output follows it, else prompt lookup; under a grammar the
+tokens it forces, then prompt lookup's as far as the grammar takes them (the values between the keys).
 
 Each step the decode part of a batch may hold at most `budget` tokens (`engine.speculative_budget`): every running
-sequence's own token first, drafts in what is left, so a batch of `budget` sequences or more carries none. Each sequence's draft length follows its own history: doubled (up to `k`) after a draft was kept whole, cut to
-what was kept plus one after a rejection; while less than a fifth of its drafted tokens are kept it only probes, one
-token every few steps. A draft is also cut to the tokens the request may still generate.
+sequence's own token first, drafts in what is left, so a batch of `budget` sequences or more carries none. Each
+sequence's guessed tokens (all but a grammar's forced ones) follow its own history: doubled (up to `k`) after a
+guess was kept whole, cut to what was kept plus one after a rejection; while less than a fifth of them are kept it
+only probes, one token every few steps. A draft is also cut to the tokens the request may still generate.
 """
 
 from __future__ import annotations
@@ -28,51 +30,56 @@ class Speculation:
     lookup: PromptLookup | None
     prediction: PredictionDraft | None
     k: int
+    """The most guessed tokens in the next draft (a grammar's forced tokens come on top)."""
     most: int
     rate: float = 1.0
-    """Moving average of the share of drafted tokens kept."""
+    """Moving average of the share of guessed tokens kept."""
     quiet: int = 0
-    """Steps without a draft while the rate is low."""
-    source: PredictionDraft | PromptLookup | str | None = None
-    """Where the current draft came from (`grammar`: the tokens a grammar forces)."""
+    """Steps without a guess while the rate is low."""
+    source: PredictionDraft | PromptLookup | None = None
+    """Where the current draft's guessed tokens came from."""
+    sure: int = 0
+    """How many of the current draft's first tokens a grammar forces (not guesses: they leave `k` and `rate` be)."""
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
 
     def propose(self, seq, cap: int) -> list[int]:
-        """The draft for `seq`'s next step (at most `cap` tokens): under a grammar the tokens it forces, else the
-        prediction while it aligns, else prompt lookup."""
+        """The draft for `seq`'s next step (at most `cap` tokens): under a grammar the tokens it forces, then
+        prompt-lookup tokens while the grammar takes them; else the prediction while it aligns, else prompt lookup."""
+        matcher = seq.matcher
+        sure = matcher.forced_run(cap) if matcher is not None else []
+        self.sure, self.source = len(sure), None
+        most = self._guess_length(cap - len(sure))
+        if most <= 0:
+            return sure
+        output = seq.output_ids
+        guess = self.prediction.propose(output, most) if self.prediction is not None else []
+        if guess:
+            self.source = self.prediction
+        elif self.lookup is not None:
+            self.lookup.sync(seq.prompt_ids + output)
+            guess = self.lookup.propose(most, sure)
+            if matcher is not None and guess:  # stop at the first token the grammar would reject
+                guess = guess[: matcher.grammatical(sure + guess) - len(sure)]
+            self.source = self.lookup if guess else None
+        return sure + guess
+
+    def _guess_length(self, cap: int) -> int:
+        """`k` guessed tokens at most; while few are kept, one every few steps (a probe)."""
         if self.rate < LOW_RATE:
             self.quiet += 1
-            if self.quiet % PROBE_EVERY:
-                return []
-            cap = 1
-        cap = min(cap, self.k)
-        self.source = None
-        if seq.matcher is not None:
-            forced = seq.matcher.forced_run(cap)
-            self.source = "grammar" if forced else None
-            return forced
-        output = seq.output_ids
-        if self.prediction is not None:
-            draft = self.prediction.propose(output, cap)
-            if draft:
-                self.source = self.prediction
-                return draft
-        if self.lookup is not None:
-            self.lookup.sync(seq.prompt_ids + output)
-            draft = self.lookup.propose(cap)
-            if draft:
-                self.source = self.lookup
-                return draft
-        return []
+            return min(cap, 1) if self.quiet % PROBE_EVERY == 0 else 0
+        return min(cap, self.k)
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.drafts += 1
         self.draft_tokens += drafted
         self.accepted += accepted
-        self.rate = 0.7 * self.rate + 0.3 * accepted / drafted
-        self.k = min(self.most, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
+        guessed, kept = drafted - self.sure, max(0, accepted - self.sure)
+        if guessed:
+            self.rate = 0.7 * self.rate + 0.3 * kept / guessed
+            self.k = min(self.most, 2 * self.k) if kept == guessed else max(1, kept + 1)
         if self.source is self.prediction and self.prediction is not None:
             self.prediction.verified(drafted, accepted)
 
@@ -93,14 +100,13 @@ class Speculator:
 
     def start(self, request: GenerationRequest, grammar: bool) -> Speculation | None:
         """A new sequence's speculation, or None (speculation off, or the request opted out). Under a grammar the
-        drafts are the tokens it forces (keys, punctuation), each row masked as the grammar would mask it."""
+        drafts are the tokens it forces (keys, punctuation) and prompt lookup's that it allows, each row masked as
+        the grammar would mask it (no prediction there: it would have to follow the forced tokens too)."""
         config = self.config
         if not self.on or not request.speculative:
             return None
         n_max, n_min = config.speculative_ngram_max, config.speculative_ngram_min
-        if grammar:
-            return Speculation(None, None, config.speculative_k, config.speculative_k)
-        prediction = PredictionDraft(request.prediction, n_max, n_min) if request.prediction else None
+        prediction = PredictionDraft(request.prediction, n_max, n_min) if request.prediction and not grammar else None
         first = config.speculative_k if prediction is not None else min(FIRST_LOOKUP_DRAFT, config.speculative_k)
         return Speculation(PromptLookup(n_max, n_min), prediction, first, config.speculative_k)
 
