@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model.linear import FrozenLinear
+from .stack import OWN, Stack, build_stack
 
 MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections an adapter may target, in engine/model/gemma3.py's LayerWeights names (`q` is `q_proj`)."""
@@ -77,18 +78,20 @@ class AdapterWeights:
 @dataclass
 class AdapterLinears:
     """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears in its dtype
-    (engine/linear.py: batch-invariant mode calls them as the base's), and as plain float32 tensors (`tensors`: the
-    fast path and the stack, engine/lora/apply.py and stack.py)."""
+    (engine/linear.py: batch-invariant mode calls them as the base's), and as plain tensors in that dtype (`tensors`,
+    what the resident adapters' stack is built of) stacked on their own (`stack`: the other modes' fast path,
+    engine/lora/apply.py and stack.py)."""
 
     name: str
     rank: int
     layers: list[dict[str, tuple[FrozenLinear, FrozenLinear]]]
     tensors: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    stack: Stack
 
     @property
     def nbytes(self) -> int:
         linears = sum(_bytes(a) + _bytes(b) for layer in self.layers for a, b in layer.values())
-        return linears + sum(a.nbytes + b.nbytes for layer in self.tensors for a, b in layer.values())
+        return linears + 2 * sum(a.nbytes + b.nbytes for layer in self.tensors for a, b in layer.values())
 
 
 def _bytes(linear) -> int:
@@ -199,9 +202,9 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int) -> Ada
 
 
 def pack(weights: AdapterWeights, dtype: torch.dtype, device: torch.device) -> AdapterLinears:
-    """The adapter on the runner's device, in float32 and in the runner's dtype as linears like the base's (oneDNN-packed
-    on a CPU): the adapter is never quantized, whatever the base is."""
-    tensors = [{module: (a.to(device), b.to(device)) for module, (a, b) in layer.items()} for layer in weights.layers]
+    """The adapter on the runner's device in the runner's dtype, as tensors and as linears like the base's
+    (oneDNN-packed on a CPU): the adapter is never quantized, whatever the base is."""
+    tensors = [{module: (a.to(device, dtype), b.to(device, dtype)) for module, (a, b) in layer.items()} for layer in weights.layers]
     return AdapterLinears(weights.name, weights.rank, [
-        {module: (FrozenLinear(a.to(dtype)), FrozenLinear(b.to(dtype))) for module, (a, b) in layer.items()} for layer in tensors
-    ], tensors)
+        {module: (FrozenLinear(a), FrozenLinear(b)) for module, (a, b) in layer.items()} for layer in tensors
+    ], tensors, build_stack({OWN: (weights.rank, tensors)}, len(tensors)))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapter import MODULES, AdapterLinears
-from .stack import Stack
+from .stack import OWN, Group, Stack
 
 if TYPE_CHECKING:
     from .registry import LoraRegistry
@@ -43,83 +43,96 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
-def _put(out: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        out[rows] += delta
-    else:
-        out.index_add_(0, rows, delta.to(out.dtype))
-
-
 class LoraStep:
-    """The adapters of one step's rows: `groups` [(adapter, its rows)], and `stacked` (the resident adapters' stack,
-    the decode rows, their column mask) when decode rows of several adapters run outside batch-invariant mode."""
+    """The adapters of one step's rows. Outside batch-invariant mode: `parts` [(a stack, its rows, their column mask
+    or None)]: each prefill chunk on its adapter's own stack, the decode rows on their one adapter's (masked where
+    base rows sit beside them) or on the resident adapters' stack. In batch-invariant mode: `groups` [(adapter, its
+    rows)]."""
 
-    def __init__(self, groups: list[tuple[AdapterLinears, Rows]], names: list[dict[int, str]], exact: bool,
-                 stacked: tuple[Stack, slice, torch.Tensor] | None = None):
-        self.groups, self.names, self.exact, self.stacked = groups, names, exact, stacked
+    def __init__(self, names: list[dict[int, str]], parts: list[tuple[Stack, Rows, torch.Tensor | None]] = (),
+                 groups: list[tuple[AdapterLinears, Rows]] = ()):
+        self.names, self.parts, self.groups = names, parts, groups
 
     @classmethod
     def of(cls, prefills: Sequence, decodes: Sequence, registry: LoraRegistry, names: list[dict[int, str]], device,
            exact: bool) -> LoraStep | None:
         """The step's adapters from its items (`StepItem.adapter`: a slot, 0 for the base), in packing order; None
         when no row has one. `exact`: batch-invariant mode."""
-        rows: dict[int, list[int]] = {}
-        offset = 0
+        slots = [item.adapter or 0 for item in (*prefills, *decodes) for _ in item.token_ids]
+        if not any(slots):
+            return None
+        if exact:
+            return cls(names, groups=[(registry.slots[slot], _rows(where, device)) for slot, where in _by_slot(slots).items()])
+        parts, offset = [], 0
         for item in prefills:
             count = len(item.token_ids)
             if item.adapter:
-                rows.setdefault(item.adapter, []).extend(range(offset, offset + count))
+                parts.append((registry.slots[item.adapter].stack, slice(offset, offset + count), None))
             offset += count
-        decode_slots = [item.adapter or 0 for item in decodes for _ in item.token_ids]
-        stacked = None
-        if not exact and len(set(decode_slots) - {0}) > 1:
+        decode = slots[offset:]
+        adapters = set(decode) - {0}
+        if len(adapters) == 1:  # one adapter's rows, maybe beside base rows: its own stack (its columns are OWN's)
+            stack = registry.slots[adapters.pop()].stack
+            mask = None if 0 not in decode else stack.mask([OWN if slot else 0 for slot in decode], device)
+            parts.append((stack, slice(offset, len(slots)), mask))
+        elif adapters:
             stack = registry.stack()
-            stacked = (stack, slice(offset, offset + len(decode_slots)), stack.mask(decode_slots, device))
-        else:
-            for row, slot in enumerate(decode_slots, start=offset):
-                if slot:
-                    rows.setdefault(slot, []).append(row)
-        if not rows and stacked is None:
-            return None
-        groups = []
-        for slot, where in rows.items():
-            contiguous = where[-1] - where[0] + 1 == len(where)
-            index = slice(where[0], where[-1] + 1) if contiguous else torch.tensor(where, dtype=torch.long, device=device)
-            groups.append((registry.slots[slot], index))
-        return cls(groups, names, exact, stacked)
+            parts.append((stack, slice(offset, len(slots)), stack.mask(decode, device)))
+        return cls(names, parts)
 
     def around(self, linear: Callable, layer: int) -> Callable:
         """`linear` (the step's projection call) with each row's adapter update added, for layer `layer`."""
         names = self.names[layer]
-        if self.exact:
+        if self.groups:
             return lambda x, weight: self.add_exact(linear(x, weight), x, layer, names[id(weight)], linear)
-        widened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # q/k/v (gate/up) share their input: widen it once
+        shrunk: dict[tuple[int, Group], tuple[torch.Tensor, torch.Tensor]] = {}  # a group's shrink, by part
 
         def call(x: torch.Tensor, weight) -> torch.Tensor:
-            seen = widened.get(id(x))
-            if seen is None or seen[0] is not x:
-                seen = widened[id(x)] = (x, x.float())
-            return self.add(linear(x, weight), seen[1], layer, names[id(weight)])
+            out, module = linear(x, weight), names[id(weight)]
+            for index, (stack, rows, mask) in enumerate(self.parts):
+                group = stack.layers[layer].get(module)
+                if group is None:
+                    continue
+                seen = shrunk.get((index, group))
+                if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
+                    seen = shrunk[(index, group)] = (x, self.shrink(x[rows], group, stack.width, mask))
+                block, b = group.expand[module]
+                out[rows].addmm_(seen[1][:, block * stack.width : (block + 1) * stack.width], b.t())
+            return out
 
         return call
 
-    def add(self, out: torch.Tensor, x32: torch.Tensor, layer: int, module: str) -> torch.Tensor:
-        """out[rows] += (x[rows] A^T) B^T for each adapter of the step that targets this projection, in float32."""
-        for adapter, rows in self.groups:
-            pair = adapter.tensors[layer].get(module)
-            if pair is not None:
-                _put(out, rows, F.linear(F.linear(_take(x32, rows), pair[0]), pair[1]))
-        if self.stacked is not None:
-            stack, rows, mask = self.stacked
-            pair = stack.layers[layer].get(module)
-            if pair is not None:
-                out[rows] += F.linear(F.linear(x32[rows], pair[0]) * mask, pair[1])
-        return out
+    @staticmethod
+    def shrink(x: torch.Tensor, group: Group, width: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] -> [rows, blocks x width]: every projection of the group's shrink, each row's other adapters'
+        columns zeroed by `mask`."""
+        s = F.linear(x.to(group.a.dtype), group.a)
+        if mask is not None:
+            s.view(s.shape[0], -1, width).mul_(mask)
+        return s
 
     def add_exact(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, linear: Callable) -> torch.Tensor:
-        """The same through the step's linear call on the adapters' linears (batch-invariant mode)."""
+        """out[rows] += (x[rows] A^T) B^T for each adapter of the step that targets this projection, through the step's
+        linear call on the adapters' linears (batch-invariant mode)."""
         for adapter, rows in self.groups:
             pair = adapter.layers[layer].get(module)
             if pair is not None:
-                _put(out, rows, linear(linear(_take(x, rows), pair[0]), pair[1]))
+                delta = linear(linear(_take(x, rows), pair[0]), pair[1])
+                if isinstance(rows, slice):
+                    out[rows] += delta
+                else:
+                    out.index_add_(0, rows, delta.to(out.dtype))
         return out
+
+
+def _by_slot(slots: list[int]) -> dict[int, list[int]]:
+    rows: dict[int, list[int]] = {}
+    for row, slot in enumerate(slots):
+        if slot:
+            rows.setdefault(slot, []).append(row)
+    return rows
+
+
+def _rows(where: list[int], device) -> Rows:
+    contiguous = where[-1] - where[0] + 1 == len(where)
+    return slice(where[0], where[-1] + 1) if contiguous else torch.tensor(where, dtype=torch.long, device=device)

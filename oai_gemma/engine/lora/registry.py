@@ -147,7 +147,8 @@ class LoraRegistry:
         if self._stack_stale:
             with self._lock:
                 self._stack_stale, slots = False, list(self.slots)
-            self._stack = build_stack(slots, self.text_config.num_hidden_layers)
+            resident = {slot: (adapter.rank, adapter.tensors) for slot, adapter in enumerate(slots) if adapter is not None}
+            self._stack = build_stack(resident, self.text_config.num_hidden_layers)
         return self._stack
 
     def _reload(self, registration: Registration) -> AdapterLinears:

@@ -1,13 +1,14 @@
-"""The resident adapters side by side: per projection one A of every adapter's rows stacked [sum of ranks, in] and
-one B [out, sum of ranks], for decode rows of many adapters in one step.
+"""Adapters side by side, per layer and per group of projections that share their input: one A of every adapter's
+rows for the whole group ([projections x sum of ranks, in]) and per projection one B ([out, sum of ranks]).
 
-Per adapter and projection a step of N adapters makes 2N small matmuls and N gathers and scatters (`LoraStep`'s
-groups); with the stack it is two matmuls whatever N: shrink every decode row by every resident adapter, zero the
-columns that are not its own adapter's (a per-step mask), expand. The extra multiplications are small at decode's
-row counts (a few rows times the ranks). A sum that runs over other adapters' zeroed columns rounds in another
-order than its own rank alone, so batch-invariant mode keeps the groups. An adapter that does not target a
-projection has zero rows there; the stack is rebuilt (on the engine thread, at the next step) when the resident set
-changes.
+A stack of one adapter is how it runs on its own rows (`AdapterLinears.stack`); the stack of the resident adapters
+(`LoraRegistry.stack`) runs decode rows of several adapters in one step: shrink every row by every resident adapter,
+zero the columns that are not its own adapter's (a per-step mask), expand. Either way a group is one shrink for its
+projections (q/k/v: one matmul instead of three, gate/up one instead of two) and each projection one expand. The
+extra multiplications of the resident stack are small at decode's row counts (a few rows times the ranks). A sum
+that runs over other adapters' zeroed columns rounds in another order than its own rank alone, so batch-invariant
+mode keeps its own path (engine/lora/apply.py). An adapter that does not target a projection has zero rows there;
+the resident stack is rebuilt (on the engine thread, at the next step) when the resident set changes.
 """
 
 from __future__ import annotations
@@ -15,51 +16,73 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from .adapter import MODULES, AdapterLinears
+GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+"""The projections that take the same input in engine/model/gemma3.py's layer functions, in call order."""
+OWN = 1
+"""The slot an adapter's own stack files its columns under (it is built before the adapter has a slot)."""
+
+
+@dataclass(eq=False)
+class Group:
+    """One layer's shrink for the projections of a group that any adapter of the stack targets."""
+
+    a: torch.Tensor
+    """[len(expand) x width, in]: each projection's A (every adapter's rows), side by side."""
+    expand: dict[str, tuple[int, torch.Tensor]]
+    """Projection -> (its block of the shrunk columns, B [out, width])."""
 
 
 @dataclass
 class Stack:
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    """Per layer, per projection any resident adapter targets: (A stacked, B stacked), float32."""
+    layers: list[dict[str, Group]]
+    """Per layer, each projection an adapter of the stack targets -> its group."""
     columns: dict[int, tuple[int, int]]
-    """Slot -> its adapter's [start, end) columns of the shrunk rows."""
+    """Slot -> its adapter's [start, end) columns of a projection's shrunk block."""
     width: int
+    dtype: torch.dtype
 
     def mask(self, slots: list[int], device) -> torch.Tensor:
-        """[rows, width]: 1 on each row's own adapter's columns (none for a base row), float32."""
-        mask = torch.zeros(len(slots), self.width, device=device)
+        """[rows, 1, width]: 1 on each row's own adapter's columns (none for a base row), for every block of a group."""
+        mask = torch.zeros(len(slots), 1, self.width, device=device, dtype=self.dtype)
         for row, slot in enumerate(slots):
             if slot:
                 start, end = self.columns[slot]
-                mask[row, start:end] = 1
+                mask[row, :, start:end] = 1
         return mask
 
 
-def build_stack(slots: list[AdapterLinears | None], num_layers: int) -> Stack | None:
-    """The stack of the resident adapters (`slots[s]`, None where free); None when none is resident."""
-    resident = [(slot, adapter) for slot, adapter in enumerate(slots) if adapter is not None]
-    if not resident:
+def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]], num_layers: int) -> Stack | None:
+    """The stack of `adapters` (slot -> (rank, per layer its projections' (A [r, in], B [out, r]))); None if empty."""
+    if not adapters:
         return None
     columns, width = {}, 0
-    for slot, adapter in resident:
-        columns[slot] = (width, width + adapter.rank)
-        width += adapter.rank
+    for slot, (rank, _) in adapters.items():
+        columns[slot] = (width, width + rank)
+        width += rank
     layers = []
     for layer in range(num_layers):
-        stacked = {}
-        for module in MODULES:
-            present = [adapter.tensors[layer].get(module) for _, adapter in resident]
-            sample = next((pair for pair in present if pair is not None), None)
-            if sample is None:
-                continue
-            a_parts, b_parts = [], []
-            for (_, adapter), pair in zip(resident, present):
-                a, b = pair if pair is not None else (sample[0].new_zeros(0, sample[0].shape[1]), sample[1].new_zeros(sample[1].shape[0], 0))
-                pad = adapter.rank - a.shape[0]  # ranks may differ per module (rank_pattern): pad to the adapter's width
-                a_parts.append(torch.cat((a, a.new_zeros(pad, a.shape[1]))) if pad else a)
-                b_parts.append(torch.cat((b, b.new_zeros(b.shape[0], pad)), dim=1) if pad else b)
-            stacked[module] = (torch.cat(a_parts), torch.cat(b_parts, dim=1))
-        layers.append(stacked)
-    return Stack(layers, columns, width)
+        groups = {}
+        for modules in GROUPS:
+            parts = {module: _parts(adapters, layer, module) for module in modules
+                     if any(module in tensors[layer] for _, tensors in adapters.values())}
+            if parts:
+                a = torch.cat([a for pairs in parts.values() for a, _ in pairs])
+                group = Group(a, {module: (i, torch.cat([b for _, b in pairs], dim=1)) for i, (module, pairs) in enumerate(parts.items())})
+                groups.update(dict.fromkeys(parts, group))
+        layers.append(groups)
+    dtype = next(a.dtype for _, tensors in adapters.values() for pairs in tensors for a, _ in pairs.values())
+    return Stack(layers, columns, width, dtype)
+
+
+def _parts(adapters, layer: int, module: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each adapter's (A, B) of a projection padded to the adapter's rank (ranks may differ per module:
+    rank_pattern), empty where it does not target the projection."""
+    like_a, like_b = next(tensors[layer][module] for _, tensors in adapters.values() if module in tensors[layer])
+    parts = []
+    for rank, tensors in adapters.values():
+        a, b = tensors[layer].get(module, (like_a[:0], like_b[:, :0]))
+        pad = rank - a.shape[0]
+        parts.append((F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))) if pad else (a, b))
+    return parts
