@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapter import MODULES, AdapterLinears
-from .stack import OWN, Group, Stack
+from .stack import OWN, Group, Stack, step_dtype
 
 if TYPE_CHECKING:
     from .registry import LoraRegistry
@@ -67,16 +67,17 @@ class LoraStep:
         for item in prefills:
             count = len(item.token_ids)
             if item.adapter:
-                parts.append((registry.slots[item.adapter].stack, slice(offset, offset + count), None))
+                stack = registry.slots[item.adapter].stacks[step_dtype(registry.dtype, device, count)]
+                parts.append((stack, slice(offset, offset + count), None))
             offset += count
         decode = slots[offset:]
-        adapters = set(decode) - {0}
+        adapters, dtype = set(decode) - {0}, step_dtype(registry.dtype, device, len(decode))
         if len(adapters) == 1:  # one adapter's rows, maybe beside base rows: its own stack (its columns are OWN's)
-            stack = registry.slots[adapters.pop()].stack
+            stack = registry.slots[adapters.pop()].stacks[dtype]
             mask = None if 0 not in decode else stack.mask([OWN if slot else 0 for slot in decode], device)
             parts.append((stack, slice(offset, len(slots)), mask))
         elif adapters:
-            stack = registry.stack()
+            stack = registry.stack(dtype)
             parts.append((stack, slice(offset, len(slots)), stack.mask(decode, device)))
         return cls(names, parts)
 
@@ -97,7 +98,11 @@ class LoraStep:
                 if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
                     seen = shrunk[(index, group)] = (x, self.shrink(x[rows], group, stack.width, mask))
                 block, b = group.expand[module]
-                out[rows].addmm_(seen[1][:, block * stack.width : (block + 1) * stack.width], b.t())
+                shrunk_block = seen[1][:, block * stack.width : (block + 1) * stack.width]
+                if out.dtype == b.dtype:
+                    out[rows].addmm_(shrunk_block, b.t())
+                else:  # few rows of a bf16 model: computed in float32, rounded once into the output
+                    out[rows].add_(F.linear(shrunk_block, b))
             return out
 
         return call

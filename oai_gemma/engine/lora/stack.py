@@ -21,6 +21,10 @@ import torch.nn.functional as F
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 """The projections that take the same input in engine/model/gemma3.py's layer functions, in call order."""
 OWN = 1
+FEW_ROWS = 8
+"""A CPU step's rows below this compute the update in float32 whatever the model's dtype: MKL's small float32 matmuls
+cost a few us a call, a bf16 one through oneDNN 15-40 us (measured on the 2-core Xeon); from here bf16 (AMX) wins on
+the multiplications (the resident stack's are eight times its rows' own at eight adapters)."""
 """The slot an adapter's own stack files its columns under (it is built before the adapter has a slot)."""
 
 
@@ -43,6 +47,11 @@ class Stack:
     width: int
     dtype: torch.dtype
 
+    @property
+    def nbytes(self) -> int:
+        groups = {id(group): group for layer in self.layers for group in layer.values()}.values()
+        return sum(group.a.nbytes + sum(b.nbytes for _, b in group.expand.values()) for group in groups)
+
     def mask(self, slots: list[int], device) -> torch.Tensor:
         """[rows, 1, width]: 1 on each row's own adapter's columns (none for a base row), for every block of a group."""
         mask = torch.zeros(len(slots), 1, self.width, device=device, dtype=self.dtype)
@@ -53,8 +62,20 @@ class Stack:
         return mask
 
 
-def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]], num_layers: int) -> Stack | None:
-    """The stack of `adapters` (slot -> (rank, per layer its projections' (A [r, in], B [out, r]))); None if empty."""
+def compute_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, ...]:
+    """The dtypes a model of `dtype` computes adapters in: its own, and float32 for a CPU step's few rows."""
+    return tuple(dict.fromkeys((dtype, torch.float32))) if device.type == "cpu" else (dtype,)
+
+
+def step_dtype(dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+    """The dtype a model of `dtype` computes `rows` rows' update in (FEW_ROWS)."""
+    return torch.float32 if device.type == "cpu" and rows < FEW_ROWS else dtype
+
+
+def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]], num_layers: int,
+                dtype: torch.dtype) -> Stack | None:
+    """The stack of `adapters` (slot -> (rank, per layer its projections' (A [r, in], B [out, r]))) in `dtype`; None
+    if empty."""
     if not adapters:
         return None
     columns, width = {}, 0
@@ -68,11 +89,11 @@ def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor
             parts = {module: _parts(adapters, layer, module) for module in modules
                      if any(module in tensors[layer] for _, tensors in adapters.values())}
             if parts:
-                a = torch.cat([a for pairs in parts.values() for a, _ in pairs])
-                group = Group(a, {module: (i, torch.cat([b for _, b in pairs], dim=1)) for i, (module, pairs) in enumerate(parts.items())})
+                a = torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype)
+                expand = {module: (i, torch.cat([b for _, b in pairs], dim=1).to(dtype)) for i, (module, pairs) in enumerate(parts.items())}
+                group = Group(a, expand)
                 groups.update(dict.fromkeys(parts, group))
         layers.append(groups)
-    dtype = next(a.dtype for _, tensors in adapters.values() for pairs in tensors for a, _ in pairs.values())
     return Stack(layers, columns, width, dtype)
 
 
