@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from .adapter import MODULES, AdapterLinears
 from .stack import OWN, Group, Stack, step_dtype
@@ -98,11 +97,11 @@ class LoraStep:
                 if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
                     seen = shrunk[(index, group)] = (x, self.shrink(x[rows], group, stack.width, mask))
                 block, b = group.expand[module]
-                shrunk_block = seen[1][:, block * stack.width : (block + 1) * stack.width]
+                shrunk_block, into = seen[1][:, block * stack.width : (block + 1) * stack.width], out[rows]
                 if out.dtype == b.dtype:
-                    out[rows].addmm_(shrunk_block, b.t())
+                    into.addmm_(shrunk_block, b)
                 else:  # few rows of a bf16 model: computed in float32, rounded once into the output
-                    out[rows].add_(F.linear(shrunk_block, b))
+                    into.add_(torch.mm(shrunk_block, b))
             return out
 
         return call
@@ -111,7 +110,7 @@ class LoraStep:
     def shrink(x: torch.Tensor, group: Group, width: int, mask: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] -> [rows, blocks x width]: every projection of the group's shrink, each row's other adapters'
         columns zeroed by `mask`."""
-        s = F.linear(x.to(group.a.dtype), group.a)
+        s = torch.mm(x.to(group.a.dtype), group.a)
         if mask is not None:
             s.view(s.shape[0], -1, width).mul_(mask)
         return s

@@ -33,9 +33,10 @@ class Group:
     """One layer's shrink for the projections of a group that any adapter of the stack targets."""
 
     a: torch.Tensor
-    """[len(expand) x width, in]: each projection's A (every adapter's rows), side by side."""
+    """[in, len(expand) x width]: each projection's A^T (every adapter's columns), side by side."""
     expand: dict[str, tuple[int, torch.Tensor]]
-    """Projection -> (its block of the shrunk columns, B [out, width])."""
+    """Projection -> (its block of the shrunk columns, B^T [width, out]). Both transposed once here: a step calls
+    `torch.mm` itself (F.linear's transpose and dispatch cost a few us a call at one row, 126 calls a step)."""
 
 
 @dataclass
@@ -89,8 +90,9 @@ def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor
             parts = {module: _parts(adapters, layer, module) for module in modules
                      if any(module in tensors[layer] for _, tensors in adapters.values())}
             if parts:
-                a = torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype)
-                expand = {module: (i, torch.cat([b for _, b in pairs], dim=1).to(dtype)) for i, (module, pairs) in enumerate(parts.items())}
+                a = torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype).T.contiguous()
+                expand = {module: (i, torch.cat([b for _, b in pairs], dim=1).to(dtype).T.contiguous())
+                          for i, (module, pairs) in enumerate(parts.items())}
                 group = Group(a, expand)
                 groups.update(dict.fromkeys(parts, group))
         layers.append(groups)
