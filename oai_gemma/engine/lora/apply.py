@@ -95,24 +95,20 @@ class LoraStep:
                     continue
                 seen = shrunk.get((index, group))
                 if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
-                    seen = shrunk[(index, group)] = (x, self.shrink(x[rows], group, stack.width, mask))
-                block, b = group.expand[module]
-                shrunk_block, into = seen[1][:, block * stack.width : (block + 1) * stack.width], out[rows]
-                if out.dtype == b.dtype:
-                    into.addmm_(shrunk_block, b)
-                else:  # few rows of a bf16 model: computed in float32, rounded once into the output
-                    into.add_(torch.mm(shrunk_block, b))
+                    seen = shrunk[(index, group)] = (x, self.shrink(x[rows], group, stack, mask))
+                block, expand = group.expand[module]
+                out[rows].add_(expand(seen[1][:, block * stack.width : (block + 1) * stack.width]))  # float32: rounded once here
             return out
 
         return call
 
     @staticmethod
-    def shrink(x: torch.Tensor, group: Group, width: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def shrink(x: torch.Tensor, group: Group, stack: Stack, mask: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] -> [rows, blocks x width]: every projection of the group's shrink, each row's other adapters'
         columns zeroed by `mask`."""
-        s = torch.mm(x.to(group.a.dtype), group.a)
+        s = group.shrink(x.to(stack.dtype))
         if mask is not None:
-            s.view(s.shape[0], -1, width).mul_(mask)
+            s.view(s.shape[0], -1, stack.width).mul_(mask)
         return s
 
     def add_exact(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, linear: Callable) -> torch.Tensor:

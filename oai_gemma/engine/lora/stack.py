@@ -18,25 +18,48 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..model.linear import FrozenLinear
+
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 """The projections that take the same input in engine/model/gemma3.py's layer functions, in call order."""
 OWN = 1
+"""The slot an adapter's own stack files its columns under (it is built before the adapter has a slot)."""
 FEW_ROWS = 8
 """A CPU step's rows below this compute the update in float32 whatever the model's dtype: MKL's small float32 matmuls
 cost a few us a call, a bf16 one through oneDNN 15-40 us (measured on the 2-core Xeon); from here bf16 (AMX) wins on
 the multiplications (the resident stack's are eight times its rows' own at eight adapters)."""
-"""The slot an adapter's own stack files its columns under (it is built before the adapter has a slot)."""
+
+
+class Matmul:
+    """x -> x W^T in float32 through `torch.mm` on W^T kept contiguous: MKL's small matmuls cost a few us a call at
+    a few rows, where F.linear's transpose and dispatch (or a packed oneDNN call, ~15 us) would add as much again."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight_t = weight.T.contiguous()
+        self.nbytes = self.weight_t.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.weight_t)
+
+
+def linear(weight: torch.Tensor):
+    """`weight` [out, in] as a call x -> x W^T: float32 as a `Matmul`, bf16 oneDNN-packed (FrozenLinear: AMX with no
+    reorder of the weight per call, which read and wrote it again each time)."""
+    if weight.dtype == torch.float32:
+        return Matmul(weight)
+    frozen = FrozenLinear(weight)
+    frozen.nbytes = frozen.packed_bytes or weight.nbytes
+    return frozen
 
 
 @dataclass(eq=False)
 class Group:
     """One layer's shrink for the projections of a group that any adapter of the stack targets."""
 
-    a: torch.Tensor
-    """[in, len(expand) x width]: each projection's A^T (every adapter's columns), side by side."""
-    expand: dict[str, tuple[int, torch.Tensor]]
-    """Projection -> (its block of the shrunk columns, B^T [width, out]). Both transposed once here: a step calls
-    `torch.mm` itself (F.linear's transpose and dispatch cost a few us a call at one row, 126 calls a step)."""
+    shrink: Matmul | FrozenLinear
+    """x [rows, in] -> [rows, len(expand) x width]: each projection's A (every adapter's rows), side by side."""
+    expand: dict[str, tuple[int, Matmul | FrozenLinear]]
+    """Projection -> (its block of the shrunk columns, its B: [rows, width] -> [rows, out])."""
 
 
 @dataclass
@@ -51,7 +74,7 @@ class Stack:
     @property
     def nbytes(self) -> int:
         groups = {id(group): group for layer in self.layers for group in layer.values()}.values()
-        return sum(group.a.nbytes + sum(b.nbytes for _, b in group.expand.values()) for group in groups)
+        return sum(group.shrink.nbytes + sum(b.nbytes for _, b in group.expand.values()) for group in groups)
 
     def mask(self, slots: list[int], device) -> torch.Tensor:
         """[rows, 1, width]: 1 on each row's own adapter's columns (none for a base row), for every block of a group."""
@@ -90,10 +113,9 @@ def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor
             parts = {module: _parts(adapters, layer, module) for module in modules
                      if any(module in tensors[layer] for _, tensors in adapters.values())}
             if parts:
-                a = torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype).T.contiguous()
-                expand = {module: (i, torch.cat([b for _, b in pairs], dim=1).to(dtype).T.contiguous())
-                          for i, (module, pairs) in enumerate(parts.items())}
-                group = Group(a, expand)
+                shrink = linear(torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype))
+                expand = {module: (i, linear(torch.cat([b for _, b in pairs], dim=1).to(dtype))) for i, (module, pairs) in enumerate(parts.items())}
+                group = Group(shrink, expand)
                 groups.update(dict.fromkeys(parts, group))
         layers.append(groups)
     return Stack(layers, columns, width, dtype)
