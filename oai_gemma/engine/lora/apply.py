@@ -89,15 +89,17 @@ class LoraStep:
 
         def call(x: torch.Tensor, weight) -> torch.Tensor:
             out, module = linear(x, weight), names[id(weight)]
+            whole = len(self.parts) == 1 and self.parts[0][1].stop - self.parts[0][1].start == x.shape[0]  # no slicing
             for index, (stack, rows, mask) in enumerate(self.parts):
                 group = stack.layers[layer].get(module)
                 if group is None:
                     continue
                 seen = shrunk.get((index, group))
                 if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
-                    seen = shrunk[(index, group)] = (x, self.shrink(x[rows], group, stack, mask))
+                    seen = shrunk[(index, group)] = (x, self.shrink(x if whole else x[rows], group, stack, mask))
                 block, expand = group.expand[module]
-                out[rows].add_(expand(seen[1][:, block * stack.width : (block + 1) * stack.width]))  # float32: rounded once here
+                delta = expand(seen[1][:, block * stack.width : (block + 1) * stack.width])
+                (out if whole else out[rows]).add_(delta)  # float32 (few rows of a bf16 model): rounded once here
             return out
 
         return call
