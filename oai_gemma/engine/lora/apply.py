@@ -97,9 +97,12 @@ class LoraStep:
                 seen = shrunk.get((index, group))
                 if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
                     seen = shrunk[(index, group)] = (x, self.shrink(x if whole else x[rows], group, stack, mask))
-                block, expand = group.expand[module]
-                delta = expand(seen[1][:, block * stack.width : (block + 1) * stack.width])
-                (out if whole else out[rows]).add_(delta)  # float32 (few rows of a bf16 model): rounded once here
+                columns, b_t = group.expand[module]
+                into = out if whole else out[rows]
+                if into.dtype == b_t.dtype:
+                    into.addmm_(seen[1][:, columns], b_t)
+                else:  # few rows of a bf16 model, in float32: rounded once, here
+                    into.add_(torch.mm(seen[1][:, columns], b_t))
             return out
 
         return call

@@ -58,8 +58,10 @@ class Group:
 
     shrink: Matmul | FrozenLinear
     """x [rows, in] -> [rows, len(expand) x width]: each projection's A (every adapter's rows), side by side."""
-    expand: dict[str, tuple[int, Matmul | FrozenLinear]]
-    """Projection -> (its block of the shrunk columns, its B: [rows, width] -> [rows, out])."""
+    expand: dict[str, tuple[slice, torch.Tensor]]
+    """Projection -> (its block of the shrunk columns, B^T [width, out]): added into the projection's output by
+    `addmm_` (one oneDNN call with its sum post-op in bf16: a separate add of a prefill chunk's [rows, out] cost as
+    much as the matmul) or, from float32 into a bf16 output, by `torch.mm` and `add_`."""
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Stack:
     @property
     def nbytes(self) -> int:
         groups = {id(group): group for layer in self.layers for group in layer.values()}.values()
-        return sum(group.shrink.nbytes + sum(b.nbytes for _, b in group.expand.values()) for group in groups)
+        return sum(group.shrink.nbytes + sum(b_t.nbytes for _, b_t in group.expand.values()) for group in groups)
 
     def mask(self, slots: list[int], device) -> torch.Tensor:
         """[rows, 1, width]: 1 on each row's own adapter's columns (none for a base row), for every block of a group."""
@@ -114,7 +116,8 @@ def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor
                      if any(module in tensors[layer] for _, tensors in adapters.values())}
             if parts:
                 shrink = linear(torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype))
-                expand = {module: (i, linear(torch.cat([b for _, b in pairs], dim=1).to(dtype))) for i, (module, pairs) in enumerate(parts.items())}
+                expand = {module: (slice(i * width, (i + 1) * width), torch.cat([b for _, b in pairs], dim=1).to(dtype).T.contiguous())
+                          for i, (module, pairs) in enumerate(parts.items())}
                 group = Group(shrink, expand)
                 groups.update(dict.fromkeys(parts, group))
         layers.append(groups)
