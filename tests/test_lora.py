@@ -151,7 +151,8 @@ def test_the_fast_paths_update_is_each_rows_own_adapters_in_float32_to_its_dtype
         return StepItem([], [0] * count, 0, adapter=slot)
 
     layers = [type("Layer", (), {m: object() for m in shapes})() for _ in range(text_config.num_hidden_layers)]
-    step = LoraStep.of([item(s, n) for s, n in prefills], [item(s) for s in decodes], registry, module_names(layers), torch.device("cpu"), exact=False)
+    step = LoraStep.of([item(s, n) for s, n in prefills], [item(s) for s in decodes], registry, module_names(layers),
+                       torch.device("cpu"), exact=False)
     row_slots = [s for s, n in prefills for _ in range(n)] + decodes
     for module, (features_in, features_out) in shapes.items():
         x = torch.randn(len(row_slots), features_in, generator=generator).to(dtype)

@@ -7,10 +7,12 @@ the path without adapters is unchanged.
 
 Two ways to compute it. In batch-invariant mode the update goes through the step's own linear call on the adapter's
 linears in the model's dtype (oneDNN-packed and tiled as the base's are), so a row's result does not depend on the
-rows beside it either. Otherwise it is plain float32 matmuls (`F.linear`, MKL): at decode's few rows a call costs a
-fraction of a packed oneDNN call's fixed overhead (measured here: 2 to 5 us against 16 to 18 us), and a projection's
-input is widened once for q/k/v (and gate/up), which share it; decode rows of several adapters then go through the
-resident adapters' stack in two matmuls (engine/lora/stack.py).
+rows beside it either. Otherwise each part of the step (a prefill chunk, the decode rows) goes through a stack
+(engine/lora/stack.py): its adapter's own, or the resident adapters' with a per-step column mask when the decode rows
+are on several; a group of projections that share their input (q/k/v, gate/up) is shrunk once, then each projection
+expanded. A part of fewer than `FEW_ROWS` rows computes in float32 (MKL's small matmuls: a few us a call, against
+15-40 us for oneDNN's), rounded once into a bf16 output; a larger one in the model's dtype (bf16: AMX, the shrink
+oneDNN-packed, the expand added in place by `addmm_`); measured in docs/engine.md (LoRA row of the file table).
 
 The projections are told apart by identity: engine/model/gemma3.py's layer functions call `linear(x, w.q)` etc.,
 and `module_names` maps each of the runner's projection objects to its name once.

@@ -1,14 +1,15 @@
-"""Adapters side by side, per layer and per group of projections that share their input: one A of every adapter's
-rows for the whole group ([projections x sum of ranks, in]) and per projection one B ([out, sum of ranks]).
+"""Adapters side by side, per layer and per group of projections that share their input: one shrink of every
+adapter's A for the whole group ([in] -> [projections x sum of ranks]) and per projection one B^T ([sum of ranks, out]).
 
-A stack of one adapter is how it runs on its own rows (`AdapterLinears.stack`); the stack of the resident adapters
-(`LoraRegistry.stack`) runs decode rows of several adapters in one step: shrink every row by every resident adapter,
-zero the columns that are not its own adapter's (a per-step mask), expand. Either way a group is one shrink for its
-projections (q/k/v: one matmul instead of three, gate/up one instead of two) and each projection one expand. The
-extra multiplications of the resident stack are small at decode's row counts (a few rows times the ranks). A sum
-that runs over other adapters' zeroed columns rounds in another order than its own rank alone, so batch-invariant
-mode keeps its own path (engine/lora/apply.py). An adapter that does not target a projection has zero rows there;
-the resident stack is rebuilt (on the engine thread, at the next step) when the resident set changes.
+A stack of one adapter is how it runs on its own rows (`AdapterLinears.stacks`, one per compute dtype); the stack of
+the resident adapters (`LoraRegistry.stack`) runs decode rows of several adapters in one step: shrink every row by
+every resident adapter, zero the columns that are not its own adapter's (a per-step mask), expand. Either way a group
+is one shrink for its projections (q/k/v: one matmul instead of three, gate/up one instead of two) and each
+projection one expand. The resident stack multiplies by every adapter's columns (eight times a row's own at eight
+adapters of one rank), which AMX absorbs at decode's row counts better than a call per adapter would. A sum that runs
+over other adapters' zeroed columns rounds in another order than its own rank alone, so batch-invariant mode keeps
+its own path (engine/lora/apply.py). An adapter that does not target a projection has zero rows there; the resident
+stack is rebuilt (on the engine thread, at the next step) when the resident set changes.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Group:
     """One layer's shrink for the projections of a group that any adapter of the stack targets."""
 
     shrink: Matmul | FrozenLinear
-    """x [rows, in] -> [rows, len(expand) x width]: each projection's A (every adapter's rows), side by side."""
+    """x [rows, in] -> [rows, len(expand) x width]: each projection's shrink (every adapter's A), side by side."""
     expand: dict[str, tuple[slice, torch.Tensor]]
     """Projection -> (its block of the shrunk columns, B^T [width, out]): added into the projection's output by
     `addmm_` (one oneDNN call with its sum post-op in bf16: a separate add of a prefill chunk's [rows, out] cost as
