@@ -42,12 +42,14 @@ def _copy(model):
     return copy.deepcopy(model, memo={id(shared): shared})
 
 
-def make_adapter(base_model, directory: Path, spec: Spec) -> Path:
+def make_adapter(base_model, directory: Path, spec: Spec, within: str | None = None) -> Path:
     """A PEFT LoRA adapter of `base_model` (not modified: a copy is wrapped) with random nonzero lora_B, saved in
-    PEFT's format (adapter_config.json + adapter_model.safetensors)."""
+    PEFT's format (adapter_config.json + adapter_model.safetensors). `within`: only the targets under that submodule
+    (a multimodal model's `language_model`: its vision tower has q/k/v_proj too)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), use_rslora=spec.rslora, lora_dropout=0.0)
+    targets = list(spec.targets) if within is None else rf".*\.{within}\..*\.({'|'.join(spec.targets)})"
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=targets, use_rslora=spec.rslora, lora_dropout=0.0)
     model = get_peft_model(_copy(base_model), config)
     generator = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():

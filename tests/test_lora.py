@@ -122,6 +122,50 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_the_merged_models
     assert len({tuple(t) for t in together}) == len(names), "every adapter should answer differently from the others"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["one row", "32 rows of 3 adapters and the base", "a prefill chunk and 5 decode rows"])
+def test_the_fast_paths_update_is_each_rows_own_adapters_in_float32_to_its_dtypes_rounding(text_config, dtype, layout):
+    """Outside batch-invariant mode (its own stacks, the resident stack with its mask, float32 for few rows of a bf16
+    model, bf16 from FEW_ROWS): each row gets x A^T B^T of its own adapter as float32 computes it, to the rounding of
+    the dtype (bf16: 2^-6 of the update's largest value, a few roundings of 2^-9; float32: 1e-5)."""
+    from oai_gemma.engine.lora.adapter import AdapterWeights, pack
+    from oai_gemma.engine.lora.apply import LoraStep, module_names
+    from oai_gemma.engine.lora.registry import Registration
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = module_shapes(text_config)
+    registry = LoraRegistry(text_config, dtype, torch.device("cpu"), max_loras=3, max_rank=16)
+    weights, slots = {}, {}
+    for rank, targets in [(4, ("q", "v", "down")), (8, tuple(shapes)), (16, ("k", "gate", "up", "o"))]:
+        adapter = AdapterWeights(f"r{rank}", rank, [{} for _ in range(text_config.num_hidden_layers)])
+        adapter.layers[0] = {m: (torch.randn(rank, shapes[m][0], generator=generator), torch.randn(shapes[m][1], rank, generator=generator) / 50)
+                             for m in targets}
+        registration = Registration(LoraModule(adapter.name, "-"), rank, ready=pack(adapter, dtype, torch.device("cpu")))
+        registry.register(registration)
+        slots[registry.acquire(registration)] = weights[adapter.name] = adapter
+    ids = list(slots)
+    prefills, decodes = {"one row": ([], [ids[0]]), "32 rows of 3 adapters and the base": ([], [(ids + [0])[i % 4] for i in range(32)]),
+                         "a prefill chunk and 5 decode rows": ([(ids[1], 40)], [ids[2], 0, ids[0], ids[2], ids[2]])}[layout]
+
+    def item(slot, count=1):
+        return StepItem([], [0] * count, 0, adapter=slot)
+
+    layers = [type("Layer", (), {m: object() for m in shapes})() for _ in range(text_config.num_hidden_layers)]
+    step = LoraStep.of([item(s, n) for s, n in prefills], [item(s) for s in decodes], registry, module_names(layers),
+                       torch.device("cpu"), exact=False)
+    row_slots = [s for s, n in prefills for _ in range(n)] + decodes
+    for module, (features_in, features_out) in shapes.items():
+        x = torch.randn(len(row_slots), features_in, generator=generator).to(dtype)
+        got = step.around(lambda x, weight: torch.zeros(x.shape[0], features_out, dtype=dtype), 0)(x, getattr(layers[0], module)).float()
+        expected = torch.zeros_like(got)
+        for row, slot in enumerate(row_slots):
+            pair = slots[slot].layers[0].get(module) if slot else None
+            if pair is not None:
+                expected[row] = x[row].float() @ pair[0].T @ pair[1].T
+        tolerance = expected.abs().max() * (2**-6 if dtype == torch.bfloat16 else 1e-5)  # 0 where no row's adapter targets it
+        assert (got - expected).abs().max() <= tolerance, module
+
+
 # ---- bad adapters: each refused with its name and the reason ------------------------------------------------
 
 

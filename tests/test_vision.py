@@ -1,5 +1,6 @@
-"""Images end to end: the tiny multimodal Gemma-3 served by a second real server, driven by the openai client;
-and the engine's own multimodal prefill held against transformers' forward."""
+"""Images end to end: the tiny multimodal Gemma-3 served by a second real server, driven by the openai client (a
+LoRA adapter on its language model included); and the engine's own multimodal prefill held against transformers'
+forward."""
 
 import asyncio
 import base64
@@ -14,6 +15,7 @@ import torch
 from PIL import Image
 
 from conftest import ServerProcess
+from lora_adapters import STRONG, make_adapter, merged_model
 from oai_gemma.chat import render_chat
 from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
@@ -26,6 +28,7 @@ MODEL = "tiny-vision"
 MAX_IMAGES = 4
 MAX_PIXELS = 2_000_000
 MAX_DOWNLOAD = 1_000_000
+ADAPTER = "vision-lora"
 
 
 def png(width=320, height=200, color=(200, 30, 30), fmt="PNG") -> bytes:
@@ -71,7 +74,19 @@ def image_host():
 
 
 @pytest.fixture(scope="module")
-def vision_server(tiny_vision_dir, tmp_path_factory):
+def vision_loaded(tiny_vision_dir):
+    """The tiny multimodal model in float32, loaded once for the module's in-process references."""
+    return load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def vision_adapter(vision_loaded, tmp_path_factory):
+    """A PEFT adapter on the seven projections of the language model only (the vision tower has q/k/v_proj too)."""
+    return make_adapter(vision_loaded.model, tmp_path_factory.mktemp("vision-lora") / ADAPTER, STRONG["all8"], within="language_model")
+
+
+@pytest.fixture(scope="module")
+def vision_server(tiny_vision_dir, vision_adapter, tmp_path_factory):
     env = {
         "OAI_GEMMA_IMAGES__ALLOWED_HOSTS": '["127.0.0.1"]',
         "OAI_GEMMA_IMAGES__MAX_IMAGES": str(MAX_IMAGES),
@@ -79,7 +94,9 @@ def vision_server(tiny_vision_dir, tmp_path_factory):
         "OAI_GEMMA_IMAGES__MAX_DOWNLOAD_BYTES": str(MAX_DOWNLOAD),
     }
     log = tmp_path_factory.mktemp("logs") / "vision-server.log"
-    with ServerProcess("--model", str(tiny_vision_dir), "--served-model-name", MODEL, env=env, log=log) as proc:
+    with ServerProcess(
+        "--model", str(tiny_vision_dir), "--served-model-name", MODEL, "--lora-modules", f"{ADAPTER}={vision_adapter}", env=env, log=log,
+    ) as proc:
         yield proc
 
 
@@ -220,10 +237,25 @@ def test_unreachable_url_is_400(vclient, image_host):
     assert "404" in body["message"]
 
 
-def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor):
+def greedy_with_image(model, inputs, steps: int) -> list[int]:
+    """transformers' greedy tokens after a processed image prompt, by full recompute over the tokenizer's ids (as the
+    engine samples: below the image token), up to an end of turn (included)."""
+    ids, types, out = inputs["input_ids"], inputs["token_type_ids"], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(input_ids=ids, token_type_ids=types, pixel_values=inputs["pixel_values"]).logits
+            out.append(int(logits[0, -1, : model.config.image_token_id].argmax()))
+            if out[-1] in (1, 106):  # <eos>, <end_of_turn>
+                break
+            ids = torch.cat((ids, torch.tensor([[out[-1]]])), dim=1)
+            types = torch.cat((types, torch.zeros(1, 1, dtype=types.dtype)), dim=1)
+    return out
+
+
+def test_vision_prefill_matches_transformers_forward(vision_loaded, processor):
     """Our runner (vision embeddings spliced in, bidirectional attention inside each image, a prefill
     budget smaller than one image) gives transformers' own greedy tokens for an image prompt."""
-    loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
+    loaded = vision_loaded
     engine = Engine(loaded, EngineConfig(max_num_seqs=2, max_prefill_tokens=64, max_model_len=1024))
     from oai_gemma.chat.vision import expand_images
 
@@ -233,14 +265,8 @@ def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor)
     vision = expand_images(processor, rendered, [image], [False])
     inputs = processor(text=rendered, images=[image], add_special_tokens=False, return_tensors="pt")
     assert vision.token_ids == inputs["input_ids"][0].tolist()
-    reference = []
-    with torch.inference_mode():  # greedy by full recompute, over the tokenizer's ids (as the engine samples)
-        ids, types = inputs["input_ids"], inputs["token_type_ids"]
-        for _ in range(5):
-            logits = loaded.model(input_ids=ids, token_type_ids=types, pixel_values=inputs["pixel_values"]).logits
-            reference.append(int(logits[0, -1, : engine.vocab_limit].argmax()))
-            ids = torch.cat((ids, torch.tensor([[reference[-1]]])), dim=1)
-            types = torch.cat((types, torch.zeros(1, 1, dtype=types.dtype)), dim=1)
+    assert engine.vocab_limit == loaded.model.config.image_token_id
+    reference = greedy_with_image(loaded.model, inputs, 5)
 
     loop = asyncio.new_event_loop()
     engine.start(loop)
@@ -266,11 +292,11 @@ def test_vision_prefill_matches_transformers_forward(tiny_vision_dir, processor)
     assert again == tokens
 
 
-def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vision_dir, processor):
+def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(vision_loaded, processor):
     from oai_gemma.engine.core import token_runs
     from oai_gemma.engine.model.runner import ModelRunner, StepItem
 
-    loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
+    loaded = vision_loaded
     image = Image.open(io.BytesIO(png(400, 300, (10, 200, 90))))
     inputs = processor(text=render_chat(ask(image_part("x"))).prompt, images=[image], add_special_tokens=False, return_tensors="pt")
     ids = inputs["input_ids"][0].tolist()
@@ -284,6 +310,22 @@ def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tiny_vis
     ours = runner.forward([StepItem(runner.sequence_blocks(0), ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]
     assert (reference - causal_only).abs().max() > 0.1  # the bidirectional image mask matters for this prompt
     assert (ours - reference).abs().max() < 1e-3
+
+
+def test_an_image_under_a_lora_adapter_gives_pefts_merged_models_greedy_text(vclient, vision_loaded, vision_adapter, processor):
+    """Adapters apply to a multimodal model's language model: an image request naming one answers what PEFT's
+    `merge_and_unload()` model answers for the same image prompt, and the base what the base model answers (asked
+    first: the adapter's request must not reuse the base's KV of the same image)."""
+    raw = png(400, 300, (10, 200, 90))
+    messages = ask(image_part(data_url(raw)))
+    inputs = processor(text=render_chat(messages).prompt, images=[Image.open(io.BytesIO(raw))], add_special_tokens=False, return_tensors="pt")
+    expected = {MODEL: greedy_with_image(vision_loaded.model, inputs, 8),
+                ADAPTER: greedy_with_image(merged_model(vision_loaded.model, vision_adapter), inputs, 8)}
+    assert expected[MODEL] != expected[ADAPTER]  # the adapter changes the answer (else this test could not fail)
+    for model, tokens in expected.items():
+        response = vclient.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        assert response.model == model
+        assert response.choices[0].message.content == processor.tokenizer.decode(tokens, skip_special_tokens=True), model
 
 
 # ---- the Responses API: `input_image` parts take chat's image path ----------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model.linear import FrozenLinear
+from .stack import OWN, Stack, build_stack, compute_dtypes
 
 MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections an adapter may target, in engine/model/gemma3.py's LayerWeights names (`q` is `q_proj`)."""
@@ -77,18 +78,21 @@ class AdapterWeights:
 @dataclass
 class AdapterLinears:
     """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears in its dtype
-    (engine/linear.py: batch-invariant mode calls them as the base's), and as plain float32 tensors (`tensors`: the
-    fast path and the stack, engine/lora/apply.py and stack.py)."""
+    (engine/linear.py: batch-invariant mode calls them as the base's), and stacked on their own per compute dtype
+    (`stacks`: the other modes' path, engine/lora/apply.py and stack.py), of which `tensors` (each projection's A
+    and B) builds the resident adapters' stack."""
 
     name: str
     rank: int
     layers: list[dict[str, tuple[FrozenLinear, FrozenLinear]]]
     tensors: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    stacks: dict[torch.dtype, Stack]
 
     @property
     def nbytes(self) -> int:
         linears = sum(_bytes(a) + _bytes(b) for layer in self.layers for a, b in layer.values())
-        return linears + sum(a.nbytes + b.nbytes for layer in self.tensors for a, b in layer.values())
+        stacks = sum(stack.nbytes for stack in self.stacks.values())
+        return linears + stacks + sum(a.nbytes + b.nbytes for layer in self.tensors for a, b in layer.values())
 
 
 def _bytes(linear) -> int:
@@ -199,9 +203,10 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int) -> Ada
 
 
 def pack(weights: AdapterWeights, dtype: torch.dtype, device: torch.device) -> AdapterLinears:
-    """The adapter on the runner's device, in float32 and in the runner's dtype as linears like the base's (oneDNN-packed
-    on a CPU): the adapter is never quantized, whatever the base is."""
+    """The adapter on the runner's device, as linears like the base's in its dtype (oneDNN-packed on a CPU) and
+    stacked in each dtype it computes in (engine/lora/stack.py `compute_dtypes`): never quantized, whatever the base
+    is."""
     tensors = [{module: (a.to(device), b.to(device)) for module, (a, b) in layer.items()} for layer in weights.layers]
     return AdapterLinears(weights.name, weights.rank, [
         {module: (FrozenLinear(a.to(dtype)), FrozenLinear(b.to(dtype))) for module, (a, b) in layer.items()} for layer in tensors
-    ], tensors)
+    ], tensors, {each: build_stack({OWN: (weights.rank, tensors)}, len(tensors), each) for each in compute_dtypes(dtype, device)})

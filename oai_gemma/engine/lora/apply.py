@@ -7,10 +7,12 @@ the path without adapters is unchanged.
 
 Two ways to compute it. In batch-invariant mode the update goes through the step's own linear call on the adapter's
 linears in the model's dtype (oneDNN-packed and tiled as the base's are), so a row's result does not depend on the
-rows beside it either. Otherwise it is plain float32 matmuls (`F.linear`, MKL): at decode's few rows a call costs a
-fraction of a packed oneDNN call's fixed overhead (measured here: 2 to 5 us against 16 to 18 us), and a projection's
-input is widened once for q/k/v (and gate/up), which share it; decode rows of several adapters then go through the
-resident adapters' stack in two matmuls (engine/lora/stack.py).
+rows beside it either. Otherwise each part of the step (a prefill chunk, the decode rows) goes through a stack
+(engine/lora/stack.py): its adapter's own, or the resident adapters' with a per-step column mask when the decode rows
+are on several; a group of projections that share their input (q/k/v, gate/up) is shrunk once, then each projection
+expanded. A part of fewer than `FEW_ROWS` rows computes in float32 (MKL's small matmuls: a few us a call, against
+15-40 us for oneDNN's), rounded once into a bf16 output; a larger one in the model's dtype (bf16: AMX, the shrink
+oneDNN-packed, the expand added in place by `addmm_`); measured in docs/engine.md (LoRA row of the file table).
 
 The projections are told apart by identity: engine/model/gemma3.py's layer functions call `linear(x, w.q)` etc.,
 and `module_names` maps each of the runner's projection objects to its name once.
@@ -22,10 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from .adapter import MODULES, AdapterLinears
-from .stack import Stack
+from .stack import OWN, Group, Stack, step_dtype
 
 if TYPE_CHECKING:
     from .registry import LoraRegistry
@@ -43,83 +44,102 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
-def _put(out: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        out[rows] += delta
-    else:
-        out.index_add_(0, rows, delta.to(out.dtype))
-
-
 class LoraStep:
-    """The adapters of one step's rows: `groups` [(adapter, its rows)], and `stacked` (the resident adapters' stack,
-    the decode rows, their column mask) when decode rows of several adapters run outside batch-invariant mode."""
+    """The adapters of one step's rows. Outside batch-invariant mode: `parts` [(a stack, its rows, their column mask
+    or None)]: each prefill chunk on its adapter's own stack, the decode rows on their one adapter's (masked where
+    base rows sit beside them) or on the resident adapters' stack. In batch-invariant mode: `groups` [(adapter, its
+    rows)]."""
 
-    def __init__(self, groups: list[tuple[AdapterLinears, Rows]], names: list[dict[int, str]], exact: bool,
-                 stacked: tuple[Stack, slice, torch.Tensor] | None = None):
-        self.groups, self.names, self.exact, self.stacked = groups, names, exact, stacked
+    def __init__(self, names: list[dict[int, str]], parts: list[tuple[Stack, Rows, torch.Tensor | None]] = (),
+                 groups: list[tuple[AdapterLinears, Rows]] = ()):
+        self.names, self.parts, self.groups = names, parts, groups
 
     @classmethod
     def of(cls, prefills: Sequence, decodes: Sequence, registry: LoraRegistry, names: list[dict[int, str]], device,
            exact: bool) -> LoraStep | None:
         """The step's adapters from its items (`StepItem.adapter`: a slot, 0 for the base), in packing order; None
         when no row has one. `exact`: batch-invariant mode."""
-        rows: dict[int, list[int]] = {}
-        offset = 0
+        slots = [item.adapter or 0 for item in (*prefills, *decodes) for _ in item.token_ids]
+        if not any(slots):
+            return None
+        if exact:
+            return cls(names, groups=[(registry.slots[slot], _rows(where, device)) for slot, where in _by_slot(slots).items()])
+        parts, offset = [], 0
         for item in prefills:
             count = len(item.token_ids)
             if item.adapter:
-                rows.setdefault(item.adapter, []).extend(range(offset, offset + count))
+                stack = registry.slots[item.adapter].stacks[step_dtype(registry.dtype, device, count)]
+                parts.append((stack, slice(offset, offset + count), None))
             offset += count
-        decode_slots = [item.adapter or 0 for item in decodes for _ in item.token_ids]
-        stacked = None
-        if not exact and len(set(decode_slots) - {0}) > 1:
-            stack = registry.stack()
-            stacked = (stack, slice(offset, offset + len(decode_slots)), stack.mask(decode_slots, device))
-        else:
-            for row, slot in enumerate(decode_slots, start=offset):
-                if slot:
-                    rows.setdefault(slot, []).append(row)
-        if not rows and stacked is None:
-            return None
-        groups = []
-        for slot, where in rows.items():
-            contiguous = where[-1] - where[0] + 1 == len(where)
-            index = slice(where[0], where[-1] + 1) if contiguous else torch.tensor(where, dtype=torch.long, device=device)
-            groups.append((registry.slots[slot], index))
-        return cls(groups, names, exact, stacked)
+        decode = slots[offset:]
+        adapters, dtype = set(decode) - {0}, step_dtype(registry.dtype, device, len(decode))
+        if len(adapters) == 1:  # one adapter's rows, maybe beside base rows: its own stack (its columns are OWN's)
+            stack = registry.slots[adapters.pop()].stacks[dtype]
+            mask = None if 0 not in decode else stack.mask([OWN if slot else 0 for slot in decode], device)
+            parts.append((stack, slice(offset, len(slots)), mask))
+        elif adapters:
+            stack = registry.stack(dtype)
+            parts.append((stack, slice(offset, len(slots)), stack.mask(decode, device)))
+        return cls(names, parts)
 
     def around(self, linear: Callable, layer: int) -> Callable:
         """`linear` (the step's projection call) with each row's adapter update added, for layer `layer`."""
         names = self.names[layer]
-        if self.exact:
+        if self.groups:
             return lambda x, weight: self.add_exact(linear(x, weight), x, layer, names[id(weight)], linear)
-        widened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # q/k/v (gate/up) share their input: widen it once
+        shrunk: dict[tuple[int, Group], tuple[torch.Tensor, torch.Tensor]] = {}  # a group's shrink, by part
 
         def call(x: torch.Tensor, weight) -> torch.Tensor:
-            seen = widened.get(id(x))
-            if seen is None or seen[0] is not x:
-                seen = widened[id(x)] = (x, x.float())
-            return self.add(linear(x, weight), seen[1], layer, names[id(weight)])
+            out, module = linear(x, weight), names[id(weight)]
+            whole = len(self.parts) == 1 and self.parts[0][1].stop - self.parts[0][1].start == x.shape[0]  # no slicing
+            for index, (stack, rows, mask) in enumerate(self.parts):
+                group = stack.layers[layer].get(module)
+                if group is None:
+                    continue
+                seen = shrunk.get((index, group))
+                if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
+                    seen = shrunk[(index, group)] = (x, self.shrink(x if whole else x[rows], group, stack, mask))
+                columns, b_t = group.expand[module]
+                into = out if whole else out[rows]
+                if into.dtype == b_t.dtype:
+                    into.addmm_(seen[1][:, columns], b_t)
+                else:  # few rows of a bf16 model, in float32: rounded once, here
+                    into.add_(torch.mm(seen[1][:, columns], b_t))
+            return out
 
         return call
 
-    def add(self, out: torch.Tensor, x32: torch.Tensor, layer: int, module: str) -> torch.Tensor:
-        """out[rows] += (x[rows] A^T) B^T for each adapter of the step that targets this projection, in float32."""
-        for adapter, rows in self.groups:
-            pair = adapter.tensors[layer].get(module)
-            if pair is not None:
-                _put(out, rows, F.linear(F.linear(_take(x32, rows), pair[0]), pair[1]))
-        if self.stacked is not None:
-            stack, rows, mask = self.stacked
-            pair = stack.layers[layer].get(module)
-            if pair is not None:
-                out[rows] += F.linear(F.linear(x32[rows], pair[0]) * mask, pair[1])
-        return out
+    @staticmethod
+    def shrink(x: torch.Tensor, group: Group, stack: Stack, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] -> [rows, blocks x width]: every projection of the group's shrink, each row's other adapters'
+        columns zeroed by `mask`."""
+        s = group.shrink(x.to(stack.dtype))
+        if mask is not None:
+            s.view(s.shape[0], -1, stack.width).mul_(mask)
+        return s
 
     def add_exact(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, linear: Callable) -> torch.Tensor:
-        """The same through the step's linear call on the adapters' linears (batch-invariant mode)."""
+        """out[rows] += (x[rows] A^T) B^T for each adapter of the step that targets this projection, through the step's
+        linear call on the adapters' linears (batch-invariant mode)."""
         for adapter, rows in self.groups:
             pair = adapter.layers[layer].get(module)
             if pair is not None:
-                _put(out, rows, linear(linear(_take(x, rows), pair[0]), pair[1]))
+                delta = linear(linear(_take(x, rows), pair[0]), pair[1])
+                if isinstance(rows, slice):
+                    out[rows] += delta
+                else:
+                    out.index_add_(0, rows, delta.to(out.dtype))
         return out
+
+
+def _by_slot(slots: list[int]) -> dict[int, list[int]]:
+    rows: dict[int, list[int]] = {}
+    for row, slot in enumerate(slots):
+        if slot:
+            rows.setdefault(slot, []).append(row)
+    return rows
+
+
+def _rows(where: list[int], device) -> Rows:
+    contiguous = where[-1] - where[0] + 1 == len(where)
+    return slice(where[0], where[-1] + 1) if contiguous else torch.tensor(where, dtype=torch.long, device=device)

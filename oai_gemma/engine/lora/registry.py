@@ -66,7 +66,7 @@ class LoraRegistry:
         """Registration key -> its slot, least recently used first."""
         self._free = list(range(max_loras, 0, -1))
         self._lock = threading.Lock()
-        self._stack: Stack | None = None
+        self._stacks: dict[torch.dtype, Stack | None] = {}
         self._stack_stale = True
         self.loads = 0
         """Reads from disk into a slot (start-up's and the load endpoint's excepted): evictions show here."""
@@ -142,13 +142,16 @@ class LoraRegistry:
             self._stack_stale = True
         return slot
 
-    def stack(self) -> Stack | None:
-        """The resident adapters stacked (engine/lora/stack.py), rebuilt here (the engine thread) after a change."""
-        if self._stack_stale:
-            with self._lock:
-                self._stack_stale, slots = False, list(self.slots)
-            self._stack = build_stack(slots, self.text_config.num_hidden_layers)
-        return self._stack
+    def stack(self, dtype: torch.dtype) -> Stack | None:
+        """The resident adapters stacked in `dtype` (engine/lora/stack.py), rebuilt here (the engine thread) after a change."""
+        with self._lock:
+            if self._stack_stale:
+                self._stack_stale, self._stacks = False, {}
+            slots = None if dtype in self._stacks else list(self.slots)
+        if slots is not None:
+            resident = {slot: (adapter.rank, adapter.tensors) for slot, adapter in enumerate(slots) if adapter is not None}
+            self._stacks[dtype] = build_stack(resident, self.text_config.num_hidden_layers, dtype)
+        return self._stacks[dtype]
 
     def _reload(self, registration: Registration) -> AdapterLinears:
         module = registration.module

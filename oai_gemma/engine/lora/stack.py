@@ -1,13 +1,15 @@
-"""The resident adapters side by side: per projection one A of every adapter's rows stacked [sum of ranks, in] and
-one B [out, sum of ranks], for decode rows of many adapters in one step.
+"""Adapters side by side, per layer and per group of projections that share their input: one shrink of every
+adapter's A for the whole group ([in] -> [projections x sum of ranks]) and per projection one B^T ([sum of ranks, out]).
 
-Per adapter and projection a step of N adapters makes 2N small matmuls and N gathers and scatters (`LoraStep`'s
-groups); with the stack it is two matmuls whatever N: shrink every decode row by every resident adapter, zero the
-columns that are not its own adapter's (a per-step mask), expand. The extra multiplications are small at decode's
-row counts (a few rows times the ranks). A sum that runs over other adapters' zeroed columns rounds in another
-order than its own rank alone, so batch-invariant mode keeps the groups. An adapter that does not target a
-projection has zero rows there; the stack is rebuilt (on the engine thread, at the next step) when the resident set
-changes.
+A stack of one adapter is how it runs on its own rows (`AdapterLinears.stacks`, one per compute dtype); the stack of
+the resident adapters (`LoraRegistry.stack`) runs decode rows of several adapters in one step: shrink every row by
+every resident adapter, zero the columns that are not its own adapter's (a per-step mask), expand. Either way a group
+is one shrink for its projections (q/k/v: one matmul instead of three, gate/up one instead of two) and each
+projection one expand. The resident stack multiplies by every adapter's columns (eight times a row's own at eight
+adapters of one rank), which AMX absorbs at decode's row counts better than a call per adapter would. A sum that runs
+over other adapters' zeroed columns rounds in another order than its own rank alone, so batch-invariant mode keeps
+its own path (engine/lora/apply.py). An adapter that does not target a projection has zero rows there; the resident
+stack is rebuilt (on the engine thread, at the next step) when the resident set changes.
 """
 
 from __future__ import annotations
@@ -15,51 +17,121 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from .adapter import MODULES, AdapterLinears
+from ..model.linear import FrozenLinear
+
+GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+"""The projections that take the same input in engine/model/gemma3.py's layer functions, in call order."""
+OWN = 1
+"""The slot an adapter's own stack files its columns under (it is built before the adapter has a slot)."""
+FEW_ROWS = 8
+"""A CPU step's rows below this compute the update in float32 whatever the model's dtype: MKL's small float32 matmuls
+cost a few us a call, a bf16 one through oneDNN 15-40 us (measured on the 2-core Xeon); from here bf16 (AMX) wins on
+the multiplications (the resident stack's are eight times its rows' own at eight adapters)."""
+
+
+class Matmul:
+    """x -> x W^T in float32 through `torch.mm` on W^T kept contiguous: MKL's small matmuls cost a few us a call at
+    a few rows, where F.linear's transpose and dispatch (or a packed oneDNN call, ~15 us) would add as much again."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight_t = weight.T.contiguous()
+        self.nbytes = self.weight_t.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.weight_t)
+
+
+def linear(weight: torch.Tensor):
+    """`weight` [out, in] as a call x -> x W^T: float32 as a `Matmul`, bf16 oneDNN-packed (FrozenLinear: AMX with no
+    reorder of the weight per call, which read and wrote it again each time)."""
+    if weight.dtype == torch.float32:
+        return Matmul(weight)
+    frozen = FrozenLinear(weight)
+    frozen.nbytes = frozen.packed_bytes or weight.nbytes
+    return frozen
+
+
+@dataclass(eq=False)
+class Group:
+    """One layer's shrink for the projections of a group that any adapter of the stack targets."""
+
+    shrink: Matmul | FrozenLinear
+    """x [rows, in] -> [rows, len(expand) x width]: each projection's shrink (every adapter's A), side by side."""
+    expand: dict[str, tuple[slice, torch.Tensor]]
+    """Projection -> (its block of the shrunk columns, B^T [width, out]): added into the projection's output by
+    `addmm_` (one oneDNN call with its sum post-op in bf16: a separate add of a prefill chunk's [rows, out] cost as
+    much as the matmul) or, from float32 into a bf16 output, by `torch.mm` and `add_`."""
 
 
 @dataclass
 class Stack:
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    """Per layer, per projection any resident adapter targets: (A stacked, B stacked), float32."""
+    layers: list[dict[str, Group]]
+    """Per layer, each projection an adapter of the stack targets -> its group."""
     columns: dict[int, tuple[int, int]]
-    """Slot -> its adapter's [start, end) columns of the shrunk rows."""
+    """Slot -> its adapter's [start, end) columns of a projection's shrunk block."""
     width: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        groups = {id(group): group for layer in self.layers for group in layer.values()}.values()
+        return sum(group.shrink.nbytes + sum(b_t.nbytes for _, b_t in group.expand.values()) for group in groups)
 
     def mask(self, slots: list[int], device) -> torch.Tensor:
-        """[rows, width]: 1 on each row's own adapter's columns (none for a base row), float32."""
-        mask = torch.zeros(len(slots), self.width, device=device)
+        """[rows, 1, width]: 1 on each row's own adapter's columns (none for a base row), for every block of a group."""
+        mask = torch.zeros(len(slots), 1, self.width, device=device, dtype=self.dtype)
         for row, slot in enumerate(slots):
             if slot:
                 start, end = self.columns[slot]
-                mask[row, start:end] = 1
+                mask[row, :, start:end] = 1
         return mask
 
 
-def build_stack(slots: list[AdapterLinears | None], num_layers: int) -> Stack | None:
-    """The stack of the resident adapters (`slots[s]`, None where free); None when none is resident."""
-    resident = [(slot, adapter) for slot, adapter in enumerate(slots) if adapter is not None]
-    if not resident:
+def compute_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, ...]:
+    """The dtypes a model of `dtype` computes adapters in: its own, and float32 for a CPU step's few rows."""
+    return tuple(dict.fromkeys((dtype, torch.float32))) if device.type == "cpu" else (dtype,)
+
+
+def step_dtype(dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+    """The dtype a model of `dtype` computes `rows` rows' update in (FEW_ROWS)."""
+    return torch.float32 if device.type == "cpu" and rows < FEW_ROWS else dtype
+
+
+def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]], num_layers: int,
+                dtype: torch.dtype) -> Stack | None:
+    """The stack of `adapters` (slot -> (rank, per layer its projections' (A [r, in], B [out, r]))) in `dtype`; None
+    if empty."""
+    if not adapters:
         return None
     columns, width = {}, 0
-    for slot, adapter in resident:
-        columns[slot] = (width, width + adapter.rank)
-        width += adapter.rank
+    for slot, (rank, _) in adapters.items():
+        columns[slot] = (width, width + rank)
+        width += rank
     layers = []
     for layer in range(num_layers):
-        stacked = {}
-        for module in MODULES:
-            present = [adapter.tensors[layer].get(module) for _, adapter in resident]
-            sample = next((pair for pair in present if pair is not None), None)
-            if sample is None:
-                continue
-            a_parts, b_parts = [], []
-            for (_, adapter), pair in zip(resident, present):
-                a, b = pair if pair is not None else (sample[0].new_zeros(0, sample[0].shape[1]), sample[1].new_zeros(sample[1].shape[0], 0))
-                pad = adapter.rank - a.shape[0]  # ranks may differ per module (rank_pattern): pad to the adapter's width
-                a_parts.append(torch.cat((a, a.new_zeros(pad, a.shape[1]))) if pad else a)
-                b_parts.append(torch.cat((b, b.new_zeros(b.shape[0], pad)), dim=1) if pad else b)
-            stacked[module] = (torch.cat(a_parts), torch.cat(b_parts, dim=1))
-        layers.append(stacked)
-    return Stack(layers, columns, width)
+        groups = {}
+        for modules in GROUPS:
+            parts = {module: _parts(adapters, layer, module) for module in modules
+                     if any(module in tensors[layer] for _, tensors in adapters.values())}
+            if parts:
+                shrink = linear(torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype))
+                expand = {module: (slice(i * width, (i + 1) * width), torch.cat([b for _, b in pairs], dim=1).to(dtype).T.contiguous())
+                          for i, (module, pairs) in enumerate(parts.items())}
+                group = Group(shrink, expand)
+                groups.update(dict.fromkeys(parts, group))
+        layers.append(groups)
+    return Stack(layers, columns, width, dtype)
+
+
+def _parts(adapters, layer: int, module: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each adapter's (A, B) of a projection padded to the adapter's rank (ranks may differ per module:
+    rank_pattern), empty where it does not target the projection."""
+    like_a, like_b = next(tensors[layer][module] for _, tensors in adapters.values() if module in tensors[layer])
+    parts = []
+    for rank, tensors in adapters.values():
+        a, b = tensors[layer].get(module, (like_a[:0], like_b[:, :0]))
+        pad = rank - a.shape[0]
+        parts.append((F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))) if pad else (a, b))
+    return parts
