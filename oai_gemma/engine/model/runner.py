@@ -233,10 +233,10 @@ class ModelRunner:
     # ---- the step: pack, layers, logits -----------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, prefills: list[StepItem], decodes: list[StepItem], layers: int | None = None):
+    def forward(self, prefills: list[StepItem], decodes: list[StepItem], layers: list[int] | None = None):
         """Run one step; returns logits [rows, vocab] (model dtype) for the items with `want_logits`, in order
-        prefills then decodes. `layers`: only the first few layers (warm-up: a shape's kernels are made once for
-        every layer of a kind, see `warm_layers`)."""
+        prefills then decodes. `layers`: only these layers (warm-up: a shape's kernels are made once for every
+        layer of a kind, see `warm_layers`)."""
         if self.static is not None and decodes and not prefills and all(len(it.token_ids) == 1 for it in decodes):
             return self.static.run(decodes)
         # a decode item with drafts (engine/speculative/) runs as a short prefill chunk, its past gathered once;
@@ -249,11 +249,10 @@ class ModelRunner:
         return self._logits(batch, self._layers(batch, layers), prefills + decodes)
 
     @property
-    def warm_layers(self) -> int:
-        """The fewest first layers that hold every kind of layer (sliding and full attention): what warm-up runs,
-        since oneDNN makes a shape's kernels once for all layers alike (measured: a bucket's first full step after
-        it is as fast as its second)."""
-        return max(self.layer_types.index(kind) for kind in set(self.layer_types)) + 1
+    def warm_layers(self) -> list[int]:
+        """One layer of each kind (sliding and full attention): what warm-up runs, since oneDNN makes a shape's
+        kernels once for all layers alike (measured: a bucket's first full step after it is as fast as its second)."""
+        return sorted({self.layer_types.index(kind) for kind in self.layer_types})
 
     def _pack(self, prefills: list[StepItem], decodes: list[StepItem]) -> Batch:
         """The step's token ids and positions as tensors, padded to a token bucket: a few shapes only, each
@@ -292,8 +291,8 @@ class ModelRunner:
             offset += len(it.token_ids)
         return hidden
 
-    def _layers(self, batch: Batch, layers: int | None = None) -> torch.Tensor:
-        """The decoder layers (the first `layers`, else all) over the packed step: last-layer hidden states
+    def _layers(self, batch: Batch, layers: list[int] | None = None) -> torch.Tensor:
+        """The decoder layers (those listed in `layers`, else all) over the packed step: last-layer hidden states
         [padded tokens, hidden]."""
         hidden = self._embed(batch)
         rope = {t: self.text_model.rotary_emb(hidden, batch.positions[None], t) for t in set(self.layer_types)}
@@ -303,7 +302,8 @@ class ModelRunner:
         lora = None if self.lora is None else LoraStep.of(
             batch.prefills, batch.decodes, self.lora, self.lora_names, hidden.device, exact=self.invariance is not None,
         )
-        for li, w in enumerate(self.weights[:layers]):
+        for li in range(len(self.weights)) if layers is None else layers:
+            w = self.weights[li]
             device = self.layer_devices[li]
             if hidden.device != device:  # device_map="auto": the next layer is on another GPU
                 hidden = hidden.to(device)
