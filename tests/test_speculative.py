@@ -189,7 +189,7 @@ def running(n: int, output: list[int], max_tokens: int = 64) -> list[Sequence]:
     return seqs
 
 
-def test_a_full_batch_carries_no_drafts_and_drafts_stop_short_of_max_tokens():
+def test_a_full_batch_or_a_long_prefill_chunk_leaves_no_drafts_and_drafts_stop_short_of_max_tokens():
     speculator = Speculator(EngineConfig(max_num_seqs=8, speculative_budget=8))
     full = running(8, [7])
     speculator.plan(full, 1000)
@@ -198,6 +198,11 @@ def test_a_full_batch_carries_no_drafts_and_drafts_stop_short_of_max_tokens():
     speculator.plan(few, 1000)
     assert [len(seq.draft) for seq in few] == [4, 2]  # the first draft's length, then what the budget leaves
     assert few[0].draft == [8, 9, 7, 8]
+    beside_prefill = running(2, [7])
+    speculator.plan(beside_prefill, 1000, prefill_tokens=5)
+    assert [len(seq.draft) for seq in beside_prefill] == [1, 0]  # a prefill chunk's tokens count against the budget
+    speculator.plan(beside_prefill, 1000, prefill_tokens=64)
+    assert all(seq.draft == [] for seq in beside_prefill)
     near_end = running(1, [7], max_tokens=3)
     speculator.plan(near_end, 1000)
     assert near_end[0].draft == [8]  # two more tokens allowed: one draft and the model's own
@@ -214,7 +219,7 @@ class FixedDrafts:
     def __init__(self, draft):
         self.draft = draft
 
-    def plan(self, decoding, max_len):
+    def plan(self, decoding, max_len, prefill_tokens=0):
         for seq in decoding:
             seq.draft = list(self.draft)
 

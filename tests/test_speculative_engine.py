@@ -195,7 +195,7 @@ def test_cancelled_mid_run_and_after_rejections_every_block_comes_back(engines):
 class WrongDrafts(Speculator):
     """Every decoding sequence drafts 8 copies of a token the model never writes here: all rejected."""
 
-    def plan(self, decoding, max_len):
+    def plan(self, decoding, max_len, prefill_tokens=0):
         for seq in decoding:
             cap = min(8, seq.sampling.max_tokens - len(seq.output_ids) - 1)
             seq.draft = [GARBAGE] * cap if seq.speculation is not None and cap > 0 else []

@@ -194,7 +194,8 @@ class Scheduler:
         prefills, decodes, prefill_seqs, decode_seqs = [], [], [], []
         budget = self.max_prefill_tokens
         if self.speculator is not None:
-            self.speculator.plan([seq for seq in self.running if not seq.in_prefill], self.max_len)
+            prefill = sum(len(seq.prompt_ids) - seq.num_computed for seq in self.running if seq.in_prefill)
+            self.speculator.plan([seq for seq in self.running if not seq.in_prefill], self.max_len, min(prefill, budget))
         for seq in self.running:
             if not seq.in_prefill:
                 tokens = [seq.output_ids[-1], *seq.draft]

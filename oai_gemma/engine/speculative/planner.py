@@ -2,8 +2,9 @@
 Which drafts: the request's Predicted Output while the output follows it, else prompt lookup; under a grammar the
 tokens it forces, then prompt lookup's as far as the grammar takes them (the values between the keys).
 
-Each step the decode part of a batch may hold at most `budget` tokens (`engine.speculative_budget`): every running
-sequence's own token first, drafts in what is left, so a batch of `budget` sequences or more carries none. Each
+Each step may hold at most `budget` tokens (`engine.speculative_budget`) before drafts are left out: every running
+sequence's own token and the step's prefill chunk first, drafts in what is left, so a batch of `budget` sequences
+or more, or a step with a long prefill chunk, carries none. Each
 sequence's guessed tokens (all but a grammar's forced ones) follow its own history: doubled (up to `k`) after a
 guess was kept whole, cut to what was kept plus one after a rejection; while less than a fifth of them are kept it
 only probes, one token every few steps. A draft is also cut to the tokens the request may still generate.
@@ -110,9 +111,11 @@ class Speculator:
         first = config.speculative_k if prediction is not None else min(FIRST_LOOKUP_DRAFT, config.speculative_k)
         return Speculation(PromptLookup(n_max, n_min), prediction, first, config.speculative_k)
 
-    def plan(self, decoding: list, max_len: int) -> None:
-        """Set each decoding sequence's `draft` for this step, within the step's budget."""
-        left = self.config.speculative_budget - len(decoding)
+    def plan(self, decoding: list, max_len: int, prefill_tokens: int = 0) -> None:
+        """Set each decoding sequence's `draft` for this step, within the step's budget: what its decode rows and
+        its prefill chunk (`prefill_tokens`) leave. A step that carries a prefill chunk is already compute-bound, so
+        drafts would slow it (and the prefilling request's first token) more than they save."""
+        left = self.config.speculative_budget - len(decoding) - prefill_tokens
         for seq in decoding:
             seq.draft = []
             spec = seq.speculation
