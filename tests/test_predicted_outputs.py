@@ -81,3 +81,25 @@ def test_a_prediction_longer_than_the_context_is_a_400(http):
     error = error_of(post(http, {"model": MODEL, "messages": EDIT, "max_tokens": 1,
                                  "prediction": {"type": "content", "content": "word " * 5000}}), 400)
     assert error["param"] == "prediction"
+
+
+def test_a_prediction_with_n_logprobs_penalties_or_tools_gives_what_the_request_gives_without_speculation(client):
+    """OpenAI refuses `prediction` with n > 1, logprobs or penalties; here they are served, and exactly: every choice's
+    text and logprobs are those of the same request without speculation, and the counts add up over the choices."""
+    params = {"n": 2, "seed": 7, "temperature": 0.3, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.2,
+              "frequency_penalty": 0.1}
+    plain = ask(client, extra_body={"speculative": False}, **params)
+    predicted = ask(client, prediction={"type": "content", "content": CODE}, **params)
+    for theirs, ours in zip(plain.choices, predicted.choices, strict=True):
+        assert ours.message.content == theirs.message.content
+        assert [(t.token, t.logprob) for t in ours.logprobs.content] == [(t.token, t.logprob) for t in theirs.logprobs.content]
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 20 and details.accepted_prediction_tokens <= predicted.usage.completion_tokens
+    assert predicted.usage.completion_tokens == plain.usage.completion_tokens
+    tool = {"type": "function", "function": {"name": "save_file", "description": "Save a file.",
+                                             "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}
+    plain = ask(client, extra_body={"speculative": False}, tools=[tool])
+    predicted = ask(client, prediction={"type": "content", "content": CODE}, tools=[tool])
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    assert predicted.choices[0].message.tool_calls == plain.choices[0].message.tool_calls
+    assert predicted.usage.completion_tokens_details is not None  # reported under a tool grammar too
