@@ -216,3 +216,25 @@ def test_n_choices_prefill_the_prompt_once(harness):
     assert sorted(e.index for e in last) == [0, 1, 2]
     assert all(e.finish_reason == "length" and e.num_output_tokens == 5 for e in last)
     assert sum(prefilled) == len(ids) - last[0].num_cached_tokens  # once, not three times
+
+
+def test_the_servers_own_module_tree_generates_what_transformers_modules_do(harness):
+    """The server builds Gemma-3's modules itself (engine/model/lean.py, `load(lean=True)`); an engine on that tree
+    gives the same tokens and logprobs as one on transformers' tree, past the sliding window and across chunks."""
+    lean = Engine(load(ModelSettings(dtype="float32"), lean=True), EngineConfig(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024))
+    assert "Gemma3" not in type(lean.core.runner.model).__name__
+    loop = asyncio.new_event_loop()
+    lean.start(loop)
+
+    async def collect(engine, ids):
+        request = GenerationRequest("lean", ids, SamplingParams(max_tokens=10, temperature=0.0, logprobs=3))
+        return [(e.token_id, e.logprob, e.top_logprobs) async for e in engine.generate(request) if e.token_id is not None]
+
+    try:
+        for text in ("Name three rivers.", " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))):
+            ids = harness.prompt(text)
+            ours = loop.run_until_complete(collect(lean, ids))
+            assert len(ours) == 10 and ours == harness.loop.run_until_complete(collect(harness.engine, ids)), text[:20]
+    finally:
+        lean.shutdown()
+        loop.close()

@@ -23,7 +23,7 @@ def load_engine(settings: Settings) -> Engine:
     """Everything start-up does before the server may say it is ready (seconds: run it off the event loop)."""
     log.info("start-up: %s; /health answers 503 until ready", start_plan(settings.model))
     started = time.monotonic()
-    loaded = load(settings.model)
+    loaded = load(settings.model, lean=True)  # transformers' modules only where lean.py cannot build the model
     loaded_at = time.monotonic()
     engine = Engine.from_settings(loaded, settings, own_weights=True)  # nothing else uses this model: one copy of its weights
     built_at = time.monotonic()

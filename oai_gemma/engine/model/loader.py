@@ -18,11 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from ...cpu import cpu_flags
 from ...settings import EMBEDDED, ModelSettings
+from .lean import build as lean_model, text_config as lean_text_config
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("oai_gemma.loader")
@@ -116,7 +118,8 @@ def pick_dtype(settings: ModelSettings, device: torch.device) -> torch.dtype:
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    """A `Gemma3ForCausalLM` or `Gemma3ForConditionalGeneration`, in eval mode on its device."""
+    """A `Gemma3ForCausalLM` or `Gemma3ForConditionalGeneration`, or engine/model/lean.py's tree of the former, in
+    eval mode on its device."""
     tokenizer: object
     processor: object | None
     device: torch.device
@@ -173,13 +176,18 @@ def _dispatch(model, device_map: str, dtype: torch.dtype):
     return dispatch_model(model, placement)
 
 
-def load(settings: ModelSettings) -> LoadedModel:
-    from transformers import AutoConfig
-
+def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
+    """The model, tokenizer (and processor) of `settings`. `lean`: a text-only checkpoint that engine/model/lean.py
+    understands is built there, without importing transformers (the server's start-up: ~2.5 s less); anything else,
+    and every caller that runs transformers' own forward (tests, the bare benchmark), gets transformers' modules."""
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
     source = resolve_source(settings)
-    config = AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
+    config = _lean_config(settings, source, device) if lean else None
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
     multimodal = hasattr(config, "vision_config")
     # the tokenizer (a 33 MB JSON for Gemma-3) parses in Rust (engine/model/tokenizer.py) while the weights load
     tokenizer_source = source
@@ -187,7 +195,10 @@ def load(settings: ModelSettings) -> LoadedModel:
         tokenizer_source = str(embedded_model_dir(settings))  # every Gemma-3 size shares one tokenizer
     with ThreadPoolExecutor(1) as pool:
         tokenizer = pool.submit(load_tokenizer, tokenizer_source)
-        model = _load_weights(settings, source, config, multimodal, device, dtype)
+        if isinstance(config, SimpleNamespace):
+            model = lean_model(config, source, dtype)
+        else:
+            model = _load_weights(settings, source, config, multimodal, device, dtype)
         tokenizer = tokenizer.result()
     processor = None
     if multimodal:
@@ -195,3 +206,13 @@ def load(settings: ModelSettings) -> LoadedModel:
 
         processor = AutoProcessor.from_pretrained(source)
     return LoadedModel(model, tokenizer, processor, device, dtype, source, _eos_ids(tokenizer, source))
+
+
+def _lean_config(settings: ModelSettings, source: str, device: torch.device) -> SimpleNamespace | None:
+    """The config for engine/model/lean.py's modules, or None (logged why) for transformers' path."""
+    if device.type != "cpu" or settings.device_map or settings.load_format == "dummy":
+        return None
+    config, why = lean_text_config(source)
+    if config is None:
+        log.info("model modules from transformers (%s)", why)
+    return config

@@ -48,21 +48,30 @@ def map_embedding(text_model, lm_head, source_dir: str, any_dtype: bool = False)
 def _find(source: Path, weight: torch.Tensor, any_dtype: bool = False) -> tuple[Path, int, torch.dtype] | None:
     """(file, byte offset, dtype) of the embedding in a safetensors checkpoint, if stored as `weight` is (in
     its shape; in its dtype too unless `any_dtype`)."""
-    index = source / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    for name in files:
-        path = source / name
+    for path in checkpoint_files(source):
         if not path.exists():
             continue
-        with open(path, "rb") as file:
-            size = struct.unpack("<Q", file.read(8))[0]
-            header = json.loads(file.read(size))
+        data_start, header = read_header(path)
         for key, entry in header.items():
             if key.endswith("embed_tokens.weight") and "vision" not in key:
                 dtype = DTYPES.get(entry["dtype"])
                 same = (dtype == weight.dtype or (any_dtype and dtype is not None)) and entry["shape"] == list(weight.shape)
-                return (path, 8 + size + entry["data_offsets"][0], dtype) if same else None
+                return (path, data_start + entry["data_offsets"][0], dtype) if same else None
     return None
+
+
+def checkpoint_files(source: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: its index's shards, or model.safetensors."""
+    index = source / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    return [source / name for name in names]
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """(where the tensors' bytes start, the JSON header: name -> dtype, shape, data_offsets) of a safetensors file."""
+    with open(path, "rb") as file:
+        size = struct.unpack("<Q", file.read(8))[0]
+        return 8 + size, json.loads(file.read(size))
 
 
 def copy_out_of_checkpoint(model, keep: set[int]) -> int:

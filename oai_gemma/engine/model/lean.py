@@ -1,0 +1,187 @@
+"""Gemma-3's text decoder as plain modules, built straight from config.json and safetensors: no transformers.
+
+The runner (engine/model/runner.py) owns the forward pass; from the model it takes only the module tree's weights,
+the scaled token embedding, the final norm, the rotary tables and the config. Importing transformers, its Gemma-3
+modeling code and running `from_pretrained` cost ~2.7 s of a warm start that must fit in 8 s (issue 27); this
+costs a few hundred ms. The tree has transformers' names and math (`Gemma3ForCausalLM`: `model.layers[i].self_attn.
+q_proj`, ...), so the runner, the mapped embedding and the quantized-weights cache treat both alike; tests hold it
+to transformers' tree (same tensors, same logits through the engine).
+
+Only a checkpoint this module fully understands is built here (`text_config` says which: transformers 5's
+config.json of a text-only Gemma-3 with default rope, safetensors on a local disk, for the CPU); anything else
+(multimodal, other rope types, a hub id, a GPU, `device_map`, dummy weights) loads through transformers as before.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gemma3 import GELU_TANH
+from .mapped import DTYPES, checkpoint_files, read_header
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "query_pre_attn_scalar", "vocab_size", "sliding_window", "layer_types",
+            "rope_parameters", "hidden_activation")
+
+
+def text_config(source: str) -> tuple[SimpleNamespace | None, str]:
+    """(the config as attributes, "") when `source` is a checkpoint this module builds, else (None, why not)."""
+    directory = Path(source)
+    if not (directory / "config.json").is_file():
+        return None, "not a local directory with a config.json"
+    if not any((directory / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return None, "no safetensors checkpoint"
+    raw = json.loads((directory / "config.json").read_text())
+    why = _not_understood(raw)
+    if why:
+        return None, why
+    return SimpleNamespace(**raw, _name_or_path=str(directory)), ""
+
+
+def _not_understood(raw: dict) -> str:
+    """Why this config is not the text-only Gemma-3 that `build` implements ("" when it is)."""
+    if raw.get("model_type") != "gemma3_text":
+        return f"model_type {raw.get('model_type')!r}"
+    missing = [key for key in REQUIRED if raw.get(key) is None]
+    if missing:
+        return f"config.json lacks {', '.join(missing)}"
+    if raw.get("quantization_config") or raw.get("attention_bias") or raw.get("attn_logit_softcapping") \
+            or raw.get("use_bidirectional_attention"):
+        return "quantization, attention bias, attention soft-capping or bidirectional attention"
+    if raw["hidden_activation"] not in GELU_TANH:
+        return f"activation {raw['hidden_activation']!r}"
+    types = raw["layer_types"]
+    if len(types) != raw["num_hidden_layers"] or not set(types) <= set(LAYER_TYPES):
+        return "layer_types"
+    for kind in set(types):
+        rope = raw["rope_parameters"].get(kind) or {}
+        if rope.get("rope_type") != "default" or "rope_theta" not in rope:
+            return f"{kind}'s rope {rope.get('rope_type')!r}"
+    return ""
+
+
+class Linear(nn.Module):
+    """A projection without bias (nn.Linear's forward; its random initialisation skipped: the checkpoint fills it)."""
+
+    def __init__(self, inputs: int, outputs: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, inputs, device="meta"), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """transformers' Gemma3RMSNorm: in float32, times (1 + weight), cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class ScaledEmbedding(nn.Module):
+    """transformers' Gemma3TextScaledWordEmbedding: rows times sqrt(hidden_size), in the weight's dtype."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden, device="meta"), requires_grad=False)
+        self.embed_scale = nn.Buffer(torch.tensor(hidden**0.5), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) * self.embed_scale.to(self.weight.dtype)
+
+
+class Rotary(nn.Module):
+    """transformers' Gemma3RotaryEmbedding for default rope: cos and sin per layer type (`forward(x, positions,
+    layer_type)`), from each type's rope_theta."""
+
+    def __init__(self, config: SimpleNamespace):
+        super().__init__()
+        dim = config.head_dim
+        for kind in set(config.layer_types):
+            base = config.rope_parameters[kind]["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            setattr(self, f"{kind}_inv_freq", nn.Buffer(inv_freq, persistent=False))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
+        inv_freq = getattr(self, f"{layer_type}_inv_freq")
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _layer(c: SimpleNamespace) -> nn.Module:
+    attention, mlp, layer = nn.Module(), nn.Module(), nn.Module()
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention.q_proj, attention.k_proj = Linear(c.hidden_size, q), Linear(c.hidden_size, kv)
+    attention.v_proj, attention.o_proj = Linear(c.hidden_size, kv), Linear(q, c.hidden_size)
+    attention.q_norm, attention.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)
+    mlp.gate_proj, mlp.up_proj = Linear(c.hidden_size, c.intermediate_size), Linear(c.hidden_size, c.intermediate_size)
+    mlp.down_proj = Linear(c.intermediate_size, c.hidden_size)
+    layer.self_attn, layer.mlp = attention, mlp
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        setattr(layer, name, RMSNorm(c.hidden_size, c.rms_norm_eps))
+    return layer
+
+
+def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
+    """The model (`Gemma3ForCausalLM`'s tree: `.model`, `.lm_head`, `.config`) with the checkpoint's weights in
+    `dtype`. Tensors stored in `dtype` stay views into the file's private map, as transformers leaves them."""
+    text = nn.Module()
+    text.config = config
+    text.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size)
+    text.layers = nn.ModuleList(_layer(config) for _ in range(config.num_hidden_layers))
+    text.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    text.rotary_emb = Rotary(config)
+    model = nn.Module()
+    model.model, model.config = text, config
+    model.lm_head = Linear(config.hidden_size, config.vocab_size)
+    tensors = read_checkpoint(Path(source))
+    expected = {name for name, _ in model.named_parameters()}
+    if getattr(config, "tie_word_embeddings", True):
+        expected.discard("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
+    if set(tensors) != expected:
+        raise ValueError(f"{source}: the checkpoint's tensors are not Gemma-3's: missing "
+                         f"{sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]}")
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if tensor.shape != module._parameters[leaf].shape:
+            raise ValueError(f"{source}: {name} has shape {list(tensor.shape)}, config.json says {list(module._parameters[leaf].shape)}")
+        module._parameters[leaf] = nn.Parameter(tensor.to(dtype), requires_grad=False)
+    if "lm_head.weight" not in tensors:
+        model.lm_head.weight = text.embed_tokens.weight
+    return model.eval()
+
+
+def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, as views into private maps of its files."""
+    tensors = {}
+    for path in checkpoint_files(directory):
+        data_start, header = read_header(path)
+        with open(path, "rb") as file:
+            memory = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes never reach the file
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            if entry["dtype"] not in DTYPES:
+                raise ValueError(f"{path}: {key} is stored as {entry['dtype']}, not one of {sorted(DTYPES)}")
+            dtype, (start, end) = DTYPES[entry["dtype"]], entry["data_offsets"]
+            count = (end - start) // dtype.itemsize
+            tensors[key] = torch.frombuffer(memory, dtype=dtype, count=count, offset=data_start + start).view(entry["shape"])
+    return tensors
