@@ -171,3 +171,37 @@ def test_the_json_set_asks_for_a_schema():
     assert body["response_format"]["json_schema"]["schema"]["required"][0] == "name"
     assert "as a JSON record" in body["messages"][0]["content"]
     assert "response_format" not in request_body("m", 3, 128, "short")
+
+
+def test_a_benchmarks_servers_end_when_the_benchmark_is_killed(tmp_path):
+    """A bench killed by a timeout (SIGKILL: no `finally` runs) must not leave its servers holding the cores."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from oai_gemma.bench.compare import spawn\n"
+        f"server = spawn(['sleep', '120'], open({str(tmp_path / 'log')!r}, 'wb'), {{}})\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = int(bench.stdout.readline())
+    assert _alive(server_pid)
+    bench.send_signal(signal.SIGKILL)
+    bench.wait()
+    deadline = time.monotonic() + 10
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server_pid), "the server outlived the killed benchmark"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (the sleep's parent is gone: init reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -4,6 +4,7 @@ the shared prompt set), `transformers serve` (with and without CB), the tutorial
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -36,6 +37,7 @@ EDIT_SERVERS = ("ours", "ours-spec-off", "llama-server", "llama-server-ngram")
 LLAMA_NGRAM_FLAGS = ["--spec-type", "ngram-simple"]
 """llama-server's own n-gram speculation (its defaults: an n-gram of 12 looked up, drafts of up to 48 tokens)."""
 LLAMA_SLOT_CONTEXT = 2048
+PR_SET_PDEATHSIG = 1
 """llama-server's context per slot (the short prompts need a few hundred tokens, the shared ones ~1,100)."""
 PACKAGE_PARENT = Path(oai_gemma.__file__).resolve().parent.parent
 TUTORIAL_SCRIPT = PACKAGE_PARENT / "benchmarks" / "tutorial_server.py"
@@ -187,6 +189,19 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
             continue
 
 
+def spawn(argv: list[str], log, env: dict[str, str]) -> subprocess.Popen:
+    """A server in its own session (`stop` signals its whole group) that also gets SIGTERM when this process dies,
+    however it dies: a bench killed by a timeout runs no `finally`, and its servers would go on holding the cores."""
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True, preexec_fn=_terminate_with_parent)
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: Linux's PR_SET_PDEATHSIG (elsewhere nothing: `stop` still ends it normally)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @contextmanager
 def running(spec: ServerSpec, log_dir: Path, ready_timeout_s: float) -> Iterator[str]:
     """Start the server, wait until it is ready, yield the model name to request; always stop it after."""
@@ -195,8 +210,7 @@ def running(spec: ServerSpec, log_dir: Path, ready_timeout_s: float) -> Iterator
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+        proc = spawn(spec.argv, log, env)
     try:
         wait_ready(spec, proc, log_path, ready_timeout_s)
         yield served_model(spec)
