@@ -191,7 +191,8 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 def spawn(argv: list[str], log, env: dict[str, str]) -> subprocess.Popen:
     """A server in its own session (`stop` signals its whole group) that also gets SIGTERM when this process dies,
-    however it dies: a bench killed by a timeout runs no `finally`, and its servers would go on holding the cores."""
+    however it dies: a bench killed by a timeout runs no `finally`, and its servers would go on holding the cores.
+    (Linux sends that signal when the spawning thread ends: the bench spawns from its main thread.)"""
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             start_new_session=True, preexec_fn=_terminate_with_parent)
 
