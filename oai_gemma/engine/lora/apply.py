@@ -47,16 +47,16 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
 class NativeRows:
     """A part's rows for the native kernel (engine/model/native/lora.c `lora_project`'s `rows` array): their count,
     each row's columns [start, end) of its stack's blocks (none for a base row), the rows grouped by adapter
-    (`order`), the shrink's buffer, the dtypes, the ISA."""
+    (`order`), the shrink's buffer, the model's dtype (of the activations and the stack alike), the ISA."""
 
     def __init__(self, slots: list[int], stack: Stack, dtype: torch.dtype, device, avx512: bool):
         columns = [stack.columns[slot] if slot else (0, 0) for slot in slots]
         order = sorted(range(len(slots)), key=lambda row: columns[row])
         self.rows = torch.tensor([[c[0] for c in columns], [c[1] for c in columns], order], dtype=torch.int32, device=device)
         self.shrunk = torch.empty(len(slots), len(GROUPS[0]) * stack.width, dtype=torch.float32, device=device)
-        self.dtype, bf16 = dtype, dtype == torch.bfloat16
-        self.args = torch.tensor([len(slots), *(row.data_ptr() for row in self.rows), self.shrunk.data_ptr(), bf16, bf16, avx512],
-                                 dtype=torch.int64)
+        self.dtype = dtype
+        self.args = torch.tensor([len(slots), *(row.data_ptr() for row in self.rows), self.shrunk.data_ptr(), dtype == torch.bfloat16,
+                                  avx512], dtype=torch.int64)
         self.pointer = self.args.data_ptr()
 
 

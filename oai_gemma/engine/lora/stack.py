@@ -151,9 +151,9 @@ def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor
 
 
 def _native_weights(a: torch.Tensor, width: int, column: int, b_t: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """lora.c's `weights` array: {A, K, width, blocks, B^T, N, its first column, bf16} and its address."""
-    weights = torch.tensor([a.data_ptr(), a.shape[1], width, a.shape[0] // width, b_t.data_ptr(), b_t.shape[1], column,
-                            a.dtype == torch.bfloat16], dtype=torch.int64)
+    """lora.c's `weights` array: {A, K, width, blocks, B^T, N, its first column} and its address."""
+    weights = torch.tensor([a.data_ptr(), a.shape[1], width, a.shape[0] // width, b_t.data_ptr(), b_t.shape[1], column],
+                           dtype=torch.int64)
     return weights.data_ptr(), weights
 
 

@@ -58,7 +58,7 @@ typedef uint16_t h8 __attribute__((vector_size(16)));
 #define SUFFIX avx2
 #include "lora_tiles.h"
 
-typedef void (*shrink_fn)(int rows, int cols, const float *x, const int32_t *rowv, int64_t K, const void *a,
+typedef void (*shrink_fn)(int rows, int cols, const void *x, const int32_t *rowv, int64_t K, const void *a,
                           int64_t a0, int w_bf16, float *s, int64_t S, int64_t col);
 typedef void (*expand_fn)(int rows, int vecs, const float *s, int64_t S, int64_t col, const int32_t *rowv,
                           int64_t rank, const void *b, int64_t b0, int64_t N, int64_t n0, void *y, int w_bf16,
@@ -81,17 +81,12 @@ static int64_t runs_of(const int32_t *order, int64_t M, const int32_t *start, co
 #define RUN_ROWS(run) ((int)((run) >> 32))
 #define RUN_FIRST(run) ((run) & 0xffffffff)
 
-/* x [M, K] (float32, or bf16 if x_bf16), A [blocks * width, K] (bf16 if w_bf16) -> s [M, blocks * width] float32:
+/* x [M, K] and A [blocks * width, K] (both bf16 if w_bf16, else float32) -> s [M, blocks * width] float32:
    row m's columns [start, end) of each block (the others are not written). */
-static void shrink(shrink_fn tile, const void *x_in, int64_t M, int64_t K, int x_bf16, const void *a, int64_t width,
+static void shrink(shrink_fn tile, const void *x, int64_t M, int64_t K, const void *a, int64_t width,
                    int64_t blocks, int w_bf16, const int32_t *start, const int32_t *end, const int32_t *order, float *s,
                    int cols)
 {
-    float *x = (float *)x_in, *owned = NULL;
-    if (x_bf16) {
-        x = owned = malloc(M * K * sizeof(float));
-        for (int64_t i = 0; i < M * K; i++) x[i] = scalar(x_in, i, 1);
-    }
     int64_t *runs = malloc(M * sizeof(int64_t));
     const int64_t count = runs_of(order, M, start, end, runs), S = blocks * width;
     #pragma omp parallel for schedule(static) if (count * blocks > 1)
@@ -104,7 +99,6 @@ static void shrink(shrink_fn tile, const void *x_in, int64_t M, int64_t K, int x
         }
     }
     free(runs);
-    free(owned);
 }
 
 /* y [M, N] (bf16 if y_bf16) += for each row m: s[m, col + start .. col + end) B^T[start .. end) (B^T [width, N],
@@ -142,20 +136,20 @@ static void expand(expand_fn tile, const float *s, int64_t M, int64_t S, int64_t
 /* One projection's update for a step's part: shrink x by the group's A first when `first` (the group's first
    projection of the layer: s is kept for the others), then y += s B^T. Two arrays of int64 hold what does not change
    from call to call (the caller builds them once: one ctypes call of five arguments is ~1 us, of thirteen ~3 us):
-   rows = {M, start, end, order, s, x_bf16, y_bf16, avx512} (pointers as integers; s [M, >= blocks x width]),
-   weights = {A, K, width, blocks, B^T, N, col, w_bf16} (A [blocks x width, K], B^T [width, N], its block's first
-   column col). x [M, K] and y [M, N] contiguous. */
+   rows = {M, start, end, order, s, bf16, avx512} (pointers as integers; s [M, >= blocks x width]),
+   weights = {A, K, width, blocks, B^T, N, col} (A [blocks x width, K], B^T [width, N], its block's first column col).
+   x [M, K], y [M, N] (contiguous), A and B^T all bf16 or all float32 (the model's dtype). */
 void lora_project(const int64_t *rows, const int64_t *weights, const void *x, void *y, int first)
 {
     const int64_t M = rows[0], K = weights[1], width = weights[2], blocks = weights[3];
     const int32_t *start = (const int32_t *)rows[1], *end = (const int32_t *)rows[2], *order = (const int32_t *)rows[3];
     float *s = (float *)rows[4];
-    const int x_bf16 = (int)rows[5], y_bf16 = (int)rows[6], avx512 = (int)rows[7], w_bf16 = (int)weights[7];
+    const int bf16 = (int)rows[5], avx512 = (int)rows[6];
     const void *a = (const void *)weights[0], *b = (const void *)weights[4];
     if (first) {
-        if (avx512) shrink(shrink_tiles_avx512, x, M, K, x_bf16, a, width, blocks, w_bf16, start, end, order, s, 4);
-        else shrink(shrink_tiles_avx2, x, M, K, x_bf16, a, width, blocks, w_bf16, start, end, order, s, 2);
+        if (avx512) shrink(shrink_tiles_avx512, x, M, K, a, width, blocks, bf16, start, end, order, s, 4);
+        else shrink(shrink_tiles_avx2, x, M, K, a, width, blocks, bf16, start, end, order, s, 2);
     }
-    if (avx512) expand(expand_tiles_avx512, s, M, blocks * width, weights[6], b, weights[5], w_bf16, start, end, order, y, y_bf16, 16, 4);
-    else expand(expand_tiles_avx2, s, M, blocks * width, weights[6], b, weights[5], w_bf16, start, end, order, y, y_bf16, 8, 2);
+    if (avx512) expand(expand_tiles_avx512, s, M, blocks * width, weights[6], b, weights[5], bf16, start, end, order, y, bf16, 16, 4);
+    else expand(expand_tiles_avx2, s, M, blocks * width, weights[6], b, weights[5], bf16, start, end, order, y, bf16, 8, 2);
 }

@@ -33,20 +33,20 @@ static inline __attribute__((always_inline)) void NAME(add)(void *y, int64_t i, 
     memcpy((uint16_t *)y + i, &h, sizeof h);
 }
 
-/* s[row, col + j] = x[row] . A[a0 + j] for `rows` rows (of one adapter) and `cols` rows of A (K's last K % LANES
-   columns one at a time). */
+/* s[row, col + j] = x[row] . A[a0 + j] for `rows` rows (of one adapter) and `cols` rows of A, both bf16 or both
+   float32 (K's last K % LANES columns one at a time). */
 static inline __attribute__((always_inline)) void NAME(shrink_tile)(
-    const int rows, const int cols, const float *x, const int32_t *rowv, int64_t K, const void *a, int64_t a0,
-    const int w_bf16, float *s, int64_t S, int64_t col)
+    const int rows, const int cols, const void *x, const int32_t *rowv, int64_t K, const void *a, int64_t a0,
+    const int bf16, float *s, int64_t S, int64_t col)
 {
     V acc[RT][WIDE];
     memset(acc, 0, sizeof acc);
     const int64_t whole = K - K % LANES;
     for (int64_t k = 0; k < whole; k += LANES) {
         V av[WIDE];
-        for (int j = 0; j < cols; j++) av[j] = NAME(load)(a, (a0 + j) * K + k, w_bf16);
+        for (int j = 0; j < cols; j++) av[j] = NAME(load)(a, (a0 + j) * K + k, bf16);
         for (int r = 0; r < rows; r++) {
-            const V xv = NAME(load)(x, rowv[r] * K + k, 0);
+            const V xv = NAME(load)(x, rowv[r] * K + k, bf16);
             for (int j = 0; j < cols; j++) acc[r][j] += xv * av[j];
         }
     }
@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void NAME(shrink_tile)(
         for (int j = 0; j < cols; j++) {
             float sum = 0.0f;
             for (int i = 0; i < LANES; i++) sum += acc[r][j][i];
-            for (int64_t k = whole; k < K; k++) sum += x[rowv[r] * K + k] * scalar(a, (a0 + j) * K + k, w_bf16);
+            for (int64_t k = whole; k < K; k++) sum += scalar(x, rowv[r] * K + k, bf16) * scalar(a, (a0 + j) * K + k, bf16);
             s[rowv[r] * S + col + j] = sum;
         }
 }
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void NAME(expand_tile)(
 #endif
 #define EXPAND_W(w, yb) EXPAND_R(1, w, yb) EXPAND_R(2, w, yb) EXPAND_R(3, w, yb) EXPAND_R(4, w, yb)
 
-static void NAME(shrink_tiles)(int rows, int cols, const float *x, const int32_t *rowv, int64_t K, const void *a,
+static void NAME(shrink_tiles)(int rows, int cols, const void *x, const int32_t *rowv, int64_t K, const void *a,
                                int64_t a0, int w_bf16, float *s, int64_t S, int64_t col)
 {
     switch ((rows * 8 + cols) * 2 + w_bf16) {
