@@ -2,9 +2,10 @@
 
    A decode step of one row on an adapter runs ~200 small matmuls through torch (a shrink per group of projections
    that share their input, an expand per projection, the conversions and adds around them): their dispatch, not
-   their arithmetic, cost ~20% of the step. Here a group's shrink is one call and each projection's expand one
-   call, on the stack's own tensors (engine/lora/stack.py: A of every adapter side by side [blocks x width, K], one
-   B^T [width, N] per projection) in the model's dtype (bf16: half the bytes of float32), summed in float32.
+   their arithmetic, cost ~20% of the step. Here each projection is one call (`lora_project`: its expand, after
+   its group's shrink in the group's first projection's call), on the stack's own tensors (engine/lora/stack.py:
+   A of every adapter side by side [blocks x width, K], one B^T [width, N] per projection) in the model's dtype
+   (bf16: half the bytes of float32), summed in float32.
 
    Row m reads only its adapter's columns [start[m], end[m]) of each block (none for a base row: start == end), so
    a stack of several adapters costs each row its own rank, not every adapter's. `order` lists the rows grouped by

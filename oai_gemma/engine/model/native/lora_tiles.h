@@ -104,7 +104,7 @@ static void NAME(expand_tiles)(int rows, int vecs, const float *s, int64_t S, in
                                int64_t rank, const void *b, int64_t b0, int64_t N, int64_t n0, void *y, int w_bf16,
                                int y_bf16)
 {
-    switch ((((rows * 8 + vecs) * 2 + w_bf16) * 2) + y_bf16) { EXPAND_W(0, 0) EXPAND_W(0, 1) EXPAND_W(1, 0) EXPAND_W(1, 1) }
+    switch ((((rows * 8 + vecs) * 2 + w_bf16) * 2) + y_bf16) { EXPAND_W(0, 0) EXPAND_W(1, 1) } /* one dtype for both */
 }
 
 #undef SHRINK
