@@ -122,16 +122,36 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_the_merged_models
     assert len({tuple(t) for t in together}) == len(names), "every adapter should answer differently from the others"
 
 
+KERNELS = ["native", "native AVX2", "torch"]
+
+
+def use_kernel(monkeypatch, kernel: str) -> None:
+    """Make the LoRA path `kernel` (KERNELS) the one this test's steps take: the native kernel where it runs here (its
+    AVX2 variant forced), else torch's matmuls (as where no kernel can be compiled)."""
+    from oai_gemma.engine.model import native
+
+    kernels = native.lora_kernels()
+    if kernel != "torch" and kernels is None:
+        pytest.skip(f"the native kernel cannot run here: {native.native_unavailable()}")
+    forced = None if kernel == "torch" else (kernels[0], kernels[1] and kernel == "native")
+    monkeypatch.setattr(native, "lora_kernels", lambda: forced)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["one row", "32 rows of 3 adapters and the base", "a prefill chunk and 5 decode rows"])
-def test_the_fast_paths_update_is_each_rows_own_adapters_in_float32_to_its_dtypes_rounding(text_config, dtype, layout):
-    """Outside batch-invariant mode (its own stacks, the resident stack with its mask, float32 for few rows of a bf16
-    model, bf16 from FEW_ROWS): each row gets x A^T B^T of its own adapter as float32 computes it, to the rounding of
-    the dtype (bf16: 2^-6 of the update's largest value, a few roundings of 2^-9; float32: 1e-5)."""
+@pytest.mark.parametrize("layout", ["one row", "32 rows of 3 adapters and the base", "a prefill chunk and 5 decode rows",
+                                    "a prefill chunk of 100"])
+def test_the_fast_paths_update_is_each_rows_own_adapters_in_float32_to_its_dtypes_rounding(text_config, dtype, layout, kernel,
+                                                                                           monkeypatch):
+    """Outside batch-invariant mode (the native kernel for a part of few rows; else its own stacks, the resident
+    stack with its mask, float32 for few rows of a bf16 model without the kernel, bf16 from FEW_ROWS): each row gets
+    x A^T B^T of its own adapter as float32 computes it, to the rounding of the dtype (bf16: 2^-6 of the update's
+    largest value, a few roundings of 2^-9; float32: 1e-5)."""
     from oai_gemma.engine.lora.adapter import AdapterWeights, pack
     from oai_gemma.engine.lora.apply import LoraStep, module_names
     from oai_gemma.engine.lora.registry import Registration
 
+    use_kernel(monkeypatch, kernel)
     generator = torch.Generator().manual_seed(0)
     shapes = module_shapes(text_config)
     registry = LoraRegistry(text_config, dtype, torch.device("cpu"), max_loras=3, max_rank=16)
@@ -145,7 +165,8 @@ def test_the_fast_paths_update_is_each_rows_own_adapters_in_float32_to_its_dtype
         slots[registry.acquire(registration)] = weights[adapter.name] = adapter
     ids = list(slots)
     prefills, decodes = {"one row": ([], [ids[0]]), "32 rows of 3 adapters and the base": ([], [(ids + [0])[i % 4] for i in range(32)]),
-                         "a prefill chunk and 5 decode rows": ([(ids[1], 40)], [ids[2], 0, ids[0], ids[2], ids[2]])}[layout]
+                         "a prefill chunk and 5 decode rows": ([(ids[1], 40)], [ids[2], 0, ids[0], ids[2], ids[2]]),
+                         "a prefill chunk of 100": ([(ids[2], 100)], [])}[layout]
 
     def item(slot, count=1):
         return StepItem([], [0] * count, 0, adapter=slot)
@@ -164,6 +185,39 @@ def test_the_fast_paths_update_is_each_rows_own_adapters_in_float32_to_its_dtype
                 expected[row] = x[row].float() @ pair[0].T @ pair[1].T
         tolerance = expected.abs().max() * (2**-6 if dtype == torch.bfloat16 else 1e-5)  # 0 where no row's adapter targets it
         assert (got - expected).abs().max() <= tolerance, module
+
+
+@pytest.mark.parametrize("kernel", KERNELS[:2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_kernel_takes_any_width_rank_and_row_order(dtype, kernel, monkeypatch):
+    """Widths that are no multiple of a vector (in 635, out 269, 40, 7), ranks 1, 5 and 16, rows of three adapters in
+    any order beside base rows: each row gets its own adapter's update, added into the output as float32 computes
+    it from the stack's weights (bf16: to a few roundings of 2^-9)."""
+    from oai_gemma.engine.lora.apply import LoraStep, NativeRows
+    from oai_gemma.engine.lora.stack import build_stack
+    from oai_gemma.engine.model import native
+
+    use_kernel(monkeypatch, kernel)
+    generator = torch.Generator().manual_seed(0)
+    features_in, outs = 635, {"q": 269, "k": 40, "v": 7}
+    adapters = {slot: (rank, [{m: (torch.randn(rank, features_in, generator=generator), torch.randn(n, rank, generator=generator) / 50)
+                               for m, n in outs.items()}]) for slot, rank in ((1, 5), (2, 16), (3, 1))}
+    stack = build_stack(adapters, 1, dtype)
+    slots = [2, 0, 1, 2, 2, 3, 1, 2, 2, 2, 0, 3, 2]
+    rows = NativeRows(slots, stack, dtype, torch.device("cpu"), native.lora_kernels()[1])
+    step, group = LoraStep([], kernel=native.lora_kernels()[0]), stack.layers[0]["q"]
+    x = torch.randn(len(slots), features_in, generator=generator).to(dtype)
+    for first, (module, features_out) in enumerate(outs.items()):  # the group's first projection shrinks x
+        out = torch.randn(len(slots), features_out, generator=generator).to(dtype)
+        expected = out.float()
+        for row, slot in enumerate(slots):
+            if slot:
+                a, b = (w.to(dtype).float() for w in adapters[slot][1][0][module])
+                expected[row] += x[row].float() @ a.T @ b.T
+        step.project_native(x, out, slice(0, len(slots)), True, rows, group.native[module][0], first == 0)
+        assert (out.float() - expected).abs().max() <= expected.abs().max() * (2**-7 if dtype == torch.bfloat16 else 1e-6), module
+    with pytest.raises(ValueError, match="contiguous"):
+        step.project_native(x, torch.zeros(outs["v"], len(slots), dtype=dtype).T, slice(0, len(slots)), True, rows, group.native["v"][0], False)
 
 
 # ---- bad adapters: each refused with its name and the reason ------------------------------------------------

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .adapter import MODULES, AdapterLinears
-from .stack import OWN, Group, Stack, step_dtype
+from .stack import GROUPS, OWN, Group, Stack, native_kernels, runs_native, step_dtype
 
 if TYPE_CHECKING:
     from .registry import LoraRegistry
@@ -44,15 +44,36 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
-class LoraStep:
-    """The adapters of one step's rows. Outside batch-invariant mode: `parts` [(a stack, its rows, their column mask
-    or None)]: each prefill chunk on its adapter's own stack, the decode rows on their one adapter's (masked where
-    base rows sit beside them) or on the resident adapters' stack. In batch-invariant mode: `groups` [(adapter, its
-    rows)]."""
+class NativeRows:
+    """A part's rows for the native kernel (engine/model/native/lora.c `lora_project`'s `rows` array): their count,
+    each row's columns [start, end) of its stack's blocks (none for a base row), the rows grouped by adapter
+    (`order`), the shrink's buffer, the model's dtype (of the activations and the stack alike), the ISA."""
 
-    def __init__(self, names: list[dict[int, str]], parts: list[tuple[Stack, Rows, torch.Tensor | None]] = (),
-                 groups: list[tuple[AdapterLinears, Rows]] = ()):
-        self.names, self.parts, self.groups = names, parts, groups
+    def __init__(self, slots: list[int], stack: Stack, dtype: torch.dtype, device, avx512: bool):
+        columns = [stack.columns[slot] if slot else (0, 0) for slot in slots]
+        order = sorted(range(len(slots)), key=lambda row: columns[row])
+        self.rows = torch.tensor([[c[0] for c in columns], [c[1] for c in columns], order], dtype=torch.int32, device=device)
+        self.shrunk = torch.empty(len(slots), len(GROUPS[0]) * stack.width, dtype=torch.float32, device=device)
+        self.dtype = dtype
+        self.args = torch.tensor([len(slots), *(row.data_ptr() for row in self.rows), self.shrunk.data_ptr(), dtype == torch.bfloat16,
+                                  avx512], dtype=torch.int64)
+        self.pointer = self.args.data_ptr()
+
+
+Part = tuple[Stack, Rows, "torch.Tensor | None", "NativeRows | None"]
+"""A stack, its rows, their column mask (torch's path: None when every row is on the stack's one adapter) or the
+native kernel's rows (None: torch's path)."""
+
+
+class LoraStep:
+    """The adapters of one step's rows. Outside batch-invariant mode: `parts` [Part]: each prefill chunk on its
+    adapter's own stack, the decode rows on their one adapter's (masked where base rows sit beside them) or on the
+    resident adapters' stack; a part of few rows through the native kernel (NATIVE_ROWS) where it runs. In
+    batch-invariant mode: `groups` [(adapter, its rows)]."""
+
+    def __init__(self, names: list[dict[int, str]], parts: list[Part] = (), groups: list[tuple[AdapterLinears, Rows]] = (),
+                 kernel=None):
+        self.names, self.parts, self.groups, self.kernel = names, parts, groups, kernel
 
     @classmethod
     def of(cls, prefills: Sequence, decodes: Sequence, registry: LoraRegistry, names: list[dict[int, str]], device,
@@ -64,23 +85,30 @@ class LoraStep:
             return None
         if exact:
             return cls(names, groups=[(registry.slots[slot], _rows(where, device)) for slot, where in _by_slot(slots).items()])
-        parts, offset = [], 0
+        parts, offset, kernels = [], 0, native_kernels(device, registry.dtype)
+
+        def native_rows(slots: list[int], stack: Stack) -> NativeRows:
+            return NativeRows(slots, stack, registry.dtype, device, kernels[1])
+
         for item in prefills:
             count = len(item.token_ids)
             if item.adapter:
                 stack = registry.slots[item.adapter].stacks[step_dtype(registry.dtype, device, count)]
-                parts.append((stack, slice(offset, offset + count), None))
+                native = native_rows([OWN] * count, stack) if runs_native(registry.dtype, device, count) else None
+                parts.append((stack, slice(offset, offset + count), None, native))
             offset += count
-        decode = slots[offset:]
+        decode, rows = slots[offset:], slice(offset, len(slots))
         adapters, dtype = set(decode) - {0}, step_dtype(registry.dtype, device, len(decode))
-        if len(adapters) == 1:  # one adapter's rows, maybe beside base rows: its own stack (its columns are OWN's)
-            stack = registry.slots[adapters.pop()].stacks[dtype]
-            mask = None if 0 not in decode else stack.mask([OWN if slot else 0 for slot in decode], device)
-            parts.append((stack, slice(offset, len(slots)), mask))
-        elif adapters:
-            stack = registry.stack(dtype)
-            parts.append((stack, slice(offset, len(slots)), stack.mask(decode, device)))
-        return cls(names, parts)
+        if adapters:
+            if len(adapters) == 1:  # one adapter's rows, maybe beside base rows: its own stack (its columns are OWN's)
+                stack, decode = registry.slots[adapters.pop()].stacks[dtype], [OWN if slot else 0 for slot in decode]
+            else:
+                stack = registry.stack(dtype)
+            if runs_native(registry.dtype, device, len(decode)):
+                parts.append((stack, rows, None, native_rows(decode, stack)))
+            else:  # a mask unless every row is on the stack's one adapter
+                parts.append((stack, rows, None if set(decode) == {OWN} else stack.mask(decode, device), None))
+        return cls(names, parts, kernel=kernels and kernels[0])
 
     def around(self, linear: Callable, layer: int) -> Callable:
         """`linear` (the step's projection call) with each row's adapter update added, for layer `layer`."""
@@ -92,12 +120,18 @@ class LoraStep:
         def call(x: torch.Tensor, weight) -> torch.Tensor:
             out, module = linear(x, weight), names[id(weight)]
             whole = len(self.parts) == 1 and self.parts[0][1].stop - self.parts[0][1].start == x.shape[0]  # no slicing
-            for index, (stack, rows, mask) in enumerate(self.parts):
+            for index, (stack, rows, mask, native) in enumerate(self.parts):
                 group = stack.layers[layer].get(module)
                 if group is None:
                     continue
                 seen = shrunk.get((index, group))
-                if seen is None or seen[0] is not x:  # the group's first projection: shrink once for all of them
+                first = seen is None or seen[0] is not x  # the group's first projection: shrink once for all of them
+                if native is not None:
+                    if first:
+                        shrunk[(index, group)] = (x, None)
+                    self.project_native(x, out, rows, whole, native, group.native[module][0], first)
+                    continue
+                if first:
                     seen = shrunk[(index, group)] = (x, self.shrink(x if whole else x[rows], group, stack, mask))
                 columns, b_t = group.expand[module]
                 into = out if whole else out[rows]
@@ -117,6 +151,16 @@ class LoraStep:
         if mask is not None:
             s.view(s.shape[0], -1, stack.width).mul_(mask)
         return s
+
+    def project_native(self, x: torch.Tensor, out: torch.Tensor, rows: slice, whole: bool, native: NativeRows, weights: int,
+                       first: bool) -> None:
+        """out[rows] += each row's update by the native kernel, in place (shrinking x[rows] first if `first`)."""
+        if not (x.is_contiguous() and out.is_contiguous() and x.dtype == out.dtype == native.dtype):
+            raise ValueError(f"the native LoRA kernel reads and writes contiguous {native.dtype} rows, not {x.dtype} {x.stride()} -> "
+                             f"{out.dtype} {out.stride()}")
+        offset = 0 if whole else rows.start
+        self.kernel(native.pointer, weights, x.data_ptr() + offset * x.shape[1] * x.element_size(),
+                    out.data_ptr() + offset * out.shape[1] * out.element_size(), first)
 
     def add_exact(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, linear: Callable) -> torch.Tensor:
         """out[rows] += (x[rows] A^T) B^T for each adapter of the step that targets this projection, through the step's

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..model import native
 from ..model.linear import FrozenLinear
 
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
@@ -26,9 +27,18 @@ GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 OWN = 1
 """The slot an adapter's own stack files its columns under (it is built before the adapter has a slot)."""
 FEW_ROWS = 8
-"""A CPU step's rows below this compute the update in float32 whatever the model's dtype: MKL's small float32 matmuls
-cost a few us a call, a bf16 one through oneDNN 15-40 us (measured on the 2-core Xeon); from here bf16 (AMX) wins on
-the multiplications (the resident stack's are eight times its rows' own at eight adapters)."""
+"""Without the native kernel, a CPU step's rows below this compute the update in float32 whatever the model's dtype:
+MKL's small float32 matmuls cost a few us a call, a bf16 one through oneDNN 15-40 us (measured on the 2-core Xeon);
+from here bf16 (AMX) wins on the multiplications (the resident stack's are eight times its rows' own at eight
+adapters)."""
+NATIVE_ROWS = 64
+"""A CPU step's part of at most this many rows runs the native kernel (engine/model/native/lora.c), where it runs."""
+
+
+def native_kernels(device: torch.device, dtype: torch.dtype):
+    """The native kernel's (lora_project, avx512) for a model of `dtype` on `device`, or None (not a CPU, another
+    dtype than float32 and bf16, or no kernel here)."""
+    return native.lora_kernels() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
 
 
 class Matmul:
@@ -63,6 +73,12 @@ class Group:
     """Projection -> (its block of the shrunk columns, B^T [width, out]): added into the projection's output by
     `addmm_` (one oneDNN call with its sum post-op in bf16: a separate add of a prefill chunk's [rows, out] cost as
     much as the matmul) or, from float32 into a bf16 output, by `torch.mm` and `add_`."""
+    a: torch.Tensor | None = None
+    """The same weights as they are ([len(expand) x width, in], the stack's dtype): the native kernel's (None where it
+    does not run)."""
+    native: dict[str, tuple[int, torch.Tensor]] | None = None
+    """Projection -> the native kernel's `weights` array for it (engine/model/native/lora.c `lora_project`) and its
+    address."""
 
 
 @dataclass
@@ -77,7 +93,8 @@ class Stack:
     @property
     def nbytes(self) -> int:
         groups = {id(group): group for layer in self.layers for group in layer.values()}.values()
-        return sum(group.shrink.nbytes + sum(b_t.nbytes for _, b_t in group.expand.values()) for group in groups)
+        return sum(group.shrink.nbytes + (0 if group.a is None else group.a.nbytes) + sum(b_t.nbytes for _, b_t in group.expand.values())
+                   for group in groups)
 
     def mask(self, slots: list[int], device) -> torch.Tensor:
         """[rows, 1, width]: 1 on each row's own adapter's columns (none for a base row), for every block of a group."""
@@ -91,12 +108,17 @@ class Stack:
 
 def compute_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, ...]:
     """The dtypes a model of `dtype` computes adapters in: its own, and float32 for a CPU step's few rows."""
-    return tuple(dict.fromkeys((dtype, torch.float32))) if device.type == "cpu" else (dtype,)
+    return tuple(dict.fromkeys((dtype, torch.float32))) if native_kernels(device, dtype) is None and device.type == "cpu" else (dtype,)
 
 
 def step_dtype(dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
-    """The dtype a model of `dtype` computes `rows` rows' update in (FEW_ROWS)."""
-    return torch.float32 if device.type == "cpu" and rows < FEW_ROWS else dtype
+    """The dtype a model of `dtype` computes `rows` rows' update in (FEW_ROWS; the native kernel reads the model's)."""
+    return torch.float32 if device.type == "cpu" and rows < FEW_ROWS and native_kernels(device, dtype) is None else dtype
+
+
+def runs_native(dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+    """Whether a step's part of `rows` rows of a model of `dtype` runs the native kernel (NATIVE_ROWS)."""
+    return rows <= NATIVE_ROWS and native_kernels(device, dtype) is not None
 
 
 def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]], num_layers: int,
@@ -116,13 +138,23 @@ def build_stack(adapters: dict[int, tuple[int, list[dict[str, tuple[torch.Tensor
             parts = {module: _parts(adapters, layer, module) for module in modules
                      if any(module in tensors[layer] for _, tensors in adapters.values())}
             if parts:
-                shrink = linear(torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype))
+                a_cat = torch.cat([a for pairs in parts.values() for a, _ in pairs]).to(dtype)
+                shrink = linear(a_cat)
                 expand = {module: (slice(i * width, (i + 1) * width), torch.cat([b for _, b in pairs], dim=1).to(dtype).T.contiguous())
                           for i, (module, pairs) in enumerate(parts.items())}
                 group = Group(shrink, expand)
+                if native_kernels(a_cat.device, dtype) is not None:
+                    group.a, group.native = a_cat, {module: _native_weights(a_cat, width, column.start, b_t) for module, (column, b_t) in expand.items()}
                 groups.update(dict.fromkeys(parts, group))
         layers.append(groups)
     return Stack(layers, columns, width, dtype)
+
+
+def _native_weights(a: torch.Tensor, width: int, column: int, b_t: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """lora.c's `weights` array: {A, K, width, blocks, B^T, N, its first column} and its address."""
+    weights = torch.tensor([a.data_ptr(), a.shape[1], width, a.shape[0] // width, b_t.data_ptr(), b_t.shape[1], column],
+                           dtype=torch.int64)
+    return weights.data_ptr(), weights
 
 
 def _parts(adapters, layer: int, module: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

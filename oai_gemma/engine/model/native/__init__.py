@@ -24,6 +24,8 @@ from ....settings import ModelSettings
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("woq_int8.c")
+SOURCES = (SOURCE, SOURCE.with_name("lora.c"))
+HEADERS = (SOURCE.with_name("lora_tiles.h"),)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm")
 
 
@@ -47,11 +49,12 @@ def build(directory: Path) -> str | None:
         _directory = directory
         _library.cache_clear()
         rms_norm_rows.cache_clear()
+        lora_kernels.cache_clear()
     return native_unavailable()
 
 
 def _library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()).hexdigest()[:16]
     return (_directory or ModelSettings().cache_path / "native") / f"woq_int8-{digest}.so"
 
 
@@ -67,13 +70,13 @@ def _library() -> ctypes.CDLL:
         partial = target.with_suffix(f".{os.getpid()}.tmp")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
         except OSError as error:
-            raise NativeKernelUnavailable(f"cannot compile {SOURCE.name} into {target.parent}: {error}") from error
+            raise NativeKernelUnavailable(f"cannot compile {' and '.join(s.name for s in SOURCES)} into {target.parent}: {error}") from error
         if done.returncode != 0:
-            raise NativeKernelUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            raise NativeKernelUnavailable(f"{compiler} failed on {' and '.join(s.name for s in SOURCES)}: {done.stderr.strip()[-500:]}")
         partial.replace(target)  # atomic: a concurrent start loads a whole library or compiles its own
-        log.info("compiled %s into %s", SOURCE.name, target)
+        log.info("compiled %s into %s", " and ".join(s.name for s in SOURCES), target)
     library = ctypes.CDLL(str(target))
     for function in (library.woq_int8_linear, library.woq_int8_linear_avx512):
         function.restype = None
@@ -82,6 +85,8 @@ def _library() -> ctypes.CDLL:
     library.rms_norm_rows.restype = None
     library.rms_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
                                       ctypes.c_void_p, ctypes.c_int]
+    library.lora_project.restype = None
+    library.lora_project.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     library.q8_linear.restype = None
     library.q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -122,6 +127,18 @@ def rms_norm_rows():
         return _library().rms_norm_rows
     except NativeKernelUnavailable:
         return None
+
+
+@functools.cache
+def lora_kernels():
+    """The compiled `lora_project(rows, weights, x, y, first)` (lora.c: a step's few rows, each on its own adapter)
+    and whether to run its AVX512 variant, or None where the kernel cannot run here (the caller keeps torch's
+    matmuls)."""
+    try:
+        library = _library()
+    except NativeKernelUnavailable:
+        return None
+    return library.lora_project, cpu_has_avx512() and "avx512bw" in cpu_flags()
 
 
 def native_unavailable() -> str | None:
