@@ -59,7 +59,7 @@ def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
 
 def start_plan(settings: ModelSettings) -> str:
     """What start-up is about to do and about how long it takes, said before it begins."""
-    steps = "load the weights, build the KV cache and warm up (the embedded model: about 8 s on 2 idle cores)"
+    steps = "load the weights, build the KV cache and warm up (the embedded model: about 6 s on 2 idle cores)"
     target = settings.cache_path / EMBEDDED_DIR_NAME
     if settings.source == EMBEDDED and not _is_converted(target):
         return f"first start: convert the embedded gemma-3-270m GGUF into {target} once (about a minute), then {steps}"
