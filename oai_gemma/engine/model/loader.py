@@ -178,7 +178,7 @@ def _dispatch(model, device_map: str, dtype: torch.dtype):
 
 def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
     """The model, tokenizer (and processor) of `settings`. `lean`: a text-only checkpoint that engine/model/lean.py
-    understands is built there, without importing transformers (the server's start-up: ~2.5 s less); anything else,
+    understands is built there, without importing transformers (the server's start-up: ~2.3 s less); anything else,
     and every caller that runs transformers' own forward (tests, the bare benchmark), gets transformers' modules."""
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
