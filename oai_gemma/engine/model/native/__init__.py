@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("woq_int8.c")
 SOURCES = (SOURCE, SOURCE.with_name("lora.c"))
 HEADERS = (SOURCE.with_name("lora_tiles.h"),)
+SOURCE_NAMES = " and ".join(source.name for source in SOURCES)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm")
 
 
@@ -72,11 +73,11 @@ def _library() -> ctypes.CDLL:
             target.parent.mkdir(parents=True, exist_ok=True)
             done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
         except OSError as error:
-            raise NativeKernelUnavailable(f"cannot compile {' and '.join(s.name for s in SOURCES)} into {target.parent}: {error}") from error
+            raise NativeKernelUnavailable(f"cannot compile {SOURCE_NAMES} into {target.parent}: {error}") from error
         if done.returncode != 0:
-            raise NativeKernelUnavailable(f"{compiler} failed on {' and '.join(s.name for s in SOURCES)}: {done.stderr.strip()[-500:]}")
+            raise NativeKernelUnavailable(f"{compiler} failed on {SOURCE_NAMES}: {done.stderr.strip()[-500:]}")
         partial.replace(target)  # atomic: a concurrent start loads a whole library or compiles its own
-        log.info("compiled %s into %s", " and ".join(s.name for s in SOURCES), target)
+        log.info("compiled %s into %s", SOURCE_NAMES, target)
     library = ctypes.CDLL(str(target))
     for function in (library.woq_int8_linear, library.woq_int8_linear_avx512):
         function.restype = None
