@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 import msgspec
@@ -12,7 +13,7 @@ import msgspec.inspect
 
 from .cpu import configure_cpu
 from .logs import configure_logging
-from .settings import SECTIONS, ServerSettings, field_docs, load_settings
+from .settings import SECTIONS, ServerSettings, field_docs, load_settings, model_source_problem
 
 # The settings operators change most, as flags of `serve` and `prepare`: (section, field, flag name when it is
 # not the field's). Type, choices, default and help come from the settings tree, so a flag cannot drift from it.
@@ -112,9 +113,18 @@ def _settings(args: argparse.Namespace):
 def serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     configure_logging(settings.server.log_level, settings.server.log_format)
+    problem = model_source_problem(settings.model.source)
+    if problem:  # seconds, not a minute of loading, to say what is wrong
+        return _failed_start(problem)
+    replicas = bool(args.replicas or args.max_replicas)  # Ray Serve's proxy listens then, not this process
+    try:
+        listener = None if replicas else _listen(settings.server.host, settings.server.port)
+    except OSError as exc:
+        return _failed_start(f"cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror or exc}; "
+                             "stop what holds that port or choose another (--port)")
     # before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads
     configure_cpu(settings.engine)
-    if args.replicas or args.max_replicas:
+    if replicas:
         return _serve_replicas(settings, args)
     import uvicorn
 
@@ -132,8 +142,26 @@ def serve(args: argparse.Namespace) -> int:
     )
     server, state = GracefulServer(config, app.state.server.drain, settings.server.shutdown_grace), app.state.server
     state.on_fatal = lambda: setattr(server, "should_exit", True)
-    server.run()
+    server.run(sockets=[listener])
     return 1 if state.fatal else 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use ends the start at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def _failed_start(reason: str) -> int:
+    logging.getLogger("oai_gemma.server").error("oai-gemma: %s; exiting", reason)
+    return 1
 
 
 def _serve_replicas(settings, args: argparse.Namespace) -> int:

@@ -172,8 +172,9 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Longest wait for the next part of a request body; past it a 408 and the connection closes (a body that stops
     half way holds no worker; nothing reaches the engine). uvicorn has no such limit. 0 means none."""
     exit_on_engine_failure: bool = True
-    """When the engine thread dies (an error outside any one request, e.g. out of memory), end every open stream with
-    an error event, answer 503 (`/health` says why), then exit non-zero so Kubernetes, Ray or systemd restart it."""
+    """When loading the model fails, or the engine thread dies (an error outside any one request, e.g. out of memory):
+    end every open stream with an error event, log one ERROR line saying why, then exit non-zero so Kubernetes, Ray or
+    systemd restart or report it. Off: keep answering 503 with the reason (`/health`), e.g. to inspect a failed load."""
     shutdown_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """On SIGTERM/SIGINT: seconds running requests get to finish while new ones get 503; the rest are then
     ended (503, or an error event then `[DONE]`) and the process exits 0."""
@@ -228,6 +229,21 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
         if self.model.source == EMBEDDED:
             return "gemma-3-270m"
         return Path(self.model.source.rstrip("/")).name if os.path.isdir(self.model.source) else self.model.source
+
+
+def model_source_problem(source: str) -> str | None:
+    """Why `model.source` cannot be loaded, where that shows without loading it: a source written as a path (not a
+    Hugging Face id, `org/name`) that is not there, or a directory with no config.json. None otherwise."""
+    if source == EMBEDDED:
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        looks_like_a_path = source.startswith(("/", "./", "../", "~")) or source.endswith((".gguf", ".safetensors"))
+        kind = "file" if source.endswith((".gguf", ".safetensors")) else "directory"
+        return f"no model {kind} at {source}" if looks_like_a_path else None
+    if path.is_dir() and not (path / "config.json").exists():
+        return f"{source} has no config.json: --model takes a Gemma-3 checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    return None
 
 
 ENV_PREFIX = "OAI_GEMMA_"

@@ -14,7 +14,7 @@ from litestar.exceptions import HTTPException
 from ..cpu import compute_thread
 from ..engine.config import ConfigError
 from ..engine.engine import Engine
-from ..engine.factory import load_engine
+from ..engine.factory import explain_load_failure, load_engine
 from ..settings import Settings
 from .access_log import access_log_middleware
 from .exchange import exchange_middleware
@@ -84,13 +84,11 @@ class ServerState:
         try:
             engine = load_engine(self.settings)
         except ConfigError as exc:  # no use answering 503 for ever: the operator must change a setting
-            self.load_error, self.fatal = f"bad settings: {exc}", True
-            log.error("oai-gemma: %s", exc)
-            self.on_fatal()
+            self._fail_start(f"bad settings: {exc}", exit_anyway=True)
             return
         except Exception as exc:
-            self.load_error = f"loading the model failed: {exc!r}"
-            log.exception("loading the model failed")
+            log.debug("loading the model failed", exc_info=exc)
+            self._fail_start(explain_load_failure(exc, self.settings.model.source))
             return
         engine.observer = self.metrics
         engine.start(loop)
@@ -98,6 +96,17 @@ class ServerState:
         self.services = Services.build(engine, self.settings, self.store)
         asyncio.run_coroutine_threadsafe(self._watch(engine), loop)
         log.info("ready: %s (%s) in %.1f s; %s", self.served_name, engine.description, time.monotonic() - started, self.where())
+
+    def _fail_start(self, reason: str, exit_anyway: bool = False) -> None:
+        """One ERROR line saying what failed and what to do; then exit non-zero (a supervisor sees it and restarts
+        or reports), unless `server.exit_on_engine_failure` is off, which keeps answering 503 with the reason."""
+        self.load_error = reason
+        if exit_anyway or self.settings.server.exit_on_engine_failure:
+            log.error("oai-gemma: %s; exiting", reason)
+            self.fatal = True
+            self.on_fatal()
+        else:
+            log.error("oai-gemma: %s; /health answers 503 (server.exit_on_engine_failure is off)", reason)
 
     def where(self) -> str:
         """The URLs to open, for the "ready" line."""

@@ -6,10 +6,13 @@ part, so that a regression in either shows in the first lines of a server's log.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 
-from ..settings import Settings
+from safetensors import SafetensorError
+
+from ..settings import EMBEDDED, Settings
 from .engine import Engine
 from .model.loader import load, start_plan
 from .cache.memory import release_free_memory, resident_bytes
@@ -41,3 +44,17 @@ def load_engine(settings: Settings) -> Engine:
         (total - weights - kv) / MB, runner.quantization,
     )
     return engine
+
+
+def explain_load_failure(error: BaseException, source: str) -> str:
+    """What went wrong loading the model and what to do about it, in one line (the traceback is logged at debug)."""
+    text = " ".join(str(error).split())[:400] or type(error).__name__
+    out_of_memory = isinstance(error, MemoryError) or (isinstance(error, OSError) and error.errno == errno.ENOMEM)
+    if out_of_memory or "can't allocate memory" in text or "out of memory" in text.lower():
+        return (f"out of memory while loading the model ({text}): free memory, lower --kv-cache-gib or --max-num-seqs, "
+                "or serve a smaller or quantized model (--quantization int8)")
+    where = "the embedded model" if source == EMBEDDED else source
+    if isinstance(error, (OSError, ValueError, KeyError, SafetensorError)):
+        return (f"cannot load the model from {where}: {type(error).__name__}: {text}; --model takes a Gemma-3 "
+                "checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    return f"loading the model from {where} failed: {type(error).__name__}: {text}; --log-level debug shows the traceback"

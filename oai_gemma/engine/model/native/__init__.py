@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from ....cpu import cpu_flags
 from ....settings import ModelSettings
+from .sources import PREBUILT, CompileFailed, compile_into, library_name
 
 log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("woq_int8.c")
-SOURCES = (SOURCE, SOURCE.with_name("lora.c"))
-HEADERS = (SOURCE.with_name("lora_tiles.h"),)
-SOURCE_NAMES = " and ".join(source.name for source in SOURCES)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm")
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -55,8 +46,9 @@ def build(directory: Path) -> str | None:
 
 
 def _library_path() -> Path:
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return (_directory or ModelSettings().cache_path / "native") / f"woq_int8-{digest}.so"
+    """The wheel's prebuilt library where it carries one for these sources, else the one built here."""
+    prebuilt = PREBUILT / library_name()
+    return prebuilt if prebuilt.exists() else (_directory or ModelSettings().cache_path / "native") / library_name()
 
 
 @functools.cache
@@ -65,19 +57,13 @@ def _library() -> ctypes.CDLL:
         raise NativeKernelUnavailable("this CPU (or ATEN_CPU_CAPABILITY) has no AVX2 with FMA")
     target = _library_path()
     if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise NativeKernelUnavailable("no C compiler (cc, gcc) on PATH; install gcc (Debian: build-essential)")
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
-        except OSError as error:
-            raise NativeKernelUnavailable(f"cannot compile {SOURCE_NAMES} into {target.parent}: {error}") from error
-        if done.returncode != 0:
-            raise NativeKernelUnavailable(f"{compiler} failed on {SOURCE_NAMES}: {done.stderr.strip()[-500:]}")
-        partial.replace(target)  # atomic: a concurrent start loads a whole library or compiles its own
-        log.info("compiled %s into %s", SOURCE_NAMES, target)
+            compile_into(target.parent)
+        except CompileFailed as why:
+            raise NativeKernelUnavailable(str(why)) from None
+        log.info("compiled the native kernels into %s", target)
+    else:
+        log.info("native kernels: %s", target)
     library = ctypes.CDLL(str(target))
     for function in (library.woq_int8_linear, library.woq_int8_linear_avx512):
         function.restype = None

@@ -1,0 +1,44 @@
+"""The wheel's one build step beyond pyproject.toml: compile the native CPU kernels into the package, so an
+installed server does not compile them at its first start. Where no compiler works, the wheel goes without, and
+the server compiles them at run time (or says what their absence costs)."""
+
+import importlib.util
+from pathlib import Path
+
+from setuptools import Distribution, setup
+from setuptools.command.build_py import build_py
+
+SOURCES_MODULE = Path(__file__).parent / "oai_gemma" / "engine" / "model" / "native" / "sources.py"
+
+
+def _native_sources():
+    """native/sources.py by path: importing the package would import torch, which the build need not have."""
+    spec = importlib.util.spec_from_file_location("oai_gemma_native_sources", SOURCES_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithKernels(build_py):
+    def run(self):
+        super().run()
+        if self.editable_mode:  # a checkout compiles at run time, into the model cache
+            return
+        sources = _native_sources()
+        prebuilt = Path(self.build_lib) / sources.PREBUILT.relative_to(Path(__file__).parent)
+        try:
+            path = sources.compile_into(prebuilt)
+        except sources.CompileFailed as why:
+            self.warn(f"the native kernels are not in this wheel ({why}); the server compiles them at its first start")
+        else:
+            self.announce(f"compiled the native kernels into {path}", level=2)
+
+
+class PlatformDistribution(Distribution):
+    """The wheel carries a compiled library, so it is tagged for this platform, not as pure Python."""
+
+    def has_ext_modules(self):
+        return True
+
+
+setup(cmdclass={"build_py": BuildPyWithKernels}, distclass=PlatformDistribution)
