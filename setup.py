@@ -3,6 +3,7 @@ installed server does not compile them at its first start. Where no compiler wor
 the server compiles them at run time (or says what their absence costs)."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 from setuptools import Distribution, setup
@@ -26,6 +27,7 @@ class BuildPyWithKernels(build_py):
             return
         sources = _native_sources()
         prebuilt = Path(self.build_lib) / sources.PREBUILT.relative_to(Path(__file__).parent)
+        shutil.rmtree(prebuilt, ignore_errors=True)  # an earlier build's library for other sources
         try:
             path = sources.compile_into(prebuilt)
         except sources.CompileFailed as why:

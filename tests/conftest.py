@@ -29,15 +29,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *extra: str, env: dict[str, str] | None = None, log: Path = LOG, launcher: tuple[str, ...] = ("-m", "oai_gemma.cli")):
-        """`launcher`: what python runs with `serve ...` (tests/fault_server.py injects faults)."""
+    def __init__(self, *extra: str, env: dict[str, str] | None = None, log: Path = LOG, launcher: tuple[str, ...] = ("-m", "oai_gemma.cli"),
+                 program: str | None = None, cwd: Path | None = None):
+        """`launcher`: what python runs with `serve ...` (tests/fault_server.py injects faults); `program`: an
+        `oai-gemma` script to run instead (an installed wheel's), in `cwd`."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_seen: list[int] = []
         # unquantized float32: the batch-invariant mode is on there by default (README, Reproducibility), so tests
         # that compare two requests token for token hold whatever else the shared server runs (`extra` may override)
         cmd = [
-            sys.executable, *launcher, "serve", "--port", str(self.port),
+            *((program,) if program else (sys.executable, *launcher)), "serve", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--quantization", "none", *extra,
         ]
         self.log_path = log
@@ -45,7 +47,7 @@ class ServerProcess:
         # each server its own store of Responses (`store: true`), unless the test names one
         store = {"OAI_GEMMA_RESPONSES__STORE_PATH": os.path.join(tempfile.mkdtemp(prefix="oai-gemma-store-"), "responses.sqlite3")}
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**store, **os.environ, **(env or {})}
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**store, **os.environ, **(env or {})}, cwd=cwd
         )
 
     def wait_ready(self, timeout: float = float(os.environ.get("OAI_GEMMA_TEST_READY_TIMEOUT", "600"))) -> None:
