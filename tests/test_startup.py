@@ -4,7 +4,6 @@ import json
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import httpx
@@ -12,6 +11,7 @@ import torch
 
 from conftest import MAX_MODEL_LEN
 from oai_gemma.engine.cache.kv_cache import KVCache
+from oai_gemma.engine.shape import FULL, TextShape
 
 PHASES = re.compile(r"start-up phases: load ([\d.]+) s, relayout ([\d.]+) s, KV cache ([\d.]+) s, invariance check ([\d.]+) s, warm-up ([\d.]+) s")
 MEMORY = re.compile(r"resident memory: (\d+) MB \(weights (\d+), KV cache (\d+) of (\d+) allocated, other (-?\d+)")
@@ -44,11 +44,10 @@ def test_the_engine_configuration_is_logged_once_and_served_with_every_auto_deci
 
 
 def test_the_kv_cache_takes_memory_only_where_it_is_written():
-    config = types.SimpleNamespace(
-        num_key_value_heads=1, head_dim=256, layer_types=["full_attention"] * 4, sliding_window=512,
-    )
+    shape = TextShape(hidden=640, intermediate=2048, heads=4, kv_heads=1, head_dim=256, vocab=262_144, sliding_window=512,
+                      sliding=(False,) * 4, rms_eps=1e-6, query_pre_attn_scalar=256, rope={FULL: (1e6, 1.0)})
     before = rss()
-    cache = KVCache(config, num_blocks=32 * 8192 // 16, dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(shape, num_blocks=32 * 8192 // 16, dtype=torch.float32, device=torch.device("cpu"))
     assert cache.nbytes == (32 * 8192 + 16) * 256 * 4 * 2 * 4  # 2 GiB allocated (and the scratch block)...
     assert rss() - before < 64 * 2**20  # ...none of it resident
     assert cache.resident_bytes() < 2**20

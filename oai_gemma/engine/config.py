@@ -23,6 +23,7 @@ from ..settings import Settings
 from .cache.memory import blocks_within_budget
 from .lora.adapter import LoraModule, parse_module
 from .model import native
+from .shape import TextShape
 from .model.quantized import FORMAT, NativeQ8Linear, linear_for, resolve as resolve_quantization
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
         batch_invariant=_batch_invariant(engine.batch_invariant, device),
         max_num_seqs=engine.max_num_seqs, max_model_len=model.max_model_len, max_prefill_tokens=engine.max_prefill_tokens,
         image_tokens=getattr(config, "mm_tokens_per_image", 0) or 0,
-        kv_blocks=blocks_within_budget(loaded.text_config, dtype, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
+        kv_blocks=blocks_within_budget(TextShape.of(loaded.text_config), dtype, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
         prefix_caching=engine.prefix_caching, max_waiting=engine.max_waiting,
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
         max_backlog=settings.server.max_stream_backlog,

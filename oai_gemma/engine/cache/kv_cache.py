@@ -16,7 +16,7 @@ import mmap
 
 import torch
 
-from ..model.gemma3 import SLIDING
+from ..shape import TextShape
 
 BLOCK_SIZE = 16
 """Tokens per block: the granularity at which prompts share KV (vLLM's default)."""
@@ -30,12 +30,12 @@ class KVCache:
     """
 
     def __init__(
-        self, text_config, num_blocks: int, dtype: torch.dtype, device: torch.device,
+        self, shape: TextShape, num_blocks: int, dtype: torch.dtype, device: torch.device,
         layer_devices: list[torch.device] | None = None, block_size: int = BLOCK_SIZE,
     ):
-        kv_heads, head_dim = text_config.num_key_value_heads, text_config.head_dim
-        self.sliding = [t == SLIDING for t in text_config.layer_types]
-        self.window = text_config.sliding_window
+        kv_heads, head_dim = shape.kv_heads, shape.head_dim
+        self.sliding = list(shape.sliding)
+        self.window = shape.sliding_window
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scratch = num_blocks
@@ -79,10 +79,9 @@ class KVCache:
         return sum(k.numel() * k.element_size() * 2 for k in self.k)
 
     @staticmethod
-    def bytes_per_token(text_config, dtype: torch.dtype) -> int:
+    def bytes_per_token(shape: TextShape, dtype: torch.dtype) -> int:
         """Every layer's K and V of one position."""
-        per_layer = text_config.num_key_value_heads * text_config.head_dim * 2 * torch.finfo(dtype).bits // 8
-        return per_layer * len(text_config.layer_types)
+        return shape.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
 
 
 def _zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, devices: list[torch.device]):

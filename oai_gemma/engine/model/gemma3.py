@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from . import native
 
-SLIDING = "sliding_attention"
 NATIVE_NORM_DTYPES = (torch.float32, torch.bfloat16)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..shape import FULL, SLIDING
 from .gemma3 import GELU_TANH
 from .mapped import DTYPES, checkpoint_files, read_header
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = (SLIDING, FULL)
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "query_pre_attn_scalar", "vocab_size", "sliding_window", "layer_types",
             "rope_parameters", "hidden_activation")

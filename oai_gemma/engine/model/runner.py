@@ -24,6 +24,7 @@ from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention, signed_sin
 from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
+from ..shape import TextShape
 from ..config import ConfigError, EngineConfig
 from .linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
@@ -93,7 +94,7 @@ class ModelRunner:
         flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
         started = time.monotonic()
         num_blocks = config.kv_blocks or num_slots * -(-max_len // BLOCK_SIZE)  # 0: room for num_slots of max_len
-        self.cache = KVCache(text_config, num_blocks, self.dtype, self.device, self.layer_devices)
+        self.cache = KVCache(TextShape.of(text_config), num_blocks, self.dtype, self.device, self.layer_devices)
         allocated = time.monotonic()
         self.mapped_embedding = False
         """The token embedding is read from the checkpoint file on demand (engine/mapped.py), not held in memory."""
