@@ -28,12 +28,13 @@ class BuildPyWithKernels(build_py):
         sources = _native_sources()
         prebuilt = Path(self.build_lib) / sources.PREBUILT.relative_to(Path(__file__).parent)
         shutil.rmtree(prebuilt, ignore_errors=True)  # an earlier build's library for other sources
-        try:
-            path = sources.compile_into(prebuilt)
-        except sources.CompileFailed as why:
-            self.warn(f"the native kernels are not in this wheel ({why}); the server compiles them at its first start")
-        else:
-            self.announce(f"compiled the native kernels into {path}", level=2)
+        for family in sources.FAMILIES:
+            try:
+                path = sources.compile_into(prebuilt, family)
+            except sources.CompileFailed as why:
+                self.warn(f"the native {family} kernels are not in this wheel ({why}); the server compiles them at its first start")
+            else:
+                self.announce(f"compiled the native {family} kernels into {path}", level=2)
 
 
 class PlatformDistribution(Distribution):

@@ -96,7 +96,7 @@ def candidates(weight: torch.Tensor, bf16: bool):
 def _native(weight: torch.Tensor, isa: str):
     """A NativeInt8Linear held to one instruction set's variant of the kernel."""
     linear = NativeInt8Linear(weight)
-    kernel = getattr(native._library(), "woq_int8_linear_avx512" if isa == "AVX512" else "woq_int8_linear")
+    kernel = getattr(native._library("woq_int8"), "woq_int8_linear_avx512" if isa == "AVX512" else "woq_int8_linear")
     n, k = weight.shape
 
     def call(x: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,9 @@ def test_the_native_kernel_takes_any_width_rank_and_row_order(dtype, kernel, mon
         assert (out.float() - expected).abs().max() <= expected.abs().max() * (2**-7 if dtype == torch.bfloat16 else 1e-6), module
     with pytest.raises(ValueError, match="contiguous"):
         step.project_native(x, torch.zeros(outs["v"], len(slots), dtype=dtype).T, slice(0, len(slots)), True, rows, group.native["v"][0], False)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="model's dtype"):  # the kernel would read the stack's bytes as the wrong type
+        NativeRows(slots, stack, other, torch.device("cpu"), False)
 
 
 # ---- bad adapters: each refused with its name and the reason ------------------------------------------------

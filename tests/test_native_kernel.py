@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from oai_gemma.engine.config import ConfigError, resolve as resolve_config
 from oai_gemma.engine.model import native
+from oai_gemma.engine.model.native import sources
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear, linear_for, resolve
 from oai_gemma.settings import ModelSettings, Settings
@@ -134,6 +135,19 @@ def test_a_compiler_error_is_said(monkeypatch, tmp_path):
         assert "the compiler refused" in native.build(tmp_path / "native")
     finally:
         native._library.cache_clear()
+
+
+def test_a_family_that_fails_to_compile_turns_off_only_its_own_kernels(monkeypatch, tmp_path):
+    broken = tmp_path / "lora.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setitem(sources.FAMILIES, "lora", (broken,))
+    monkeypatch.setattr(native, "_directory", None)
+    try:
+        assert native.build(tmp_path / "native") is None  # the int8 family compiles on its own
+        assert native.lora_kernels() is None and native.rms_norm_rows() is not None
+    finally:
+        for cached in (native._library, native.lora_kernels, native.rms_norm_rows):
+            cached.cache_clear()
 
 
 # ---- where start-up builds it, and what it says when it cannot (issue 25, item 5) ----------------------------

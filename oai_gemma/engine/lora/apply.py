@@ -50,6 +50,9 @@ class NativeRows:
     (`order`), the shrink's buffer, the model's dtype (of the activations and the stack alike), the ISA."""
 
     def __init__(self, slots: list[int], stack: Stack, dtype: torch.dtype, device, avx512: bool):
+        if stack.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the native LoRA kernel reads a stack in the model's dtype, float32 or bfloat16: got a "
+                             f"{stack.dtype} stack for a {dtype} model")
         columns = [stack.columns[slot] if slot else (0, 0) for slot in slots]
         order = sorted(range(len(slots)), key=lambda row: columns[row])
         self.rows = torch.tensor([[c[0] for c in columns], [c[1] for c in columns], order], dtype=torch.int32, device=device)

@@ -1,4 +1,5 @@
-"""The project's own CPU kernels (C files beside this one), compiled once with the system's C compiler and kept
+"""The project's own CPU kernels (C files beside this one, one library per family: sources.py), compiled once with
+the system's C compiler (or shipped compiled in the wheel: sources.PREBUILT) and kept
 in a directory start-up passes in (`build`: the model cache's `native`, engine/config.py), as torch.compile's
 inductor does for its CPU code. Used before any `build` (tests, benchmarks), they go to the default model cache. Plain C called through ctypes: no torch
 headers (a 1 s compile instead of a minute), and its OpenMP calls bind to the libgomp torch already loaded
@@ -45,38 +46,43 @@ def build(directory: Path) -> str | None:
     return native_unavailable()
 
 
-def _library_path() -> Path:
+def _library_path(family: str) -> Path:
     """The wheel's prebuilt library where it carries one for these sources, else the one built here."""
-    prebuilt = PREBUILT / library_name()
-    return prebuilt if prebuilt.exists() else (_directory or ModelSettings().cache_path / "native") / library_name()
+    prebuilt = PREBUILT / library_name(family)
+    return prebuilt if prebuilt.exists() else (_directory or ModelSettings().cache_path / "native") / library_name(family)
+
+
+_INT8_LINEAR = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+SIGNATURES = {
+    "woq_int8": {
+        "woq_int8_linear": _INT8_LINEAR, "woq_int8_linear_avx512": _INT8_LINEAR,
+        "q8_linear": [*_INT8_LINEAR, ctypes.c_int],
+        "rms_norm_rows": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                          ctypes.c_int],
+    },
+    "lora": {"lora_project": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]},
+}
+"""Each family's (sources.FAMILIES) functions and their argument types (all return nothing)."""
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
+def _library(family: str) -> ctypes.CDLL:
     if not cpu_has_avx2():
         raise NativeKernelUnavailable("this CPU (or ATEN_CPU_CAPABILITY) has no AVX2 with FMA")
-    target = _library_path()
+    target = _library_path(family)
     if not target.exists():
         try:
-            compile_into(target.parent)
+            compile_into(target.parent, family)
         except CompileFailed as why:
             raise NativeKernelUnavailable(str(why)) from None
-        log.info("compiled the native kernels into %s", target)
+        log.info("compiled the native %s kernels into %s", family, target)
     else:
-        log.info("native kernels: %s", target)
+        log.info("native %s kernels: %s", family, target)
     library = ctypes.CDLL(str(target))
-    for function in (library.woq_int8_linear, library.woq_int8_linear_avx512):
-        function.restype = None
-        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    library.rms_norm_rows.restype = None
-    library.rms_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
-                                      ctypes.c_void_p, ctypes.c_int]
-    library.lora_project.restype = None
-    library.lora_project.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    library.q8_linear.restype = None
-    library.q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    for name, argtypes in SIGNATURES[family].items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = None, argtypes
     return library
 
 
@@ -95,14 +101,14 @@ def cpu_has_vnni() -> bool:
 def q8_linear():
     """The compiled `q8_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16, vnni)` (woq_int8.c: activations quantized per block
     of 32, int8 x int8 products), compiled on first use."""
-    return _library().q8_linear
+    return _library("woq_int8").q8_linear
 
 
 def woq_int8_linear(even_k: bool = False):
     """The compiled `woq_int8_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16)` (woq_int8.c), compiled on first use: its AVX512
     variant where the CPU has it and K (`even_k`) is even, else the AVX2 one; raises NativeKernelUnavailable with
     the reason where it cannot run here."""
-    library = _library()
+    library = _library("woq_int8")
     return library.woq_int8_linear_avx512 if even_k and cpu_has_avx512() else library.woq_int8_linear
 
 
@@ -111,7 +117,7 @@ def rms_norm_rows():
     """The compiled `rms_norm_rows(x, rows, D, scale, eps, y, bf16)` (Gemma-3's RMSNorm in one call), or None where
     the kernel cannot run here (the caller keeps torch's ops)."""
     try:
-        return _library().rms_norm_rows
+        return _library("woq_int8").rms_norm_rows
     except NativeKernelUnavailable:
         return None
 
@@ -122,8 +128,9 @@ def lora_kernels():
     and whether to run its AVX512 variant, or None where the kernel cannot run here (the caller keeps torch's
     matmuls)."""
     try:
-        library = _library()
-    except NativeKernelUnavailable:
+        library = _library("lora")
+    except NativeKernelUnavailable as why:
+        log.warning("the native LoRA kernel cannot run here (%s): adapters' few-row steps use torch's matmuls", why)
         return None
     return library.lora_project, cpu_has_avx512() and "avx512bw" in cpu_flags()
 

@@ -1,4 +1,4 @@
-"""The native kernels' sources, flags and how they are compiled, with nothing imported but the standard library:
+"""The native kernels' sources (one library per family), flags and how they are compiled, with nothing imported but the standard library:
 the wheel's build (setup.py) compiles them with this module, loaded by path before torch or the package exist,
 and the run-time build (`native/__init__.py`) compiles them the same way where the wheel carries no library."""
 
@@ -11,43 +11,49 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "woq_int8.c", HERE / "lora.c")
-HEADERS = (HERE / "lora_tiles.h",)
-SOURCE_NAMES = " and ".join(source.name for source in SOURCES)
+FAMILIES = {
+    "woq_int8": (HERE / "woq_int8.c",),  # the int8 linears (woq_int8_linear, q8_linear) and rms_norm_rows
+    "lora": (HERE / "lora.c", HERE / "lora_tiles.h"),  # lora_project
+}
+"""One library per kernel family, so a family that fails to compile turns off only its own kernels. The files
+after the first are headers the first includes: they name the library too."""
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm")
 PREBUILT = HERE / "prebuilt"
-"""Where a wheel keeps the library its build compiled (absent in a checkout and in a wheel built without a compiler)."""
+"""Where a wheel keeps the libraries its build compiled (absent in a checkout and in a wheel built without a compiler)."""
 
 
 class CompileFailed(RuntimeError):
     """Why the kernels could not be compiled here (no compiler, a failed compile, an unwritable directory)."""
 
 
-def library_name() -> str:
-    """The library's file name, named by the sources' and flags' digest: a changed source is never a stale library."""
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode())
-    return f"woq_int8-{digest.hexdigest()[:16]}.so"
+def library_name(family: str) -> str:
+    """The family's library file name, named by its sources' and flags' digest: a changed source is never a stale
+    library."""
+    files = FAMILIES[family]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in files) + " ".join(FLAGS).encode())
+    return f"{family}-{digest.hexdigest()[:16]}.so"
 
 
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def compile_into(directory: Path) -> Path:
-    """Compile the library into `directory` (atomically: a concurrent build loads a whole library or makes its own)
-    and return its path; raises CompileFailed with the reason."""
-    target = directory / library_name()
+def compile_into(directory: Path, family: str) -> Path:
+    """Compile the family's library into `directory` (atomically: a concurrent build loads a whole library or makes
+    its own) and return its path; raises CompileFailed with the reason."""
+    source = FAMILIES[family][0]
+    target = directory / library_name(family)
     cc = compiler()
     if cc is None:
         raise CompileFailed("no C compiler (cc, gcc) on PATH; install gcc (Debian: build-essential)")
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True)
     except OSError as error:
-        raise CompileFailed(f"cannot compile {SOURCE_NAMES} into {directory}: {error}") from error
+        raise CompileFailed(f"cannot compile {source.name} into {directory}: {error}") from error
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise CompileFailed(f"{cc} failed on {SOURCE_NAMES}: {done.stderr.strip()[-500:]}")
+        raise CompileFailed(f"{cc} failed on {source.name}: {done.stderr.strip()[-500:]}")
     partial.replace(target)
     return target

@@ -13,6 +13,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <stdio.h>
+
+/* A tile shape no case below covers: a caller's bug, never a silent no-op that leaves y as it was. */
+static void no_tile(const char *kernel, int r, int g)
+{
+    fprintf(stderr, "woq_int8.c: %s has no tile for %d rows x %d groups\n", kernel, r, g);
+    abort();
+}
 
 /* Eight float32 results stored at y[index..index+8), as float32 or rounded to bf16 (nearest even). */
 static inline __attribute__((always_inline)) void store8(void *y, int64_t index, __m256 v, int bf16)
@@ -83,6 +91,7 @@ static void tile_avx2(int r, int g, const float *x, int64_t K, const int8_t *w, 
         CASE(tile, 2, 1) CASE(tile, 2, 2) CASE(tile, 2, 3)
         CASE(tile, 3, 1) CASE(tile, 3, 2) CASE(tile, 3, 3)
         CASE(tile, 4, 1) CASE(tile, 4, 2) CASE(tile, 4, 3)
+        default: no_tile("tile_avx2", r, g);
     }
 }
 
@@ -163,6 +172,7 @@ static void tile_avx512(int r, int g, const float *x, int64_t K, const int8_t *w
         CASE(tile512, 3, 6)
         CASE(tile512, 4, 1) CASE(tile512, 4, 2) CASE(tile512, 4, 3) CASE(tile512, 4, 4) CASE(tile512, 4, 5)
         CASE(tile512, 4, 6)
+        default: no_tile("tile_avx512", r, g);
     }
 }
 
@@ -268,6 +278,7 @@ static void tile_q8_of(int r, int g, const int8_t *xq, const float *xs, int64_t 
         CASE_Q8(2, 1) CASE_Q8(2, 2) CASE_Q8(2, 3)
         CASE_Q8(3, 1) CASE_Q8(3, 2) CASE_Q8(3, 3)
         CASE_Q8(4, 1) CASE_Q8(4, 2) CASE_Q8(4, 3)
+        default: no_tile("tile_q8_of", r, g);
     }
 }
 
@@ -320,6 +331,7 @@ static void tile_q8_avx2_of(int r, int g, const int8_t *xq, const float *xs, int
 {
     switch (r * 16 + g) {
         CASE_Q8_AVX2(1, 1) CASE_Q8_AVX2(1, 2) CASE_Q8_AVX2(2, 1) CASE_Q8_AVX2(3, 1)
+        default: no_tile("tile_q8_avx2_of", r, g);
     }
 }
 
