@@ -171,6 +171,10 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     body_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """Longest wait for the next part of a request body; past it a 408 and the connection closes (a body that stops
     half way holds no worker; nothing reaches the engine). uvicorn has no such limit. 0 means none."""
+    body_min_rate: Annotated[float, msgspec.Meta(ge=0)] = 500.0
+    """Bytes a second a request body must average after its first `body_timeout` seconds: the whole body is due
+    `body_timeout` s plus 1 s per `body_min_rate` bytes after the headers (Apache's mod_reqtimeout default MinRate),
+    so a body trickled a byte at a time cannot hold a connection for ever. 0 means no rate, only `body_timeout`."""
     exit_on_engine_failure: bool = True
     """When loading the model fails, or the engine thread dies (an error outside any one request, e.g. out of memory):
     end every open stream with an error event, log one ERROR line saying why, then exit non-zero so Kubernetes, Ray or

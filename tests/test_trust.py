@@ -111,6 +111,22 @@ def raw_request(method: str, path: str, body: bytes = b"", length: int | None = 
     return head.encode() + body
 
 
+def whole_response(sock: socket.socket, start: bytes = b"") -> bytes:
+    """A response's head and its Content-Length of body, however the server's writes were split into segments."""
+    answer = start
+    while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+        part = sock.recv(65536)
+        if not part:
+            break
+        answer += part
+    return answer
+
+
+def _length(answer: bytes) -> int:
+    head = answer.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    return next((int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:")), 0)
+
+
 def connect(server: ServerProcess, rcvbuf: int | None = None) -> socket.socket:
     sock = socket.socket()
     if rcvbuf:
@@ -210,13 +226,38 @@ def test_a_body_that_stops_half_way_gets_a_408_and_no_engine_work(keyed):
         body = json.dumps({"model": MODEL, "messages": user("Hello"), "max_tokens": 4}).encode()
         sock.sendall(raw_request("POST", "/v1/chat/completions", body[: len(body) // 2], length=len(body)))
         sock.settimeout(BODY_TIMEOUT + 30)
-        answer = sock.recv(65536)
+        answer = whole_response(sock)
     finally:
         sock.close()
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer
     assert json.loads(payload)["error"]["code"] == "request_timeout"
     assert health(keyed)["steps"] == steps
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut_off_by_the_total_deadline(keyed):
+    """Each byte comes well within the body timeout, so only the total deadline (body_timeout, then the default
+    minimum rate of 500 bytes/s) can end it: after ~2 s here, long before the body is whole."""
+    body = json.dumps({"model": MODEL, "messages": user("Hello " * 40), "max_tokens": 4}).encode()
+    sock = connect(keyed)
+    answer, sent = b"", 0
+    try:
+        sock.sendall(raw_request("POST", "/v1/chat/completions", b"", length=len(body)))
+        sock.settimeout(BODY_TIMEOUT / 4)
+        while not answer and sent < 40:  # 40 bytes at 4 a body-timeout: ten times the deadline
+            sock.sendall(body[sent : sent + 1])
+            sent += 1
+            try:
+                answer = sock.recv(65536)
+            except TimeoutError:
+                pass
+        if answer:
+            sock.settimeout(30)
+            answer = whole_response(sock, answer)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), (sent, answer)
+    assert b"minimum body rate" in answer and sent < 40
 
 
 def test_a_submission_past_its_backlog_is_cancelled_closed_and_ends_with_an_error():

@@ -187,7 +187,7 @@ def create_app(settings: Settings) -> Litestar:
     app.state.server = state
     # around Litestar's router, not in `middleware=` (which runs per route), so 404s and 405s are logged too
     # the exchange inside the access log: what a request still holds in the engine is given back before its line
-    handler = exchange_middleware(body_timeout_middleware(app.asgi_handler, settings.server.body_timeout))
+    handler = exchange_middleware(body_timeout_middleware(app.asgi_handler, settings.server.body_timeout, settings.server.body_min_rate))
     quiet = frozenset() if settings.server.log_probes else frozenset({"/health", "/metrics"})
     app.asgi_handler = access_log_middleware(handler, state.metrics.count_outcomes, settings.server.log_request_text, quiet)
     return app

@@ -52,8 +52,12 @@ def http_protocol(header_timeout: float, send_buffer: int = 0) -> type:
     return HeaderTimeoutProtocol
 
 
-def body_timeout_middleware(app, timeout: float):
-    """Wrap an ASGI app: a wait for the next part of a request body longer than `timeout` is a 408."""
+def body_timeout_middleware(app, timeout: float, min_rate: float = 0):
+    """Wrap an ASGI app: a request body must keep coming (no wait for its next part longer than `timeout`) and be
+    whole by a deadline: `timeout` after the request's headers, plus a second for every `min_rate` bytes received
+    (Apache mod_reqtimeout's `body=timeout,MinRate=min_rate`). A body that trickles in a byte at a time so as never
+    to pause long is cut off by the deadline; a large body that arrives at `min_rate` or faster never is. Past
+    either limit, a 408 and the connection closes."""
     if timeout <= 0:
         return app
 
@@ -61,19 +65,25 @@ def body_timeout_middleware(app, timeout: float):
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        whole = False
+        loop = asyncio.get_running_loop()
+        started, received, whole = loop.time(), 0, False
 
         async def timed_receive():
-            nonlocal whole
+            nonlocal received, whole
             if whole:  # after the body only a disconnect can come: no limit on waiting for that
                 return await receive()
+            left = started + timeout + (received / min_rate if min_rate else float("inf")) - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), timeout)
+                if left <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), min(timeout, left))
             except TimeoutError:
-                raise APIError(
-                    408, f"the request body stopped arriving: nothing for {timeout:g} s (the server's body timeout)",
-                    "invalid_request_error", None, "request_timeout", {"Connection": "close"},
-                ) from None
+                why = (f"nothing for {timeout:g} s (the server's body timeout)" if left > timeout else
+                       f"{received} bytes in {loop.time() - started:.0f} s, slower than the server's minimum body rate "
+                       f"({min_rate:g} bytes/s after the first {timeout:g} s)")
+                raise APIError(408, f"the request body stopped arriving: {why}", "invalid_request_error", None,
+                               "request_timeout", {"Connection": "close"}) from None
+            received += len(message.get("body", b""))
             whole = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
