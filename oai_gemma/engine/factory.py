@@ -32,10 +32,15 @@ def load_engine(settings: Settings) -> Engine:
     built_at = time.monotonic()
     log.info("warm-up: running every step shape once, so no request pays for it")
     engine.warm_up()
-    log.info("warm-up done in %.1f s", time.monotonic() - built_at)
+    warmed_at = time.monotonic()
+    log.info("warm-up done in %.1f s", warmed_at - built_at)
+    # ready means ready: the grammar compiler's build (its token trie: ~1 s holding the GIL) ends before /health says
+    # 200, or the first request after it would wait that long; a tokenizer it cannot read was logged, and is no error
+    engine.build_grammars().exception()
     release_free_memory()  # warm-up's activations
     runner = engine.core.runner
-    phases = {"load": loaded_at - started, **runner.timings, "warm-up": time.monotonic() - built_at}
+    phases = {"load": loaded_at - started, **runner.timings, "warm-up": warmed_at - built_at,
+              "grammar compiler": time.monotonic() - warmed_at}
     log.info("start-up phases: %s", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
     total, weights, kv = resident_bytes(), engine.weight_bytes, runner.cache.resident_bytes()
     log.info(

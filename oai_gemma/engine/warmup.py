@@ -51,8 +51,8 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
 def build_grammars(tokenizer, eos_token_ids: list[int], masks: GrammarMasks, vocab_limit: int, device: torch.device,
                    cache_dir: Path | None) -> GrammarCompiler:
     """The grammar compiler (a second of one core: the vocabulary's token trie, from the token table cached in
-    `cache_dir`). Started on its own thread once warm-up is done (`Engine.warm_up`): ready is not held for it, and a
-    structured request that comes first waits for it (off the event loop). The CPU mask kernel is warmed here too; a GPU's is warmed on the engine thread,
+    `cache_dir`). Started on its own thread once warm-up is done (`Engine.warm_up`), whose steps it would stall; ready
+    waits for it (engine/factory.py), so the first request after ready does not. The CPU mask kernel is warmed here too; a GPU's is warmed on the engine thread,
     which owns the device (`warm_up`)."""
     try:
         compiler = GrammarCompiler(tokenizer, eos_token_ids, cache_dir)
