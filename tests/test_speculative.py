@@ -14,7 +14,7 @@ from oai_gemma.engine.sequence import Sequence, Step, StepItem
 from oai_gemma.engine.sampling.sampler import RowRandom, sample_with_logprobs
 from oai_gemma.engine.speculative.lookup import PromptLookup
 from oai_gemma.engine.speculative.planner import Speculator
-from oai_gemma.engine.speculative.prediction import PredictionDraft
+from oai_gemma.engine.speculative.prediction import PredictionDraft, prediction_counts
 from oai_gemma.engine.speculative.verify import accept, sampler_rows
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 
@@ -55,16 +55,26 @@ def test_prompt_lookup_drafts_what_followed_the_latest_occurrence_of_the_longest
     assert loop.propose(5) == [1, 2, 1, 2, 1]  # a repeat that reaches the end goes on with its period
 
 
-def test_a_prediction_is_followed_realigned_after_an_edit_and_counted_once_per_position():
+def test_a_prediction_is_followed_and_realigned_after_an_edit():
     predicted = (10, 11, 12, 13, 14, 15, 16, 17)
     draft = PredictionDraft(predicted, n_max=3, n_min=2)
     assert draft.propose([], 4) == [10, 11, 12, 13]
-    draft.verified(4, 2)  # 10 11 kept, then the model wrote 99 instead of 12
     assert draft.propose([10, 11, 99], 4) == []  # lost: "11 99" is not in the prediction
     assert draft.propose([10, 11, 99, 13, 14], 3) == [15, 16, 17]  # "13 14" found again: aligned after it
-    draft.verified(3, 3)
-    accepted, rejected = draft.counts
-    assert (accepted, rejected) == (5, 2) and accepted + rejected <= len(predicted)
+
+
+@pytest.mark.parametrize("prediction, output, counts", [
+    ((10, 11, 12, 13, 14), (10, 11, 12, 13, 14), (5, 0)),  # copied whole
+    ((10, 11, 12, 13, 14, 15, 16, 17), (10, 11, 99, 13, 14, 15, 16, 17), (7, 1)),  # one token replaced
+    ((10, 11, 12, 13), (10, 11, 50, 51, 52, 12, 13), (4, 0)),  # an insertion: every predicted token still appears
+    ((10, 11, 12, 13, 14, 15), (10, 11, 14, 15), (4, 2)),  # a deletion
+    ((10, 11, 12, 13), (10, 11), (2, 2)),  # the output stopped early (max_tokens): the rest did not appear
+    ((10, 11, 12), (), (0, 3)),
+    ((7, 7, 7, 7), (7, 7), (2, 2)),  # each predicted token matched at most once
+    ((1, 2, 3, 4, 5, 6), (4, 5, 6, 1, 2, 3), (3, 3)),  # moved blocks: an alignment keeps one order
+])
+def test_prediction_counts_are_the_predicted_tokens_that_appear_in_the_output_and_the_rest(prediction, output, counts):
+    assert prediction_counts(prediction, list(output)) == counts
 
 
 class StandInGrammar:
@@ -90,13 +100,13 @@ def test_under_a_grammar_lookup_goes_on_after_the_forced_tokens_while_the_gramma
     seq.output_ids, seq.matcher = [2], StandInGrammar(forced=[5, 6], allowed={7, 8})
     spec = seq.speculation
     assert spec.propose(seq, 32) == [5, 6, 7, 8]  # "5 6" followed by 7 8 9 1; the grammar stops it at 9
-    assert spec.sure == 2 and spec.source is spec.lookup
+    assert spec.sure == 2
     spec.verified(4, 3)  # the forced tokens and 7 kept: only the guess counts towards the draft length
     assert spec.k == 2 and spec.rate == pytest.approx(0.85)
     spec.verified(4, 1)  # a forced token rejected (the model chose another tokenization)
     assert spec.k == 1
     spec.rate = 0.1  # few guesses kept: the forced tokens still come, guesses only every few steps
-    assert spec.propose(seq, 32) == [5, 6] and spec.source is None
+    assert spec.propose(seq, 32) == [5, 6]
     seq.matcher = StandInGrammar(forced=[], allowed=set())
     assert spec.propose(seq, 32) == []
 

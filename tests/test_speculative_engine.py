@@ -108,7 +108,7 @@ def test_greedy_and_seeded_outputs_are_the_same_with_speculation_on_and_off(engi
     with_prediction = engines.generate(engines.on, EDIT, prediction=CODE, max_tokens=64)
     assert tokens(with_prediction) == tokens(reference)
     accepted, rejected = with_prediction[-1].accepted_prediction_tokens, with_prediction[-1].rejected_prediction_tokens
-    assert accepted > 20 and accepted + rejected <= len(engines.on.encode(CODE))
+    assert accepted > 20 and accepted + rejected == len(engines.on.encode(CODE))
     assert any(event.drafted for event in with_prediction)
 
 

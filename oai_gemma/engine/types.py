@@ -112,6 +112,7 @@ class TokenEvent:
     """The token was a draft the model accepted (speculative decoding): it came without a step of its own."""
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
-    """Predicted Outputs: prediction tokens that appeared in the output so far, and those drafted but rejected."""
+    """Predicted Outputs, on a finishing event: the prediction's tokens that appear in the output, and the rest
+    (OpenAI's meaning; engine/speculative/prediction.py `prediction_counts`)."""
     scheduled_time: float | None = field(default=None)
     """On the first event: when the request got a batch slot (queue time = scheduled - arrival)."""

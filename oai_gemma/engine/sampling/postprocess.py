@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..scheduler import Scheduler
 from ..sequence import Sequence
+from ..speculative.prediction import prediction_counts
 from ..types import TokenEvent, completion_room
 
 Events = list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]
@@ -84,8 +85,8 @@ def _outcome(limits: Limits, seq: Sequence, token: int) -> tuple[str, str | None
 
 
 def make_event(seq: Sequence, token, text: str, now: float, finish, error: str | None = None) -> TokenEvent:
-    prediction = seq.speculation.prediction if seq.speculation is not None else None
-    accepted, rejected = prediction.counts if prediction is not None and finish else (0, 0)
+    prediction = seq.request.prediction
+    accepted, rejected = prediction_counts(prediction, seq.output_ids) if prediction and finish else (0, 0)
     return TokenEvent(
         request_id=seq.request_id,
         token_id=token,

@@ -37,8 +37,6 @@ class Speculation:
     """Moving average of the share of guessed tokens kept."""
     quiet: int = 0
     """Steps without a guess while the rate is low."""
-    source: PredictionDraft | PromptLookup | None = None
-    """Where the current draft's guessed tokens came from."""
     sure: int = 0
     """How many of the current draft's first tokens a grammar forces (not guesses: they leave `k` and `rate` be)."""
     drafts: int = 0
@@ -50,20 +48,17 @@ class Speculation:
         prompt-lookup tokens while the grammar takes them; else the prediction while it aligns, else prompt lookup."""
         matcher = seq.matcher
         sure = matcher.forced_run(cap) if matcher is not None else []
-        self.sure, self.source = len(sure), None
+        self.sure = len(sure)
         most = self._guess_length(cap - len(sure))
         if most <= 0:
             return sure
         output = seq.output_ids
         guess = self.prediction.propose(output, most) if self.prediction is not None else []
-        if guess:
-            self.source = self.prediction
-        elif self.lookup is not None:
+        if not guess and self.lookup is not None:
             self.lookup.sync(seq.prompt_ids + output)
             guess = self.lookup.propose(most, sure)
             if matcher is not None and guess:  # stop at the first token the grammar would reject
                 guess = guess[: matcher.grammatical(sure + guess) - len(sure)]
-            self.source = self.lookup if guess else None
         return sure + guess
 
     def _guess_length(self, cap: int) -> int:
@@ -81,8 +76,6 @@ class Speculation:
         if guessed:
             self.rate = 0.7 * self.rate + 0.3 * kept / guessed
             self.k = min(self.most, 2 * self.k) if kept == guessed else max(1, kept + 1)
-        if self.source is self.prediction and self.prediction is not None:
-            self.prediction.verified(drafted, accepted)
 
 
 @dataclass

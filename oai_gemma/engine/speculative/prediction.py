@@ -4,11 +4,24 @@ While the output follows the prediction, the next predicted tokens are the draft
 alignment is lost until the output's last few tokens are found in the prediction again, the first such place
 at or after where it was last aligned preferred (as a diff would resynchronise), else the latest before it.
 The prediction is tokenized on its own, so a token boundary that differs from the output's costs a few tokens of
-realignment, nothing more. Usage counts each prediction position once: accepted if the model drafted and kept it,
-rejected if it was drafted and never kept (OpenAI's `accepted_prediction_tokens` / `rejected_prediction_tokens`).
+realignment, nothing more.
+
+Usage counts (`prediction_counts`) do not depend on what was drafted: as OpenAI documents them, accepted are the
+prediction's tokens that appear in the completion and rejected the rest, computed once at the finish from the two
+token sequences, so they are the same alone or under load, with speculation on or off.
 """
 
 from __future__ import annotations
+
+from difflib import SequenceMatcher
+
+
+def prediction_counts(prediction: list[int] | tuple[int, ...], output: list[int]) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens: those matched in the output by a token alignment (a diff's matching
+    blocks, in order, each prediction token at most once), and the rest of the prediction."""
+    matcher = SequenceMatcher(None, prediction, output, autojunk=False)  # autojunk would drop frequent tokens
+    accepted = sum(block.size for block in matcher.get_matching_blocks())
+    return accepted, len(prediction) - accepted
 
 
 class PredictionDraft:
@@ -26,27 +39,13 @@ class PredictionDraft:
         """The last position the output was aligned at."""
         self.seen = 0
         """Output tokens followed so far."""
-        self.draft_start = 0
-        self.accepted: set[int] = set()
-        self.drafted: set[int] = set()
 
     def propose(self, output: list[int], k: int) -> list[int]:
         """At most `k` predicted tokens to follow `output`, once it is aligned with the prediction."""
         self._follow(output)
         if self.cursor is None:
             return []
-        self.draft_start = self.cursor
         return self.tokens[self.cursor : self.cursor + k]
-
-    def verified(self, drafted: int, accepted: int) -> None:
-        """The last draft's fate: `accepted` of its `drafted` tokens were kept."""
-        self.drafted.update(range(self.draft_start, self.draft_start + drafted))
-        self.accepted.update(range(self.draft_start, self.draft_start + accepted))
-
-    @property
-    def counts(self) -> tuple[int, int]:
-        """(accepted, rejected) prediction tokens."""
-        return len(self.accepted), len(self.drafted - self.accepted)
 
     def _follow(self, output: list[int]) -> None:
         for token in output[self.seen :]:
