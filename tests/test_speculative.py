@@ -13,7 +13,7 @@ from oai_gemma.engine.scheduler import Scheduler
 from oai_gemma.engine.sequence import Sequence, Step, StepItem
 from oai_gemma.engine.sampling.sampler import RowRandom, sample_with_logprobs
 from oai_gemma.engine.speculative.lookup import PromptLookup
-from oai_gemma.engine.speculative.planner import Speculator
+from oai_gemma.engine.speculative.planner import Speculator, fair_shares
 from oai_gemma.engine.speculative.prediction import PredictionDraft, prediction_counts
 from oai_gemma.engine.speculative.verify import accept, sampler_rows
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -206,8 +206,8 @@ def test_a_full_batch_or_a_long_prefill_chunk_leaves_no_drafts_and_drafts_stop_s
     assert all(seq.draft == [] for seq in full)
     few = running(2, [7])
     speculator.plan(few, 1000)
-    assert [len(seq.draft) for seq in few] == [4, 2]  # the first draft's length, then what the budget leaves
-    assert few[0].draft == [8, 9, 7, 8]
+    assert [len(seq.draft) for seq in few] == [3, 3]  # each wants its first draft's length (4): the 6 left, shared
+    assert few[0].draft == [8, 9, 7]
     beside_prefill = running(2, [7])
     speculator.plan(beside_prefill, 1000, prefill_tokens=5)
     assert [len(seq.draft) for seq in beside_prefill] == [1, 0]  # a prefill chunk's tokens count against the budget
@@ -218,6 +218,28 @@ def test_a_full_batch_or_a_long_prefill_chunk_leaves_no_drafts_and_drafts_stop_s
     assert near_end[0].draft == [8]  # two more tokens allowed: one draft and the model's own
     opted_out = sequence()
     assert Speculator(EngineConfig(speculative="off")).start(opted_out.request, grammar=False) is None
+
+
+@pytest.mark.parametrize("wants, total, shares", [
+    ([20, 20, 20, 20], 40, [10, 10, 10, 10]),  # copy-heavy streams alike: equal parts
+    ([2, 30, 30], 20, [2, 9, 9]),  # a small want is met whole, the others split the rest
+    ([30, 1, 30], 7, [3, 1, 3]),  # order does not matter: only the wants do
+    ([5, 5], 40, [5, 5]),  # room for all: every want met
+    ([4, 4, 4], 5, [2, 2, 1]),  # parts rounded up while the total lasts, never past it
+    ([], 8, []),
+])
+def test_the_draft_budget_is_shared_max_min_fairly(wants, total, shares):
+    assert fair_shares(wants, total) == shares and sum(shares) <= total
+
+
+def test_one_copy_heavy_stream_cannot_take_the_whole_budget_of_a_step():
+    speculator = Speculator(EngineConfig(max_num_seqs=8, speculative_budget=16, speculative_k=32))
+    seqs = running(4, [7, 8, 9, 7])  # each repeats its prompt: prompt lookup would draft up to k
+    for seq in seqs:
+        seq.speculation = speculator.start(seq.request, grammar=False)
+        seq.speculation.k = 32
+    speculator.plan(seqs, 1000)
+    assert [len(seq.draft) for seq in seqs] == [3, 3, 3, 3]  # 16 - 4 decode rows, shared
 
 
 # ---- the scheduler: roll-back ----------------------------------------------------------------------

@@ -107,19 +107,24 @@ class Speculator:
     def plan(self, decoding: list, max_len: int, prefill_tokens: int = 0) -> None:
         """Set each decoding sequence's `draft` for this step, within the step's budget: what its decode rows and
         its prefill chunk (`prefill_tokens`) leave. A step that carries a prefill chunk is already compute-bound, so
-        drafts would slow it (and the prefilling request's first token) more than they save."""
+        drafts would slow it (and the prefilling request's first token) more than they save. The budget is shared
+        max-min fairly (`fair_shares`): a sequence that wants few drafts takes them all, the rest split what is left,
+        so one copy-heavy stream cannot take a step's whole budget from the others."""
         left = self.config.speculative_budget - len(decoding) - prefill_tokens
+        wants = []
         for seq in decoding:
             seq.draft = []
-            spec = seq.speculation
-            if spec is None or left <= 0:
+            if seq.speculation is None or left <= 0:
                 continue
-            output = seq.output_ids
             # drafts never pass max_tokens (so never the blocks kept for the request) nor the context
-            cap = min(left, seq.sampling.max_tokens - len(output) - 1, max_len - seq.num_computed - 2)
+            cap = min(left, seq.sampling.max_tokens - len(seq.output_ids) - 1, max_len - seq.num_computed - 2)
             if cap > 0:
-                seq.draft = spec.propose(seq, cap)
-                left -= len(seq.draft)
+                seq.draft = seq.speculation.propose(seq, cap)
+                wants.append(seq)
+        for seq, share in zip(wants, fair_shares([len(seq.draft) for seq in wants], left)):
+            if share < len(seq.draft):
+                seq.draft = seq.draft[:share]
+                seq.speculation.sure = min(seq.speculation.sure, share)
 
     def verified(self, spec: Speculation, drafted: int, accepted: int) -> None:
         spec.verified(drafted, accepted)
@@ -136,3 +141,13 @@ class Speculator:
             "spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_tokens, "spec_accepted_per_pos": list(self.accepted_per_pos),
         }
+
+
+def fair_shares(wants: list[int], total: int) -> list[int]:
+    """Max-min fair shares of `total` (water-filling): the smallest wants are met whole, the others get equal parts
+    of what is left (rounded up while it lasts); never more than `total` in all."""
+    shares, left = [0] * len(wants), total
+    for rank, index in enumerate(sorted(range(len(wants)), key=wants.__getitem__)):
+        shares[index] = min(wants[index], -(-left // (len(wants) - rank)))
+        left -= shares[index]
+    return shares
