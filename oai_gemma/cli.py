@@ -122,6 +122,9 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _failed_start(f"cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror or exc}; "
                              "stop what holds that port or choose another (--port)")
+    if listener is not None:  # uvicorn says nothing of a socket it is handed; "ready" comes once the model is warm
+        host, port = listener.getsockname()[:2]
+        logging.getLogger("oai_gemma.server").info("listening on %s:%d; /health answers 503 until the model is ready", host, port)
     # before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads
     configure_cpu(settings.engine)
     if replicas:

@@ -32,6 +32,40 @@ def test_the_server_logs_its_start_up_phases_and_resident_memory_by_part(server)
     assert allocated > kv  # the KV cache's untouched pages are not resident
 
 
+def test_the_console_says_listening_not_running_before_the_model_is_ready(server):
+    log = server.log_path.read_text()
+    assert "Uvicorn running on" not in log  # it read as ready while the model was still loading
+    listening, ready = log.index(f"listening on 127.0.0.1:{server.port}; /health answers 503"), log.index("ready: ")
+    assert listening < log.index("start-up: ") < ready
+
+
+def test_a_phase_reports_its_progress_every_few_seconds_with_percent_and_time_left(caplog):
+    import logging
+    import time
+
+    from oai_gemma.progress import Phase
+
+    def slowly(parts):
+        for part in parts:
+            time.sleep(0.05)
+            yield part
+
+    with caplog.at_level(logging.WARNING, logger="test.progress"):
+        with Phase(logging.getLogger("test.progress"), "converting", usually=9, every=0.2) as phase:
+            assert list(phase.track(slowly(range(20)), total=20)) == list(range(20))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "converting (usually about 9 s)" and lines[-1].startswith("converting: done in")
+    progress = [line for line in lines[1:-1] if "%" in line]
+    assert len(progress) >= 2 and all(re.fullmatch(r"converting: \d+% \(\d+/20\), about \d+ s left", line) for line in progress)
+
+
+def test_the_gguf_conversion_can_count_its_tensors():
+    """loader._convert_embedded counts the tensors through the name transformers' GGUF loader iterates them with."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    assert callable(gguf_utils.tqdm)
+
+
 def test_the_engine_configuration_is_logged_once_and_served_with_every_auto_decided(server):
     info = httpx.get(server.url + "/v1/server_info").json()
     config = info["engine_config"]

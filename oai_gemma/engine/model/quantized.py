@@ -23,6 +23,7 @@ The layers keep the interface of engine/linear.py's FrozenLinear (`__call__`, `p
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -31,7 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from ...progress import Phase
 from .native import native_unavailable, woq_int8_linear
+
+log = logging.getLogger("oai_gemma.engine")
 
 INT4_GROUP = 32
 """Input columns per int4 scale/zero: the GGUF Q4_K sub-block size; 128 measured no faster (docs/engine.md)."""
@@ -291,7 +295,8 @@ def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file
             grouped.setdefault(name, {})[part] = tensor.clone()  # aligned: the kernels crash on the file's offsets
         if set(grouped) == set(weights):
             return {name: classes[name].from_tensors(grouped[name]) for name in weights}
-    linears = {name: classes[name](weight) for name, weight in weights.items()}
+    with Phase(log, f"quantizing the weights to {quantization} (once: kept in the model cache)") as phase:
+        linears = {name: classes[name](weight) for name, weight in phase.track(weights.items(), len(weights))}
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
