@@ -1,4 +1,4 @@
-"""`oai-gemma serve | prepare | bench`."""
+"""`oai-gemma serve | prepare | bench`, and `oai-gemma --version`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import msgspec.inspect
 from .cpu import configure_cpu
 from .logs import configure_logging
 from .settings import SECTIONS, ServerSettings, field_docs, load_settings
+from .version import version_line
 
 # The settings operators change most, as flags of `serve` and `prepare`: (section, field, flag name when it is
 # not the field's). Type, choices, default and help come from the settings tree, so a flag cannot drift from it.
@@ -172,8 +173,17 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Version(argparse.Action):
+    """`--version`, computed only when asked (argparse's own takes the string up front)."""
+
+    def __call__(self, parser, *_) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oai-gemma", description="OpenAI-compatible server for Gemma-3")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version, git commit and torch's version, then exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     p_serve = commands.add_parser("serve", help="start the server")
