@@ -165,11 +165,22 @@ def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Convert the embedded model once (what the first `serve` would do), e.g. in a Docker build or CI."""
-    from .engine.model.loader import embedded_model_dir
+    """Write what the first `serve` would write into the model cache, then exit (a Docker build, a CI cache): the
+    embedded model converted, the native kernels compiled, the quantized weights for this machine's dtype and the
+    grammar engine's token table. It loads and warms up the engine to do so: the same code as `serve`, seconds more."""
+    settings = _settings(args)
+    configure_logging(settings.server.log_level, settings.server.log_format)
+    configure_cpu(settings.engine)
+    from .engine.factory import load_engine
+    from .engine.sampling.grammar import StructuredOutputUnavailable
 
-    logging.basicConfig(level="INFO", format="%(message)s")
-    print(embedded_model_dir(_settings(args).model))
+    engine = load_engine(settings)
+    try:
+        engine.grammars  # built in the background after warm-up: wait for it (and its token table)
+    except StructuredOutputUnavailable as exc:
+        logging.getLogger("oai_gemma.engine").warning("%s", exc)
+    engine.shutdown()
+    print(settings.model.cache_path)
     return 0
 
 
@@ -191,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replica_flags(p_serve)
     p_serve.set_defaults(func=serve)
 
-    p_prepare = commands.add_parser("prepare", help="convert the embedded model into the local cache, then exit")
+    p_prepare = commands.add_parser("prepare", help="fill the model cache as the first start would (model converted, kernels compiled), then exit")
     _add_settings_flags(p_prepare)
     p_prepare.set_defaults(func=prepare)
 
