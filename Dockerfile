@@ -41,22 +41,22 @@ ENV PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1 \
     OAI_GEMMA_CACHE=/opt/oai-gemma/cache
 
-# the build context is what .dockerignore lets through: the package, its metadata and the profiles
+# torch first, in a layer of its own: a change to the source does not download it again
+RUN python -m venv /opt/venv \
+ && pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+
+# the build context is what .dockerignore lets through: the package, its build files and metadata, the profiles
 WORKDIR /src
 COPY . .
-RUN python -m venv /opt/venv \
- && pip wheel --no-deps --wheel-dir /wheels . \
- && pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
+RUN pip wheel --no-deps --wheel-dir /wheels . \
  && pip install /wheels/oai_gemma-*.whl \
  && oai-gemma prepare --config configs/embedded-cpu.toml
 
 # ---- stage 2: the server: the venv and the filled cache, no compiler
 FROM ${PYTHON_IMAGE}
-ARG GIT_COMMIT=""
 LABEL org.opencontainers.image.title="oai-gemma" \
       org.opencontainers.image.description="OpenAI-compatible server for Gemma-3 on the CPU (the embedded gemma-3-270m)" \
-      org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.revision="${GIT_COMMIT}"
+      org.opencontainers.image.licenses="Apache-2.0"
 
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
@@ -64,8 +64,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     HF_HUB_DISABLE_TELEMETRY=1 \
-    OAI_GEMMA_CACHE=/opt/oai-gemma/cache \
-    OAI_GEMMA_GIT_COMMIT=${GIT_COMMIT}
+    OAI_GEMMA_CACHE=/opt/oai-gemma/cache
 
 RUN useradd --create-home --uid 1000 --user-group app \
  && mkdir /home/app/.cache \
@@ -87,5 +86,10 @@ EXPOSE 8000
 
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('OAI_GEMMA_SERVER__PORT', '8000'), timeout=4)"]
+
+# the commit last: a new one rebuilds no layer above
+ARG GIT_COMMIT=""
+LABEL org.opencontainers.image.revision="${GIT_COMMIT}"
+ENV OAI_GEMMA_GIT_COMMIT=${GIT_COMMIT}
 
 CMD ["oai-gemma", "serve", "--config", "configs/embedded-cpu.toml", "--host", "0.0.0.0"]

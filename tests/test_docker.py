@@ -80,14 +80,16 @@ def test_the_cpu_image_installs_the_wheel_fills_the_cache_at_build_time_and_runs
     assert not re.search(r"cuda|nvidia|flash.attn|--gpus", text, re.I)
     assert re.search(r"ARG PYTHON_IMAGE=python:[\d.]+-slim", text)
     assert build[0][1] == "${PYTHON_IMAGE} AS build" and final[0][1] == "${PYTHON_IMAGE}"  # the same Python in both stages
-    (install,) = [rest for rest in args(build, "RUN") if "pip wheel" in rest]
-    steps = [step.strip() for step in install.split("&&")]
-    # the wheel job's steps: build the wheel, torch from PyTorch's CPU index, then the wheel; then the cache
-    assert steps[1].startswith("pip wheel --no-deps") and "download.pytorch.org/whl/cpu" in steps[2]
-    assert steps[3].startswith("pip install /wheels/oai_gemma-") and steps[3].endswith(".whl")
+    # the wheel job's steps: torch from PyTorch's CPU index into a fresh venv, then the wheel built and installed;
+    # then the cache filled
+    steps = [step.strip() for rest in args(build, "RUN") for step in rest.split("&&")]
+    venv = steps.index("python -m venv /opt/venv")
+    assert steps[venv + 1].startswith("pip install --index-url https://download.pytorch.org/whl/cpu \"torch==")
+    wheel = next(i for i, step in enumerate(steps) if step.startswith("pip wheel --no-deps"))
+    assert wheel > venv + 1 and re.fullmatch(r"pip install /wheels/oai_gemma-\S*\.whl", steps[wheel + 1])
     (cmd,) = args(final, "CMD")
     config = re.search(r"configs/[\w.-]+\.toml", cmd).group()
-    assert steps[4] == f"oai-gemma prepare --config {config}" and (ROOT / config).is_file()
+    assert steps[wheel + 2] == f"oai-gemma prepare --config {config}" and (ROOT / config).is_file()
     # torch as the README's quickstart pins it
     torch_pin = re.search(r"ARG TORCH_VERSION=(\S+)", (ROOT / "Dockerfile").read_text()).group(1)
     assert f"torch=={torch_pin}" in (ROOT / "README.md").read_text()
