@@ -1,4 +1,4 @@
-"""`oai-gemma serve | prepare | bench`."""
+"""`oai-gemma serve | prepare | bench`, and `oai-gemma --version`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import msgspec.inspect
 from .cpu import configure_cpu
 from .logs import configure_logging
 from .settings import SECTIONS, ServerSettings, field_docs, load_settings, model_source_problem
+from .version import version_line
 
 # The settings operators change most, as flags of `serve` and `prepare`: (section, field, flag name when it is
 # not the field's). Type, choices, default and help come from the settings tree, so a flag cannot drift from it.
@@ -195,16 +196,36 @@ def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Convert the embedded model once (what the first `serve` would do), e.g. in a Docker build or CI."""
-    from .engine.model.loader import embedded_model_dir
+    """Write what the first `serve` would write into the model cache, then exit (a Docker build, a CI cache): the
+    embedded model converted, the native kernels compiled, the quantized weights for this machine's dtype and the
+    grammar engine's token table. It loads and warms up the engine to do so: the same code as `serve`, seconds more."""
+    settings = _settings(args)
+    configure_logging(settings.server.log_level, settings.server.log_format)
+    configure_cpu(settings.engine)
+    from .engine.factory import load_engine
+    from .engine.sampling.grammar import StructuredOutputUnavailable
 
-    logging.basicConfig(level="INFO", format="%(message)s")
-    print(embedded_model_dir(_settings(args).model))
+    engine = load_engine(settings)
+    try:
+        engine.grammars  # built in the background after warm-up: wait for it (and its token table)
+    except StructuredOutputUnavailable as exc:
+        logging.getLogger("oai_gemma.engine").warning("%s", exc)
+    engine.shutdown()
+    print(settings.model.cache_path)
     return 0
+
+
+class _Version(argparse.Action):
+    """`--version`, computed only when asked (argparse's own takes the string up front)."""
+
+    def __call__(self, parser, *_) -> None:
+        print(version_line())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oai-gemma", description="OpenAI-compatible server for Gemma-3")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version, git commit and torch's version, then exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     p_serve = commands.add_parser("serve", help="start the server")
@@ -212,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replica_flags(p_serve)
     p_serve.set_defaults(func=serve)
 
-    p_prepare = commands.add_parser("prepare", help="convert the embedded model into the local cache, then exit")
+    p_prepare = commands.add_parser("prepare", help="fill the model cache as the first start would (model converted, kernels compiled), then exit")
     _add_settings_flags(p_prepare)
     p_prepare.set_defaults(func=prepare)
 

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -238,3 +239,18 @@ def test_images_are_served_under_float32_int8(tiny_vision_dir, tmp_path):
         reply = client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}])
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 64
+
+
+@pytest.mark.parametrize("blocked", ["parent is a file", "temporary file is a directory"])
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_start(blocked, tmp_path, caplog):
+    # a container's read-only root filesystem (Dockerfile): the quantized weights are not kept, the start goes on
+    from oai_gemma.engine.model.quantized import quantize_all
+
+    cache_file = tmp_path / "quantized" / "w.safetensors"
+    if blocked == "parent is a file":
+        cache_file.parent.write_text("")
+    else:
+        cache_file.with_suffix(f".{os.getpid()}.tmp").mkdir(parents=True)
+    linears = quantize_all({"projection.0": torch.randn(64, 64, dtype=torch.bfloat16)}, "int8", cache_file)
+    assert set(linears) == {"projection.0"} and not cache_file.exists()
+    assert "could not keep the quantized weights" in caplog.text

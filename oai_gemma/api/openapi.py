@@ -139,12 +139,17 @@ SERVER_INFO = {
     "type": "object",
     "properties": {
         "model": {"type": "string"},
+        "version": {"type": "string", "description": "oai-gemma's version"},
+        "git_commit": {"type": ["string", "null"], "description": "the checkout's commit; null when installed from a wheel"},
+        "torch_version": {"type": "string"},
+        "cpu_capability": {"type": "string", "description": "the instruction set torch's CPU kernels use (AVX512, AVX2, ...)"},
+        "kernel_isa": {"enum": ["avx512-vnni", "avx512", "avx2", "none"], "description": "the native CPU kernels' instruction set"},
         "engine_config": {"type": "object", "description": "engine/config.py's EngineConfig as resolved: every `auto` decided"},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "decode_bytes": {"type": "integer", "minimum": 0},
         "quantization": {"enum": ["none", "int8", "int4", "per-step"]},
         "batch_invariant": {"type": "boolean"},
     },
-    "required": ["model", "engine_config"],
+    "required": ["model", "version", "git_commit", "torch_version", "cpu_capability", "kernel_isa", "engine_config"],
 }
-"""`/v1/server_info`: what the engine runs with."""
+"""`/v1/server_info`: what runs (version, commit, torch, kernels) and what the engine runs with."""

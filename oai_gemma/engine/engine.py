@@ -10,6 +10,7 @@ events come back onto each request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -19,11 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from ..settings import Settings
+from ..version import provenance
 from .config import EngineConfig, resolve as resolve_config
 from .core import EngineCore
 from .lora.registry import LoraRegistry
 from .sampling.detokenizer import TokenBytes
 from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
+from .model import native
 from .model.loader import LoadedModel
 from .observer import RequestObserver
 from .submission import Submission
@@ -203,10 +206,16 @@ class Engine:
         return {**self.core.stats(), "in_flight": self.in_flight}
 
     def server_info(self) -> dict[str, object]:
-        """What `/health` and `/v1/server_info` show: the configuration as resolved (what each `auto` became) and
-        the weights as built (`batch_invariant`: the mode as the runner's start-up check found it)."""
+        """What `/health` and `/v1/server_info` show: what runs (version, git commit, torch, the kernels' ISA), the
+        configuration as resolved (what each `auto` became) and the weights as built (`batch_invariant`: the mode as the runner's start-up check found it)."""
         adapters = {"lora_adapters": self.adapters.describe()} if self.adapters is not None else {}
-        return {"engine_config": self.config.as_dict(), **self.weights_report(), **adapters}
+        return {**provenance(), "kernel_isa": self.kernel_isa, "engine_config": self.config.as_dict(), **self.weights_report(),
+                **adapters}
+
+    @functools.cached_property
+    def kernel_isa(self) -> str:
+        """The native CPU kernels' instruction set (engine/model/native), once; `none` on a GPU, which runs none of them."""
+        return native.kernel_isa() if self.config.device == "cpu" else "none"
 
     def kv_cache_resident_bytes(self) -> int:
         """Bytes of the KV cache backed by memory now: it grows, up to `engine.kv_cache_gib`, as blocks are first

@@ -13,6 +13,7 @@ import time
 from safetensors import SafetensorError
 
 from ..settings import EMBEDDED, Settings
+from ..version import provenance, version_line
 from .engine import Engine
 from .model.loader import load, start_plan
 from .cache.memory import release_free_memory, resident_bytes
@@ -24,11 +25,13 @@ MB = 2**20
 
 def load_engine(settings: Settings) -> Engine:
     """Everything start-up does before the server may say it is ready (seconds: run it off the event loop)."""
+    log.info("%s", version_line())
     log.info("start-up: %s; /health answers 503 until ready", start_plan(settings.model))
     started = time.monotonic()
     loaded = load(settings.model, lean=True)  # transformers' modules only where lean.py cannot build the model
     loaded_at = time.monotonic()
     engine = Engine.from_settings(loaded, settings, own_weights=True)  # nothing else uses this model: one copy of its weights
+    log.info("CPU kernels: torch %s, native %s", provenance()["cpu_capability"], engine.kernel_isa)
     built_at = time.monotonic()
     log.info("warm-up: running every step shape once, so no request pays for it")
     engine.warm_up()

@@ -283,6 +283,7 @@ def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file
     """{name: weight} -> {name: quantized linear}, for every weight that `linear_for` quantizes. Quantizing the
     262k-row lm_head to int4 takes ~5 s, so the result is kept in `cache_file` (safetensors) and read back on later
     starts, as the GGUF conversion is."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
     classes = {name: linear_for(quantization, name, weight.dtype) for name, weight in weights.items()}
@@ -298,9 +299,12 @@ def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file
     with Phase(log, f"quantizing the weights to {quantization} (once: kept in the model cache)") as phase:
         linears = {name: classes[name](weight) for name, weight in phase.track(weights.items(), len(weights))}
     if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
         stored = {f"{name}.{part}": t.contiguous() for name, linear in linears.items() for part, t in linear.tensors().items()}
-        save_file(stored, str(partial))
-        partial.replace(cache_file)  # atomic: a concurrent start reads a whole file or none
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            save_file(stored, str(partial))
+            partial.replace(cache_file)  # atomic: a concurrent start reads a whole file or none
+        except (OSError, SafetensorError) as exc:  # a read-only cache (a container's read-only root): every start quantizes
+            log.warning("could not keep the quantized weights in %s (%s): each start quantizes them again", cache_file, exc)
     return linears

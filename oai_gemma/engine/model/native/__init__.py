@@ -142,3 +142,11 @@ def native_unavailable() -> str | None:
     except NativeKernelUnavailable as why:
         return str(why)
     return None
+
+
+def kernel_isa() -> str:
+    """The instruction set the native kernels run with here (`/v1/server_info`): `avx512-vnni`, `avx512` or `avx2`;
+    `none` where they cannot run (the reason is logged at start-up)."""
+    if native_unavailable():
+        return "none"
+    return "avx512-vnni" if cpu_has_vnni() else "avx512" if cpu_has_avx512() else "avx2"
