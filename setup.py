@@ -9,12 +9,15 @@ from pathlib import Path
 from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
-SOURCES_MODULE = Path(__file__).parent / "oai_gemma" / "engine" / "model" / "native" / "sources.py"
+ROOT = Path(__file__).parent
+SOURCES_MODULE = ROOT / "oai_gemma" / "engine" / "model" / "native" / "sources.py"
+VERSION_MODULE = ROOT / "oai_gemma" / "version.py"
 
 
-def _native_sources():
-    """native/sources.py by path: importing the package would import torch, which the build need not have."""
-    spec = importlib.util.spec_from_file_location("oai_gemma_native_sources", SOURCES_MODULE)
+def _by_path(path: Path):
+    """A module of the package by its path (stdlib only): importing the package would import torch, which the build
+    need not have."""
+    spec = importlib.util.spec_from_file_location(f"oai_gemma_build_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -25,8 +28,11 @@ class BuildPyWithKernels(build_py):
         super().run()
         if self.editable_mode:  # a checkout compiles at run time, into the model cache
             return
-        sources = _native_sources()
-        prebuilt = Path(self.build_lib) / sources.PREBUILT.relative_to(Path(__file__).parent)
+        commit = _by_path(VERSION_MODULE).git_commit(ROOT)
+        if commit:  # what `oai-gemma --version` and /v1/server_info say once installed (version.BUILD_COMMIT)
+            (Path(self.build_lib) / "oai_gemma" / "BUILD_COMMIT").write_text(commit + "\n")
+        sources = _by_path(SOURCES_MODULE)
+        prebuilt = Path(self.build_lib) / sources.PREBUILT.relative_to(ROOT)
         shutil.rmtree(prebuilt, ignore_errors=True)  # an earlier build's library for other sources
         for family in sources.FAMILIES:
             try:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 """The directory above the package: a git checkout's root when running from one (an editable install, `python -m`)."""
+BUILD_COMMIT = Path(__file__).with_name("BUILD_COMMIT")
+"""The commit a wheel was built from, written into it by setup.py where the build ran in a checkout."""
 
 
 def version() -> str:
@@ -29,7 +31,8 @@ def torch_version() -> str:
 
 def git_commit(root: Path = CHECKOUT) -> str | None:
     """The checkout's HEAD commit when the package runs from one, read from `.git` without spawning git (which a
-    slim image lacks); else `OAI_GEMMA_GIT_COMMIT` (the image build sets it), else None (installed from a wheel)."""
+    slim image lacks); else `OAI_GEMMA_GIT_COMMIT` (the image build sets it), else the commit the wheel was built
+    from (`BUILD_COMMIT`), else None."""
     try:
         git = root / ".git"
         if git.is_file():  # a worktree or a submodule: `gitdir: <path>`
@@ -45,7 +48,7 @@ def git_commit(root: Path = CHECKOUT) -> str | None:
         packed = [line.split()[0] for line in (common / "packed-refs").read_text().splitlines() if line.endswith(" " + ref)]
         return packed[0] if packed else None
     except OSError:
-        return os.environ.get("OAI_GEMMA_GIT_COMMIT") or None
+        return os.environ.get("OAI_GEMMA_GIT_COMMIT") or (BUILD_COMMIT.read_text().strip() if BUILD_COMMIT.is_file() else None)
 
 
 def version_line() -> str:

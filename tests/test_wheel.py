@@ -21,6 +21,7 @@ import pytest
 from conftest import MODEL, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
+BUILT_FROM = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,9 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "oai_gemma", source / "oai_gemma", ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
+    built_from = {**os.environ, "OAI_GEMMA_GIT_COMMIT": BUILT_FROM}  # the copy is no checkout: the commit comes from here
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source), "-w", str(out)],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, env=built_from)
     return next(out.glob("oai_gemma-*.whl"))
 
 
@@ -66,6 +68,9 @@ def test_the_installed_wheel_serves_a_chat_and_a_streamed_chat_from_outside_the_
                            text=True, check=True).stdout
     assert where.startswith(str(site)), where
     env = {"PYTHONPATH": ""}
+    clean = {k: v for k, v in os.environ.items() if k != "OAI_GEMMA_GIT_COMMIT"}
+    shown = subprocess.run([venv / "bin" / "oai-gemma", "--version"], cwd=tmp_path, capture_output=True, text=True, env=clean)
+    assert shown.stdout.startswith(f"oai-gemma 0.1.0 (git {BUILT_FROM[:7]}, torch "), shown  # recorded when the wheel was built
     program = str(venv / "bin" / "oai-gemma")
     with ServerProcess("--quantization", "int8", program=program, cwd=tmp_path, env=env, log=tmp_path / "server.log") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
