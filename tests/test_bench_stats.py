@@ -105,3 +105,40 @@ def test_one_stream_is_reported_beside_the_floor_its_bytes_imply_and_the_engine_
     assert "no-bytes" not in table and "failed" not in table
     assert "ours" in floor_table(servers, None) and "llama-server" not in floor_table(servers, None)
     assert read_bandwidth(repeats=2, size=1 << 24) > 1e8  # a streaming read: far above 100 MB/s anywhere
+
+
+def test_the_peak_rss_of_a_server_counts_its_whole_process_tree():
+    """A parent that starts a child holding ~200 MB: the tree's peak includes the child's memory."""
+    import subprocess
+    import sys
+    import time
+
+    from oai_gemma.bench.memory import MB, PeakRss, tree_rss
+
+    code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+            "'import time; b = bytearray(200 * 2**20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(3)']); child.wait()")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        with PeakRss(parent.pid, every=0.05) as peak:
+            time.sleep(2.0)
+        assert peak.bytes > 200 * MB
+    finally:
+        parent.kill()
+        parent.wait()
+    assert tree_rss(parent.pid) is None  # gone
+
+
+def test_ignore_eos_is_added_to_every_request_after_its_route():
+    from oai_gemma.bench.command import ignoring_eos
+
+    assert ignoring_eos(None)(0, {"model": "m"}) == {"model": "m", "ignore_eos": True}
+    routed = ignoring_eos(lambda index, body: {**body, "model": f"adapter-{index}"})
+    assert routed(3, {"model": "m"}) == {"model": "adapter-3", "ignore_eos": True}
+
+
+def test_llama_server_serves_the_gguf_it_is_given(monkeypatch):
+    from oai_gemma.bench import compare
+
+    monkeypatch.setenv(compare.LLAMA_SERVER_ENV, "/usr/local/bin/llama-server")
+    argv = compare.llama_server_argv(9000, 8, "/models/gemma-3-1b-q4_k_m.gguf")
+    assert argv[argv.index("-m") + 1] == "/models/gemma-3-1b-q4_k_m.gguf"

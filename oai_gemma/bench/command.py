@@ -10,11 +10,13 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .client import run_level, warm_up
 from .compare import LORA_SERVERS, SERVER_NAMES, build_spec, default_servers, free_port, running
 from .floor import engine_step_ms, health, read_bandwidth, speculation
+from .memory import MB, PeakRss, tree_rss
 from .lora import prepare as prepare_lora, route as lora_route, served_adapters, time_load
 from .prompts import EDITS, JSON_SUBJECTS, PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
@@ -71,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", help="write all results (with raw timings) here")
     parser.add_argument("--plot", help="write a PNG of the latency distributions and throughput here")
     parser.add_argument("--markdown", help="write the markdown report (e.g. docs/benchmarks.md) here")
+    parser.add_argument("--model-dir", help="with --compare: the checkpoint our server (--model) and the transformers baselines "
+                        "serve (default: the embedded model), e.g. one `oai-gemma bench checkpoint` wrote")
+    parser.add_argument("--gguf", help="with --compare: the GGUF llama-server serves (default: the embedded model's)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="send `ignore_eos` (ours and llama-server honour it): every request runs to --max-tokens, "
+                        "as random-weight checkpoints need")
     parser.add_argument("--lora", type=int, default=0, metavar="N",
                         help="spread requests over N LoRA adapters (request i on adapter i mod N): with --compare the "
                              "ours-lora and llama-server-lora servers serve them; else the server's first N adapters")
@@ -132,6 +140,8 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
     """`adapters`: the LoRA adapters requests are spread over (bench/lora.py), warmed up one request each."""
     server: dict = {"base_url": base_url, "model": model, "levels": []}
     route = lora_route(label, adapters) if adapters else None
+    if args.ignore_eos:
+        route = ignoring_eos(route)
     if adapters:
         server["lora_adapters"] = len(adapters)
     for _ in range(args.warmup):
@@ -167,6 +177,11 @@ async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str
     return server
 
 
+def ignoring_eos(route: Callable[[int, dict], dict] | None) -> Callable[[int, dict], dict]:
+    """`route`, then `ignore_eos` set on the body."""
+    return lambda index, body: {**(route(index, body) if route else body), "ignore_eos": True}
+
+
 def _discover_model(base_url: str, api_key: str | None) -> str:
     import httpx
 
@@ -192,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings().model
     device = pick_device(settings)
     dtype = str(pick_dtype(settings, device)).removeprefix("torch.")
-    model_dir = resolve_source(settings) if args.compare else ""
+    model_dir = args.model_dir or (resolve_source(settings) if args.compare else "")
     lora = prepare_lora(args.lora, args.lora_rank, args.lora_dir, model_dir) if args.compare and args.lora else None
     payload: dict = {
         "meta": {
@@ -226,14 +241,18 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         for name in args.servers or default_servers(args.prompts):
             try:
-                spec = build_spec(name, free_port(), model_dir, dtype, str(device), shlex.split(args.ours_args),
-                                  max(args.concurrency), lora)
+                ours_args = shlex.split(args.ours_args) + (["--model", model_dir] if args.model_dir else [])
+                spec = build_spec(name, free_port(), model_dir, dtype, str(device), ours_args, max(args.concurrency), lora,
+                                  args.gguf)
                 print(f"[{name}] starting: {shlex.join(spec.argv)}", file=sys.stderr, flush=True)
                 started = time.monotonic()
-                with running(spec, Path(args.log_dir), args.ready_timeout) as model:
+                with running(spec, Path(args.log_dir), args.ready_timeout) as (model, pid):
                     ready_s = time.monotonic() - started  # process start to /health 200 (issue 27: at most 8 s warm)
+                    ready_rss = tree_rss(pid)
                     adapters = lora.names if lora is not None and name in LORA_SERVERS else None
-                    server = asyncio.run(_sweep(spec.base_url, model, args, name, adapters))
+                    with PeakRss(pid) as peak:
+                        server = asyncio.run(_sweep(spec.base_url, model, args, name, adapters))
+                    server["ready_rss_mb"], server["peak_rss_mb"] = round((ready_rss or 0) / MB), round(peak.bytes / MB)
                     if name == "ours-lora":  # issue 28: a rank-16 adapter loads in under 1 s
                         server["lora_load_s"] = load_s = time_load(spec.base_url, lora.spare, args.api_key)
                         print(f"[{name}] loading one more adapter at run time: {load_s} s", file=sys.stderr)

@@ -76,9 +76,10 @@ def _script(name: str) -> str:
 
 
 def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ours_args: list[str],
-               slots: int, lora=None) -> ServerSpec:
+               slots: int, lora=None, gguf: str | None = None) -> ServerSpec:
     """`slots`: llama-server's `-np`, the highest concurrency level of the sweep (see `llama_server_argv`);
-    `lora`: the adapters of `--lora N` (bench/lora.py's LoraSet), served by the `-lora` variants."""
+    `lora`: the adapters of `--lora N` (bench/lora.py's LoraSet), served by the `-lora` variants; `gguf`: the file
+    llama-server serves (default: the embedded model's)."""
     if name in LORA_SERVERS and lora is None:
         raise ValueError(f"{name} needs --lora N (the adapters to spread requests over)")
     if name in OURS_FLAGS:
@@ -87,7 +88,7 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
         return ServerSpec(name, argv + flags, port, "gemma-3-270m")
     if name.startswith("llama-server"):
         extra = {"llama-server-ngram": LLAMA_NGRAM_FLAGS, "llama-server-lora": lora.llama_flags(model_dir) if lora else []}.get(name, [])
-        return ServerSpec(name, llama_server_argv(port, slots) + extra, port, "gemma-3-270m")
+        return ServerSpec(name, llama_server_argv(port, slots, gguf) + extra, port, "gemma-3-270m")
     if name.startswith("transformers"):
         # the positional model is preloaded before the port opens and pins the server: requests must name it.
         # `transformers` and `transformers-cb` run at transformers' own default dtype (what its users get: the
@@ -121,8 +122,8 @@ def llama_server_binary() -> str | None:
     return os.environ.get(LLAMA_SERVER_ENV) or shutil.which("llama-server")
 
 
-def llama_server_argv(port: int, slots: int) -> list[str]:
-    """llama.cpp's server on the embedded model's own GGUF, with our Gemma-3 chat template (`--jinja`), `slots`
+def llama_server_argv(port: int, slots: int, gguf: str | None = None) -> list[str]:
+    """llama.cpp's server on `gguf` (default: the embedded model's own GGUF), with our Gemma-3 chat template (`--jinja`), `slots`
     parallel slots (`-np`) and every CPU this process may use.
 
     Every server starts once per sweep, not once per level: a restart would drop the prompt caches a long-running
@@ -136,7 +137,7 @@ def llama_server_argv(port: int, slots: int) -> list[str]:
         raise FileNotFoundError(f"llama-server not found: build it (docs/benchmarks.md) and set {LLAMA_SERVER_ENV}")
     template = Path(oai_gemma.__file__).parent / "chat" / "gemma3_chat_template.jinja"
     return [
-        binary, "-m", str(assemble()), "--jinja", "--chat-template-file", str(template), "--host", "127.0.0.1",
+        binary, "-m", gguf or str(assemble()), "--jinja", "--chat-template-file", str(template), "--host", "127.0.0.1",
         "--port", str(port), "-np", str(slots), "-c", str(slots * LLAMA_SLOT_CONTEXT),
         "-t", str(len(os.sched_getaffinity(0))),
     ]
@@ -204,8 +205,9 @@ def _terminate_with_parent() -> None:
 
 
 @contextmanager
-def running(spec: ServerSpec, log_dir: Path, ready_timeout_s: float) -> Iterator[str]:
-    """Start the server, wait until it is ready, yield the model name to request; always stop it after."""
+def running(spec: ServerSpec, log_dir: Path, ready_timeout_s: float) -> Iterator[tuple[str, int]]:
+    """Start the server, wait until it is ready, yield the model name to request and its process id; always stop it
+    after."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), PYTHONUNBUFFERED="1")
@@ -214,7 +216,7 @@ def running(spec: ServerSpec, log_dir: Path, ready_timeout_s: float) -> Iterator
         proc = spawn(spec.argv, log, env)
     try:
         wait_ready(spec, proc, log_path, ready_timeout_s)
-        yield served_model(spec)
+        yield served_model(spec), proc.pid
     finally:
         stop(proc)
         time.sleep(1.0)  # let the cores settle before the next server or measurement
