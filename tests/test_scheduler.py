@@ -5,13 +5,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from oai_gemma.engine.cache.block_pool import BlockPool, block_hashes, salt_root
+from oai_gemma.engine.cache.block_pool import BlockPool
+from oai_gemma.engine.cache.prefix_hash import CacheSpace, block_hashes
 from oai_gemma.engine.sampling.postprocess import finish
 from oai_gemma.engine.scheduler import Scheduler
 from oai_gemma.engine.sequence import ParentRequest, Sequence
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 
 SIZE = 4  # tokens per block in these tests
+BASE = CacheSpace()
+"""The space of a request with no tenant, salt or adapter."""
+ROOT = BASE.root
 
 
 def seq(
@@ -53,33 +57,33 @@ def prefilled(scheduler: Scheduler, *seqs: Sequence) -> None:
 
 
 def test_block_hashes_are_equal_exactly_as_far_as_the_prefixes_are():
-    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
-    b = block_hashes([1, 2, 3, 4, 5, 6, 7, 0, 9, 9, 9, 9], 4)
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, ROOT)
+    b = block_hashes([1, 2, 3, 4, 5, 6, 7, 0, 9, 9, 9, 9], 4, ROOT)
     assert len(a) == 2 and len(b) == 3  # full blocks only
     assert a[0] == b[0] and a[1] != b[1]
     assert block_hashes([5, 6, 7, 8], 4, parent=a[0]) == [a[1]]  # the chain continues from a parent
-    assert block_hashes([5, 6, 7, 8], 4) != [a[1]]  # the same tokens after another prefix are another block
+    assert block_hashes([5, 6, 7, 8], 4, ROOT) != [a[1]]  # the same tokens after another prefix are another block
 
 
-def indexed(pool: BlockPool, keys: list[int], hashes: list[int], pending: bool, salt: str = "") -> list[int]:
+def indexed(pool: BlockPool, keys: list[int], hashes: list, pending: bool, space: CacheSpace = BASE) -> list[int]:
     """Allocate and index one block per hash, a chain holding `keys` (what the scheduler does at admission)."""
     blocks = pool.allocate(len(hashes))
     for i, (block, h) in enumerate(zip(blocks, hashes)):
-        pool.index(block, h, keys[i * SIZE : (i + 1) * SIZE], blocks[i - 1] if i else salt, pending)
+        pool.index(block, h, keys[i * SIZE : (i + 1) * SIZE], blocks[i - 1] if i else space, pending)
     return blocks
 
 
 def test_lookup_finds_the_longest_written_prefix_and_says_when_the_next_block_is_being_written():
     pool = BlockPool(8, SIZE)
     keys = list(range(12))
-    hashes = block_hashes(keys, SIZE)
+    hashes = block_hashes(keys, SIZE, ROOT)
     blocks = indexed(pool, keys, hashes, pending=True)
     pool.written(blocks[0])
-    assert pool.lookup(hashes, keys) == ([blocks[0]], True)
+    assert pool.lookup(hashes, keys, BASE) == ([blocks[0]], True)
     pool.written(blocks[1])
     pool.written(blocks[2])
-    assert pool.lookup(hashes + [123], keys + [0] * 4) == (blocks, False)
-    assert pool.lookup([hashes[1]], keys[4:]) == ([], False)  # a chain is only ever found from its start
+    assert pool.lookup(hashes + [123], keys + [0] * 4, BASE) == (blocks, False)
+    assert pool.lookup([hashes[1]], keys[4:], BASE) == ([], False)  # a chain is only ever found from its start
 
 
 def test_released_indexed_blocks_stay_cached_until_their_memory_is_needed_oldest_first():
@@ -89,12 +93,12 @@ def test_released_indexed_blocks_stay_cached_until_their_memory_is_needed_oldest
     pool.release(first)
     pool.release(second)
     assert pool.available == 4 and not pool.free
-    assert pool.lookup([11, 12], one) == (first, False)
-    pool.take(pool.lookup([21, 22], two)[0])  # in use again: out of the eviction order
+    assert pool.lookup([11, 12], one, BASE) == (first, False)
+    pool.take(pool.lookup([21, 22], two, BASE)[0])  # in use again: out of the eviction order
     pool.release(second)  # ... and back in, as the most recently used
     new = pool.allocate(2)
     assert sorted(new) == sorted(first)  # the least recently used went first
-    assert pool.lookup([11], one) == ([], False) and pool.lookup([21, 22], two) == (second, False)
+    assert pool.lookup([11], one, BASE) == ([], False) and pool.lookup([21, 22], two, BASE) == (second, False)
     with pytest.raises(MemoryError):
         pool.allocate(3)
 
@@ -104,7 +108,7 @@ def test_a_pending_block_let_go_before_it_was_written_is_forgotten_and_so_is_an_
     (a,), (b,) = indexed(pool, [1] * 4, [1], pending=True), indexed(pool, [2] * 4, [2], pending=False)
     pool.release([a])
     pool.release([b], valid=False)
-    assert pool.lookup([1], [1] * 4) == ([], False) and pool.lookup([2], [2] * 4) == ([], False)
+    assert pool.lookup([1], [1] * 4, BASE) == ([], False) and pool.lookup([2], [2] * 4, BASE) == ([], False)
     assert len(pool.free) == 4
 
 
@@ -112,7 +116,7 @@ def test_with_caching_off_nothing_is_indexed_and_released_blocks_are_free():
     pool = BlockPool(4, SIZE, caching=False)
     (a,) = indexed(pool, [1] * 4, [1], pending=False)
     pool.release([a])
-    assert pool.lookup([1], [1] * 4) == ([], False) and len(pool.free) == 4 and not pool.cached
+    assert pool.lookup([1], [1] * 4, BASE) == ([], False) and len(pool.free) == 4 and not pool.cached
 
 
 def test_a_hash_collision_is_a_miss_never_another_prompts_block():
@@ -121,18 +125,18 @@ def test_a_hash_collision_is_a_miss_never_another_prompts_block():
     pool = BlockPool(8, SIZE)
     keys = [1, 2, 3, 4, 5, 6, 7, 8]
     blocks = indexed(pool, keys, [0, 0], pending=False)
-    assert pool.lookup([0, 0], [9, 9, 9, 9, 5, 6, 7, 8]) == ([], False)  # another first block, same hash
-    assert pool.lookup([0, 0], keys) == ([blocks[0]], False)  # the second block's hash points at the first block
-    assert pool.lookup([0], keys, salt="other tenant") == ([], False)  # the same tokens under another salt
-    assert block_hashes(keys, SIZE, salt_root("a")) != block_hashes(keys, SIZE, salt_root("b"))
+    assert pool.lookup([0, 0], [9, 9, 9, 9, 5, 6, 7, 8], BASE) == ([], False)  # another first block, same hash
+    assert pool.lookup([0, 0], keys, BASE) == ([blocks[0]], False)  # the second block's hash points at the first block
+    assert pool.lookup([0], keys, CacheSpace(salt="other tenant")) == ([], False)  # the same tokens in another space
+    assert block_hashes(keys, SIZE, CacheSpace(salt="a").root) != block_hashes(keys, SIZE, CacheSpace(salt="b").root)
 
 
 def test_a_block_freed_and_indexed_again_is_not_the_parent_its_old_children_followed():
     pool = BlockPool(2, SIZE)
     parent, child = indexed(pool, list(range(8)), [1, 2], pending=False)
     pool._forget(parent)  # evicted before its child (not the usual order, but possible)
-    pool.index(parent, 1, [0, 1, 2, 3], "", pending=False)  # the same block id indexed afresh
-    assert pool.lookup([1, 2], list(range(8))) == ([parent], False)
+    pool.index(parent, 1, [0, 1, 2, 3], BASE, pending=False)  # the same block id indexed afresh
+    assert pool.lookup([1, 2], list(range(8)), BASE) == ([parent], False)
 
 
 # ---- the scheduler -------------------------------------------------------------------------------
@@ -209,6 +213,52 @@ def test_sequences_share_cached_blocks_only_under_the_same_salt():
         requests[name] = s = seq(prompt, name, cache_salt=salt)
         prefilled(scheduler, s)
     assert {name: s.num_cached for name, s in requests.items()} == {"a": 0, "b": 0, "a again": 8, "unsalted": 0}
+
+
+def test_no_scope_or_salt_passes_for_another_space():
+    """Issue 39: the parts of a space are never joined into one string, so none can spell another's."""
+    spaces = [CacheSpace(), CacheSpace("a/b"), CacheSpace("a", "b"), CacheSpace("a/", "b"), CacheSpace("", "a/b"),
+              CacheSpace("a", "/b"), CacheSpace("", "\x00lora:1"), CacheSpace("", "", b"\x00lora:1"), CacheSpace("", "1"),
+              CacheSpace("", "", b"1"), CacheSpace("1"), CacheSpace("\x00"), CacheSpace("", "\x00"), CacheSpace("", "\ud800")]
+    assert len({space.root for space in spaces}) == len(spaces)
+
+
+class Adapters:
+    """The LoRA registry as the scheduler sees it: slot n holds weights whose files hash to `digests[n]`."""
+
+    def __init__(self, digests: dict[int, bytes]):
+        self.digests = digests
+
+    def acquire(self, registration: int) -> int:
+        return registration
+
+    def digest(self, slot: int) -> bytes:
+        return self.digests[slot]
+
+    def release(self, slot: int) -> None:
+        pass
+
+
+def test_a_prefix_is_reused_only_under_the_weights_it_was_computed_with():
+    """Issue 39: no base request's salt reaches an adapter's space, two adapters share nothing, and an adapter read
+    again from changed files never reuses what its old weights computed."""
+    adapters = Adapters({1: b"weights one", 2: b"weights two"})
+    scheduler = scheduler_of(max_seqs=8, adapters=adapters)
+    prompt = list(range(1, 11))
+    requests = {}
+
+    def run(name: str, **fields) -> int:
+        requests[name] = s = seq(prompt, name, **fields)
+        prefilled(scheduler, s)
+        scheduler.finish(s)
+        return s.num_cached
+
+    for salt in ("\x00lora:1", "\x00lora:2", "weights one", b"weights one".hex()):
+        run(f"base {salt!r}", cache_salt=salt)
+    assert run("one", lora=1) == 0 and run("two", lora=2) == 0
+    assert run("one again", lora=1) == 8  # the control: the same weights reuse their prefix
+    adapters.digests[1] = b"weights one, changed on disk and read again"
+    assert run("one changed", lora=1) == 0
 
 
 def test_a_conversation_that_resends_its_history_reuses_the_blocks_of_the_reply_too():

@@ -60,11 +60,10 @@ async def generation_request(plan: GenerationPlan, engine: Engine, max_model_len
     n = choice_count(plan.n, engine.num_slots)
     grammar = await request_grammar(engine, plan.tools, plan.output_format)
     prompt = plan.prompt
-    salt = plan.sampling.cache_salt or ""
     return GenerationRequest(
         plan.request_id, prompt.token_ids, sampling, plan.arrival, pixel_values=prompt.pixel_values,
-        crop_keys=prompt.cache_keys, grammar=grammar, n=n, cache_salt=f"{plan.cache_scope}/{salt}" if plan.cache_scope else salt,
-        adapter=plan.adapter,
+        crop_keys=prompt.cache_keys, grammar=grammar, n=n, cache_scope=plan.cache_scope,
+        cache_salt=plan.sampling.cache_salt or "", adapter=plan.adapter,
         prediction=predicted_tokens(plan.prediction, engine, max_model_len), speculative=plan.sampling.speculative is not False,
     )
 

@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
@@ -175,8 +174,6 @@ class EngineCore:
     def _admit(self, request: GenerationRequest, sink) -> None:
         prompt = request.prompt_token_ids
         lora, error = self._lora(request)
-        if lora is not None:  # its own prefix-cache space: the same prompt under another adapter has other KV
-            request = replace(request, cache_salt=f"{request.cache_salt}\x00lora:{lora.key}")
         seq = ParentRequest.fan_out(request, lambda index: self._sequence(request, sink, index))
         for child in seq.parent.children if seq.parent else (seq,):
             child.lora = lora

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache.block_pool import BlockPool, block_hashes, salt_root
+from .cache.block_pool import BlockPool
+from .cache.prefix_hash import CacheSpace, block_hashes
 from .lora.adapter import AdapterError
 from .sequence import Sequence, Step, StepItem
 
@@ -91,21 +92,21 @@ class Scheduler:
         being written by a running step, so `seq` waits for it rather than computing it again."""
         if len(self.running) >= self.max_seqs:
             return False
-        salt = seq.request.cache_salt
-        if not seq.hashes:  # once per sequence: its prompt does not change while it waits
-            seq.hashes = block_hashes(seq.cache_keys, self.size, salt_root(salt))
+        if seq.lora is not None and not seq.adapter:  # first: its cache space names the weights it will run with
+            seq.adapter = self.adapters.acquire(seq.lora)  # 0: every slot is pinned; else pinned until it ends
+            if not seq.adapter:
+                return False
+        if seq.space is None:  # once per sequence: neither its prompt nor its pinned adapter changes while it waits
+            seq.space = self._space(seq)
+            seq.hashes = block_hashes(seq.cache_keys, self.size, seq.space.root)
         hashes = seq.hashes
         usable = (len(seq.prompt_ids) - 1) // self.size  # at least one prompt token is computed, for the logits
-        hit, wait = ([], False) if seq.scores_prompt else self.pool.lookup(hashes[:usable], seq.cache_keys, salt)
+        hit, wait = ([], False) if seq.scores_prompt else self.pool.lookup(hashes[:usable], seq.cache_keys, seq.space)
         if wait:
             return None
         seq.most_blocks = self._most_blocks(seq)
         if self._room() - sum(self.pool.refs[b] == 0 for b in hit) < seq.most_blocks - len(hit):
             return False
-        if seq.lora is not None and not seq.adapter:
-            seq.adapter = self.adapters.acquire(seq.lora)  # 0: every slot is pinned by running sequences
-            if not seq.adapter:
-                return False
         self.pool.take(hit)
         seq.blocks = hit + self.pool.allocate(-(-len(seq.prompt_ids) // self.size) - len(hit))
         for index in range(len(hit), len(hashes)):
@@ -114,6 +115,12 @@ class Scheduler:
         seq.scheduled_time = now
         self.running.append(seq)
         return True
+
+    def _space(self, seq: Sequence) -> CacheSpace:
+        """The request's tenant and salt, and the content hash of the adapter weights in its slot: a prefix computed
+        under other weights (another adapter, or this one's files since changed on disk) is never reused."""
+        adapter = self.adapters.digest(seq.adapter) if seq.adapter else b""
+        return CacheSpace(seq.request.cache_scope, seq.request.cache_salt, adapter)
 
     def fork(self, seq: Sequence, now: float) -> list[tuple[Sequence, int | None]]:
         """Start the choices waiting for `seq`'s prompt (its ParentRequest's pending children) now that the prompt
@@ -133,7 +140,7 @@ class Scheduler:
                 self.adapters.pin(seq.adapter)
             copy = self.pool.allocate(1)[0] if len(seq.blocks) > full else None
             child.blocks = seq.blocks[:full] + ([copy] if copy is not None else [])
-            child.hashes = list(seq.hashes)
+            child.hashes, child.space = list(seq.hashes), seq.space
             child.num_computed, child.num_cached = len(child.prompt_ids), seq.num_cached
             child.scheduled_time = now
             self.running.append(child)
@@ -169,13 +176,13 @@ class Scheduler:
         """`accepted`: drafts this step kept, not in `output_ids` yet."""
         keys = seq.cache_keys + seq.output_ids + accepted
         tokens = keys[index * self.size : (index + 1) * self.size]
-        seq.hashes += block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else salt_root(seq.request.cache_salt))
+        seq.hashes += block_hashes(tokens, self.size, seq.hashes[-1] if seq.hashes else seq.space.root)
         if len(seq.hashes) > index:
             self._index(seq, index, keys, pending=False)
 
     def _index(self, seq: Sequence, index: int, keys: list[int], pending: bool) -> None:
         """Offer `seq`'s block `index` (holding keys[index * size:][:size]) to later requests."""
-        after = seq.blocks[index - 1] if index else seq.request.cache_salt
+        after = seq.blocks[index - 1] if index else seq.space
         tokens = keys[index * self.size : (index + 1) * self.size]
         self.pool.index(seq.blocks[index], seq.hashes[index], tokens, after, pending)
 

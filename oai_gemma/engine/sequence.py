@@ -18,6 +18,7 @@ import torch
 from .types import GenerationRequest, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
+    from .cache.prefix_hash import CacheSpace
     from .lora.registry import Registration
     from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
     from .sampling.json_document import DocumentMatcher
@@ -61,8 +62,10 @@ class Sequence:
     stopper: StopMatcher
     blocks: list[int] = field(default_factory=list)
     """Its KV blocks, position p in blocks[p // block_size] (engine/cache/block_pool.py)."""
-    hashes: list[int] = field(default_factory=list)
-    """The prefix hash of each of its full blocks whose tokens are known (engine/cache/block_pool.py)."""
+    hashes: list[bytes] = field(default_factory=list)
+    """The prefix hash of each of its full blocks whose tokens are known (engine/cache/prefix_hash.py)."""
+    space: CacheSpace | None = None
+    """Whose cached prefixes it may reuse and offers its blocks to (set at admission, once its adapter is resident)."""
     most_blocks: int = 0
     """The blocks it may come to hold (prompt and max_tokens): kept free for it from admission on."""
     num_computed: int = 0

@@ -68,9 +68,11 @@ class GenerationRequest:
     """A compiled `engine.grammar.Grammar` the output must follow (structured output), else None."""
     n: int = 1
     """Choices to generate from the one prompt: its prefill runs once, then each choice samples on its own."""
+    cache_scope: str = ""
+    """The tenant whose cached prompt prefixes the request may share (`engine.prefix_cache_scope`): empty, everyone's."""
     cache_salt: str = ""
-    """Requests share cached prompt prefixes only with requests of the same salt (vLLM's `cache_salt`; the API
-    puts the caller's tenant in it where `engine.prefix_cache_scope` is `key`)."""
+    """Within its scope, requests share cached prompt prefixes only with requests of the same salt (vLLM's
+    `cache_salt`). Scope, salt and adapter stay separate fields of the cache's key (engine/cache/prefix_hash.py)."""
     adapter: str | None = None
     """The LoRA adapter to run under (its name, a request's `model`), else None: the base model."""
     prediction: tuple[int, ...] = ()

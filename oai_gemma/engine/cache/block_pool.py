@@ -1,14 +1,14 @@
 """Which KV blocks each sequence holds, and the prefix index that lets any later request reuse them.
 
 A block is found for reuse by the hash of every token before and in it (a chain: the hash of the block before
-it, then its own tokens; image tokens count as their image's content hash; the chain starts from the request's
-cache salt, keyed with a per-process secret), so two prompts share a block exactly when they share their salt and
-everything up to its end. A hash only finds a candidate: a hit is taken only when the block's own tokens and the
-block before it (or, for a chain's first block, the salt) are the ones asked for, so a collision, by chance or
-crafted, costs a miss and never serves another prompt's KV (vLLM's advisory on predictable prefix hashes;
-docs/engine.md, "Prefix cache integrity"). Only full blocks are indexed. A block is referenced by
-each sequence whose table holds it; when the last one lets go, an indexed block stays cached (least recently
-used first out) until its memory is needed, and any other block is simply free.
+it, then its own tokens; image tokens count as their image's content hash; the chain starts from the root of the
+request's `CacheSpace`: its tenant, salt and adapter weights; engine/cache/prefix_hash.py), so two prompts share a
+block exactly when they share their space and everything up to its end. A hash only finds a candidate: a hit is
+taken only when the block's own tokens and the block before it (or, for a chain's first block, the space) are the
+ones asked for, so a collision, by chance or crafted, costs a miss and never serves another prompt's KV (vLLM's
+advisory on predictable prefix hashes; docs/engine.md, "Prefix cache integrity"). Only full blocks are indexed. A
+block is referenced by each sequence whose table holds it; when the last one lets go, an indexed block stays cached
+(least recently used first out) until its memory is needed, and any other block is simply free.
 
 An indexed block is `pending` from the moment a running sequence is given it to fill until that step has run:
 a request that would reuse it waits for it instead of computing the same tokens beside it (SGLang's
@@ -18,25 +18,11 @@ behaviour), and is admitted once it is ready.
 from __future__ import annotations
 
 import itertools
-import secrets
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-_SECRET = secrets.randbits(64)
-"""Keys every chain's start: hashes are not predictable from outside this process."""
-
-
-def salt_root(salt: str) -> int:
-    """The hash a chain of blocks under `salt` continues from."""
-    return hash((_SECRET, salt))
-
-
-def block_hashes(keys: list[int], block_size: int, parent: int | None = None) -> list[int]:
-    """The chained hash of each full block of `keys` (continuing after `parent`, the hash before them)."""
-    hashes = []
-    for start in range(0, len(keys) - block_size + 1, block_size):
-        parent = hash((parent, tuple(keys[start : start + block_size])))
-        hashes.append(parent)
-    return hashes
+if TYPE_CHECKING:
+    from .prefix_hash import CacheSpace
 
 
 class BlockPool:
@@ -50,10 +36,10 @@ class BlockPool:
         self.cached: OrderedDict[int, None] = OrderedDict()
         """Unreferenced indexed blocks, least recently used first."""
         self.refs = [0] * num_blocks
-        self.hash_of: dict[int, int] = {}
-        self.block_of: dict[int, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.block_of: dict[bytes, int] = {}
         self.key_of: dict[int, tuple] = {}
-        """Indexed block -> (what it follows: the salt, or (the block before it, that block's serial), its tokens):
+        """Indexed block -> (what it follows: the space, or (the block before it, that block's serial), its tokens):
         what a hit must match, whatever the hash says."""
         self.serial_of: dict[int, int] = {}
         """Indexed block -> a number never given twice, so a block freed and indexed again is not its old self."""
@@ -66,11 +52,11 @@ class BlockPool:
         """Blocks that can be handed out now (free, or cached and evictable)."""
         return len(self.free) + len(self.cached)
 
-    def lookup(self, hashes: list[int], keys: list[int], salt: str = "") -> tuple[list[int], bool]:
-        """(the blocks of the longest indexed prefix of `hashes` (the chain of `keys` under `salt`) whose KV is
+    def lookup(self, hashes: list[bytes], keys: list[int], space: CacheSpace) -> tuple[list[int], bool]:
+        """(the blocks of the longest indexed prefix of `hashes` (the chain of `keys` in `space`) whose KV is
         written, whether the prefix goes on in a block that is being written: then the caller should wait for it)."""
         blocks: list[int] = []
-        after: object = salt
+        after: object = space
         for i, h in enumerate(hashes):
             block = self.block_of.get(h)
             if block is None or self.key_of[block] != (after, tuple(keys[i * self.block_size : (i + 1) * self.block_size])):
@@ -102,9 +88,9 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def index(self, block: int, block_hash: int, tokens: list[int], after: str | int, pending: bool) -> None:
+    def index(self, block: int, block_hash: bytes, tokens: list[int], after: CacheSpace | int, pending: bool) -> None:
         """Make a held block findable by its prefix hash (unless caching is off or that prefix is indexed already).
-        `after`: the salt for a chain's first block, else the block before it (which must be indexed itself)."""
+        `after`: the space for a chain's first block, else the block before it (which must be indexed itself)."""
         if not self.caching or block_hash in self.block_of or block in self.hash_of:
             return
         if isinstance(after, int):

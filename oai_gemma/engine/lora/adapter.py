@@ -6,11 +6,13 @@ A PEFT directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslor
 Each targeted projection then computes base(x) + scale * (x @ A^T) @ B^T, scale = alpha / r (rsLoRA:
 alpha / sqrt(r)); the scale is folded into B once here. Only the language model's seven projections are
 supported: an adapter that touches anything else (embeddings, lm_head, the vision tower, DoRA, biases,
-`modules_to_save`) is refused with the reason, never served half-applied.
+`modules_to_save`) is refused with the reason, never served half-applied. Each file is read once, and the
+adapter's `digest` hashes those very bytes: the prefix cache's key for its KV (engine/cache/prefix_hash.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -73,6 +75,8 @@ class AdapterWeights:
     rank: int
     """The highest rank of its modules."""
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    digest: bytes = b""
+    """The content hash of the files it was read from (`_digest`)."""
 
 
 @dataclass
@@ -87,6 +91,8 @@ class AdapterLinears:
     layers: list[dict[str, tuple[FrozenLinear, FrozenLinear]]]
     tensors: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     stacks: dict[torch.dtype, Stack]
+    digest: bytes = b""
+    """The content hash of the files it was read from: its sequences' prefix-cache key."""
 
     @property
     def nbytes(self) -> int:
@@ -108,11 +114,22 @@ def module_shapes(text_config) -> dict[str, tuple[int, int]]:
             "up": (hidden, inter), "down": (inter, hidden)}
 
 
-def _config(name: str, directory: Path) -> dict:
+def _digest(*files: bytes) -> bytes:
+    """The content hash of an adapter's files (length-prefixed: no two pairs of files hash alike by construction)."""
+    digest = hashlib.sha256()
+    for data in files:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
+
+
+def _config(name: str, directory: Path) -> tuple[dict, bytes]:
+    """The parsed config and the bytes it was parsed from."""
     if not directory.is_dir():
         raise AdapterError(name, f"no adapter directory at {directory}")
     try:
-        config = json.loads((directory / CONFIG).read_text())
+        data = (directory / CONFIG).read_bytes()
+        config = json.loads(data)
     except FileNotFoundError:
         raise AdapterError(name, f"{directory} has no {CONFIG} (a PEFT adapter directory has one)") from None
     except (OSError, ValueError) as exc:
@@ -129,19 +146,21 @@ def _config(name: str, directory: Path) -> dict:
     for key in ("lora_alpha", "r"):
         if key in config and not isinstance(config[key], (int, float)):
             raise AdapterError(name, f"{CONFIG}: {key} must be a number")
-    return config
+    return config, data
 
 
-def _tensors(name: str, directory: Path) -> dict[str, torch.Tensor]:
+def _tensors(name: str, directory: Path) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The tensors and the bytes they were read from."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     path = directory / WEIGHTS
     if not path.exists():
         bin_file = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if (directory / "adapter_model.bin").exists() else ""
         raise AdapterError(name, f"{directory} has no {WEIGHTS}{bin_file}")
     try:
-        return load_file(path)
+        data = path.read_bytes()
+        return load(data), data
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise AdapterError(name, f"{WEIGHTS} is corrupt or unreadable: {exc}") from None
 
@@ -165,11 +184,12 @@ def _refusal(key: str) -> str:
 def read_adapter(name: str, path: str | Path, text_config, max_rank: int) -> AdapterWeights:
     """The adapter at `path`, checked against the base model's shapes and `max_rank`; AdapterError otherwise."""
     directory = Path(path).expanduser()
-    config = _config(name, directory)
+    config, config_data = _config(name, directory)
+    tensors, tensor_data = _tensors(name, directory)
     shapes, num_layers = module_shapes(text_config), text_config.num_hidden_layers
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     paths: dict[tuple[int, str], str] = {}
-    for key, tensor in _tensors(name, directory).items():
+    for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None or any(part in key for part in _VISION) or match["module"] not in MODULES:
             raise AdapterError(name, _refusal(key))
@@ -180,7 +200,7 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int) -> Ada
         paths[(layer, match["module"])] = match["path"]
     if not pairs:
         raise AdapterError(name, f"{WEIGHTS} holds no lora_A/lora_B weights")
-    weights = AdapterWeights(name, 0, [{} for _ in range(num_layers)])
+    weights = AdapterWeights(name, 0, [{} for _ in range(num_layers)], _digest(config_data, tensor_data))
     for (layer, module), ab in sorted(pairs.items()):
         where = f"layers.{layer}.{module}_proj"
         if set(ab) != {"A", "B"}:
@@ -209,4 +229,5 @@ def pack(weights: AdapterWeights, dtype: torch.dtype, device: torch.device) -> A
     tensors = [{module: (a.to(device), b.to(device)) for module, (a, b) in layer.items()} for layer in weights.layers]
     return AdapterLinears(weights.name, weights.rank, [
         {module: (FrozenLinear(a.to(dtype)), FrozenLinear(b.to(dtype))) for module, (a, b) in layer.items()} for layer in tensors
-    ], tensors, {each: build_stack({OWN: (weights.rank, tensors)}, len(tensors), each) for each in compute_dtypes(dtype, device)})
+    ], tensors, {each: build_stack({OWN: (weights.rank, tensors)}, len(tensors), each) for each in compute_dtypes(dtype, device)},
+        weights.digest)

@@ -1,16 +1,18 @@
 """The adapters a server knows, and the few resident in its slots (`max_loras`, least recently used out).
 
 A name is registered (at start-up, or by the load endpoint) once its directory was read and checked; a request
-names it, and the engine thread `acquire`s a slot for it when the request is admitted to a batch row: the
-adapter is then read from disk if it is not resident (an idle one, pinned by no running sequence, makes room),
-and pinned until the sequence ends (`release`). When every slot is pinned by running sequences, the request waits
-for one, as it waits for a row. A slot is a small integer: `StepItem.adapter`, what the runner gathers by.
+names it, and the engine thread `acquire`s a slot for it when the scheduler first tries to admit the request to a
+batch row (before its prefix-cache lookup, which needs the slot's `digest`): the adapter is then read from disk if
+it is not resident (an idle one, pinned by no sequence, makes room), and pinned until the sequence ends
+(`release`). When every slot is pinned, the request waits for one, as it waits for a row. A slot is a small
+integer: `StepItem.adapter`, what the runner gathers by.
 
-Each registration has its own `key`, part of the prefix cache's salt: the same prompt under two adapters (or under
-a name unloaded and loaded again with other weights) never shares KV. Unloading removes the name for new requests;
-the requests already admitted or waiting keep their registration and finish on it; its slot is freed after them.
+The prefix cache keys an adapter's KV by the content hash of the files its slot's weights were read from
+(`digest`): the same prompt under two adapters, or under one whose files changed on disk before it was read
+again, never shares KV. Unloading removes the name for new requests; the requests already admitted or waiting
+keep their registration and finish on it; its slot is freed after them.
 The event loop (names, the endpoints, metrics) and the engine thread (acquire, release) share it under one lock;
-only the engine thread reads a slot's weights, and only slots its running sequences pin.
+only the engine thread reads a slot's weights, and only slots its sequences pin.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Registration:
     module: LoraModule
     rank: int
     key: int = field(default_factory=lambda: next(_KEYS))
-    """Unique per registration: the prefix cache's salt for this adapter."""
+    """Unique per registration: its resident slot's entry."""
     ready: AdapterLinears | None = None
     """The weights read at registration, kept for its first acquire (no second read right after a load)."""
     unloaded: bool = False
@@ -158,6 +160,10 @@ class LoraRegistry:
         self.loads += 1
         log.info("LoRA adapter '%s': reading it again from %s (not resident)", module.name, module.path)
         return pack(read_adapter(module.name, module.path, self.text_config, self.max_rank), self.dtype, self.device)
+
+    def digest(self, slot: int) -> bytes:
+        """The content hash of the adapter files whose weights `slot` holds (its sequences' prefix-cache key)."""
+        return self.slots[slot].digest
 
     def pin(self, slot: int) -> None:
         """One more sequence on an already pinned slot (a request's further choices)."""
