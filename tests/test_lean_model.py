@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from oai_gemma.engine.model import lean
+from oai_gemma.engine.model import lean, lean_config
 from oai_gemma.engine.model.loader import embedded_model_dir, load
 from oai_gemma.settings import ModelSettings
 
@@ -63,9 +63,9 @@ def test_a_lean_load_does_not_import_transformers():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def _config_variant(tmp_path, change, name="variant"):
-    """A copy of the embedded model's directory (the weights linked, not copied) with config.json changed."""
-    source, target = embedded_model_dir(), tmp_path / name
+def _config_variant(tmp_path, change, name="variant", source=None):
+    """A copy of the embedded model's directory (or `source`; the weights linked, not copied) with config.json changed."""
+    source, target = source or embedded_model_dir(), tmp_path / name
     target.mkdir()
     for path in source.iterdir():
         (target / path.name).symlink_to(path)
@@ -78,9 +78,10 @@ def _config_variant(tmp_path, change, name="variant"):
 
 @pytest.mark.parametrize("change, why", [
     (lambda c: c.update(model_type="gemma3"), "model_type"),
-    (lambda c: c["rope_parameters"]["full_attention"].update(rope_type="linear", factor=8.0), "rope 'linear'"),
+    (lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn", factor=8.0), "rope 'yarn'"),
+    (lambda c: c["rope_parameters"]["full_attention"].update(rope_type="linear"), "rope 'linear'"),  # no factor
     (lambda c: c.update(hidden_activation="silu"), "activation 'silu'"),
-    (lambda c: c.pop("layer_types"), "lacks layer_types"),
+    (lambda c: c.pop("hidden_size"), "lacks hidden_size"),
     (lambda c: c.update(use_bidirectional_attention=True), "bidirectional"),
 ])
 def test_a_config_the_lean_tree_does_not_implement_is_left_to_transformers(tmp_path, change, why):
@@ -88,9 +89,20 @@ def test_a_config_the_lean_tree_does_not_implement_is_left_to_transformers(tmp_p
     assert config is None and why in reason
 
 
-def test_a_multimodal_checkpoint_loads_through_transformers(tiny_vision_dir):
-    loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"), lean=True)
-    assert type(loaded.model).__name__ == "Gemma3ForConditionalGeneration" and loaded.processor is not None
+def test_a_multimodal_checkpoint_the_lean_tree_does_not_implement_loads_through_transformers(tmp_path, tiny_vision_dir):
+    """(The tiny multimodal model itself is built lean: tests/test_lean_vision.py.)"""
+    def softcapped(config):
+        config["text_config"]["attn_logit_softcapping"] = 50.0
+
+    variant = _config_variant(tmp_path, softcapped, source=tiny_vision_dir)
+    assert "soft-capping" in lean_config.model_config(str(variant))[1]
+    loaded = load(ModelSettings(source=str(variant), dtype="float32"), lean=True)
+    assert type(loaded.model).__name__ == "Gemma3ForConditionalGeneration" and type(loaded.processor).__name__ == "Gemma3Processor"
+
+
+def test_a_config_without_layer_types_has_transformers_layer_pattern(tmp_path):
+    config, _ = lean.text_config(str(_config_variant(tmp_path, lambda c: c.pop("layer_types"))))
+    assert config.layer_types == json.loads((embedded_model_dir() / "config.json").read_text())["layer_types"]
 
 
 def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_refused_by_name(tmp_path):

@@ -7,14 +7,14 @@ costs a few hundred ms. The tree has transformers' names and math (`Gemma3ForCau
 q_proj`, ...), so the runner, the mapped embedding and the quantized-weights cache treat both alike; tests hold it
 to transformers' tree (same tensors, same logits through the engine).
 
-Only a checkpoint this module fully understands is built here (`text_config` says which: transformers 5's
-config.json of a text-only Gemma-3 with default rope, safetensors on a local disk, for the CPU); anything else
-(multimodal, other rope types, a hub id, a GPU, `device_map`, dummy weights) loads through transformers as before.
+Only a checkpoint these modules fully understand is built here (engine/model/lean_config.py says which: a Gemma-3's
+config.json, text-only or multimodal (the vision tower: engine/model/lean_vision.py), default or linear rope,
+safetensors on a local disk, for the CPU); anything else (other rope types, a hub id, a GPU, `device_map`, dummy
+weights) loads through transformers as before.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,50 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..shape import FULL, SLIDING
-from .gemma3 import GELU_TANH
+from .lean_config import model_config
 from .mapped import DTYPES, checkpoint_files, read_header
 
-LAYER_TYPES = (SLIDING, FULL)
-REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "query_pre_attn_scalar", "vocab_size", "sliding_window", "layer_types",
-            "rope_parameters", "hidden_activation")
 
 
 def text_config(source: str) -> tuple[SimpleNamespace | None, str]:
-    """(the config as attributes, "") when `source` is a checkpoint this module builds, else (None, why not)."""
-    directory = Path(source)
-    if not (directory / "config.json").is_file():
-        return None, "not a local directory with a config.json"
-    if not any((directory / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
-        return None, "no safetensors checkpoint"
-    raw = json.loads((directory / "config.json").read_text())
-    why = _not_understood(raw)
-    if why:
-        return None, why
-    return SimpleNamespace(**raw, _name_or_path=str(directory)), ""
-
-
-def _not_understood(raw: dict) -> str:
-    """Why this config is not the text-only Gemma-3 that `build` implements ("" when it is)."""
-    if raw.get("model_type") != "gemma3_text":
-        return f"model_type {raw.get('model_type')!r}"
-    missing = [key for key in REQUIRED if raw.get(key) is None]
-    if missing:
-        return f"config.json lacks {', '.join(missing)}"
-    if raw.get("quantization_config") or raw.get("attention_bias") or raw.get("attn_logit_softcapping") \
-            or raw.get("use_bidirectional_attention"):
-        return "quantization, attention bias, attention soft-capping or bidirectional attention"
-    if raw["hidden_activation"] not in GELU_TANH:
-        return f"activation {raw['hidden_activation']!r}"
-    types = raw["layer_types"]
-    if len(types) != raw["num_hidden_layers"] or not set(types) <= set(LAYER_TYPES):
-        return "layer_types"
-    for kind in set(types):
-        rope = raw["rope_parameters"].get(kind) or {}
-        if rope.get("rope_type") != "default" or "rope_theta" not in rope:
-            return f"{kind}'s rope {rope.get('rope_type')!r}"
-    return ""
+    """(the config as attributes, "") when `source` is a text-only checkpoint this module builds, else (None, why
+    not); engine/model/lean_config.py reads it (`model_config` also reads a multimodal one)."""
+    return model_config(source, multimodal=False)
 
 
 class Linear(nn.Module):
@@ -107,8 +72,9 @@ class ScaledEmbedding(nn.Module):
 
 
 class Rotary(nn.Module):
-    """transformers' Gemma3RotaryEmbedding for default rope: cos and sin per layer type (`forward(x, positions,
-    layer_type)`), from each type's rope_theta."""
+    """transformers' Gemma3RotaryEmbedding for default and linear rope: cos and sin per layer type (`forward(x,
+    positions, layer_type)`), from each type's rope_theta; linear scaling divides the frequencies by its factor
+    (the 4B's global layers: 8)."""
 
     def __init__(self, config: SimpleNamespace):
         super().__init__()
@@ -116,6 +82,8 @@ class Rotary(nn.Module):
         for kind in set(config.layer_types):
             base = config.rope_parameters[kind]["rope_theta"]
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            if config.rope_parameters[kind]["rope_type"] == "linear":
+                inv_freq = inv_freq / config.rope_parameters[kind]["factor"]
             setattr(self, f"{kind}_inv_freq", nn.Buffer(inv_freq, persistent=False))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
@@ -139,21 +107,39 @@ def _layer(c: SimpleNamespace) -> nn.Module:
     return layer
 
 
-def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
-    """The model (`Gemma3ForCausalLM`'s tree: `.model`, `.lm_head`, `.config`) with the checkpoint's weights in
-    `dtype`. Tensors stored in `dtype` stay views into the file's private map, as transformers leaves them."""
+def text_model(config: SimpleNamespace) -> nn.Module:
+    """`Gemma3TextModel`'s tree (`embed_tokens`, `layers`, `norm`, `rotary_emb`, `config`), weights on meta."""
     text = nn.Module()
     text.config = config
     text.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size)
     text.layers = nn.ModuleList(_layer(config) for _ in range(config.num_hidden_layers))
     text.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
     text.rotary_emb = Rotary(config)
+    return text
+
+
+def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
+    """The model (`Gemma3ForCausalLM`'s tree: `.model`, `.lm_head`, `.config`; for a multimodal config
+    `Gemma3ForConditionalGeneration`'s, engine/model/lean_vision.py) with the checkpoint's weights in `dtype`.
+    Tensors stored in `dtype` stay views into the file's private map, as transformers leaves them."""
+    if getattr(config, "vision_config", None) is not None:
+        from .lean_vision import build_multimodal
+
+        return build_multimodal(config, source, dtype)
     model = nn.Module()
-    model.model, model.config = text, config
+    model.model, model.config = text_model(config), config
     model.lm_head = Linear(config.hidden_size, config.vocab_size)
-    tensors = read_checkpoint(Path(source))
+    fill(model, read_checkpoint(Path(source)), source, dtype, getattr(config, "tie_word_embeddings", True))
+    if model.lm_head.weight.is_meta:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def fill(model: nn.Module, tensors: dict[str, torch.Tensor], source: str, dtype: torch.dtype, tied: bool) -> None:
+    """Put the checkpoint's `tensors` (under the model's parameter names) into `model`, cast to `dtype`: exactly
+    the model's parameters (but a tied lm_head), each in its shape, or a ValueError naming what differs."""
     expected = {name for name, _ in model.named_parameters()}
-    if getattr(config, "tie_word_embeddings", True):
+    if tied:
         expected.discard("lm_head.weight")
         tensors.pop("lm_head.weight", None)
     if set(tensors) != expected:
@@ -165,9 +151,6 @@ def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module
         if tensor.shape != module._parameters[leaf].shape:
             raise ValueError(f"{source}: {name} has shape {list(tensor.shape)}, config.json says {list(module._parameters[leaf].shape)}")
         module._parameters[leaf] = nn.Parameter(tensor.to(dtype), requires_grad=False)
-    if "lm_head.weight" not in tensors:
-        model.lm_head.weight = text.embed_tokens.weight
-    return model.eval()
 
 
 def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,9 @@ import torch
 from ...cpu import cpu_flags
 from ...progress import Phase
 from ...settings import EMBEDDED, ModelSettings
-from .lean import build as lean_model, text_config as lean_text_config
+from .lean import build as lean_model
+from .lean_config import model_config as lean_model_config
+from .processor import Processor as LeanProcessor, can_preprocess
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("oai_gemma.loader")
@@ -126,8 +128,8 @@ def pick_dtype(settings: ModelSettings, device: torch.device) -> torch.dtype:
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    """A `Gemma3ForCausalLM` or `Gemma3ForConditionalGeneration`, or engine/model/lean.py's tree of the former, in
-    eval mode on its device."""
+    """A `Gemma3ForCausalLM` or `Gemma3ForConditionalGeneration`, or engine/model/lean.py's tree of either, in eval
+    mode on its device."""
     tokenizer: object
     processor: object | None
     device: torch.device
@@ -185,9 +187,10 @@ def _dispatch(model, device_map: str, dtype: torch.dtype):
 
 
 def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
-    """The model, tokenizer (and processor) of `settings`. `lean`: a text-only checkpoint that engine/model/lean.py
-    understands is built there, without importing transformers (the server's start-up: ~2.3 s less); anything else,
-    and every caller that runs transformers' own forward (tests, the bare benchmark), gets transformers' modules."""
+    """The model, tokenizer (and processor) of `settings`. `lean`: a checkpoint that engine/model/lean.py (and for a
+    multimodal one lean_vision.py and processor.py) understands is built there, without importing transformers (the
+    server's start-up: ~2.3 s less); anything else, and every caller that runs transformers' own forward (tests,
+    the bare benchmark), gets transformers' modules and processor."""
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
     source = resolve_source(settings)
@@ -208,11 +211,7 @@ def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
         else:
             model = _load_weights(settings, source, config, multimodal, device, dtype)
         tokenizer = tokenizer.result()
-    processor = None
-    if multimodal:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(source)
+    processor = _processor(source, tokenizer, lean=isinstance(config, SimpleNamespace)) if multimodal else None
     return LoadedModel(model, tokenizer, processor, device, dtype, source, _eos_ids(tokenizer, source))
 
 
@@ -220,7 +219,20 @@ def _lean_config(settings: ModelSettings, source: str, device: torch.device) -> 
     """The config for engine/model/lean.py's modules, or None (logged why) for transformers' path."""
     if device.type != "cpu" or settings.device_map or settings.load_format == "dummy":
         return None
-    config, why = lean_text_config(source)
+    config, why = lean_model_config(source)
     if config is None:
         log.info("model modules from transformers (%s)", why)
     return config
+
+
+def _processor(source: str, tokenizer, lean: bool):
+    """The multimodal model's image preprocessing: engine/model/processor.py's where it implements the checkpoint's
+    (with the server's tokenizer; no transformers import), else transformers' AutoProcessor."""
+    why = can_preprocess(source) if lean else "the model's modules are transformers'"
+    if not why:
+        return LeanProcessor(source, tokenizer)
+    if lean:
+        log.info("image preprocessing from transformers (%s)", why)
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(source)
