@@ -437,6 +437,7 @@ def build_checkpoint(config, target: Path, *, seed: int = 0, tokenizer_source: P
         info = {"format": FORMAT_VERSION, "seed": seed, "init_std": INIT_STD, "parameters": parameters,
                 "bytes": total, "architecture": model_class(config).__name__}
         (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        staging.chmod(0o755)  # mkdtemp's 0700 would follow it into place
         if target.exists():  # with its gguf/, made from the weights this replaces
             shutil.rmtree(target)
         os.replace(staging, target)
