@@ -170,6 +170,11 @@ def test_the_small_multimodal_checkpoint_loads_with_its_processor(small_multimod
     assert (tokenizer.image_token_id, tokenizer.boi_token, tokenizer.eoi_token) == (262_144, "<start_of_image>", "<end_of_image>")
     assert tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>"]) == [255_999, 256_000]
     assert len(tokenizer) == 262_145 and processor.image_seq_length == 256
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(small_multimodal / "tokenizer.json"))  # what our server tokenizes with
+    for text in ("def f(x):\n    return x  # c", "a" + " " * 40 + "b", "\t\tx\n\n<end_of_turn>"):
+        assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
     from PIL import Image
 
     batch = processor(text="<start_of_image> what is this?", images=Image.new("RGB", (64, 48), "red"), return_tensors="pt")
@@ -189,9 +194,27 @@ def test_the_tokenizer_model_is_the_vocabulary_llama_cpp_reads(small_text):
     model = spm.SentencePieceProcessor(model_file=str(small_text / "tokenizer.model"))
     reference = Tokenizer.from_file(str(small_text / "tokenizer.json"))
     assert model.vocab_size() == 262_144 and model.is_unknown(3) and model.is_control(106) and model.is_byte(238)
+    assert model.id_to_piece(140) == "▁▁▁▁" and model.id_to_piece(255_999) == "<start_of_image>"
     for text in ("Hello, world!", "  two spaces\n\n\ttab\t\t\tthree", "def f(x):\n    return x**2  # code",
                  "émojis 🤗, 中文字符, Zürich", "1234567 3.14159", "<table><caption>x</caption></table>"):
         assert model.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
+
+
+def test_the_tokenizer_config_lists_the_token_types_llama_cpp_takes(small_text, small_multimodal):
+    """Added tokens: special ones become CONTROL in llama.cpp's conversion, the others USER_DEFINED, as in the
+    embedded (real) GGUF; that includes the runs of spaces, which tokenizer.json keeps in its BPE vocabulary."""
+    decoder = json.loads((small_text / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert decoder["106"]["content"] == "<end_of_turn>" and decoder["106"]["special"]
+    assert decoder["140"] == {"content": "▁▁▁▁", "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": False}
+    assert decoder["255999"]["content"] == "<start_of_image>" and not decoder["255999"]["special"]
+    assert "262144" not in decoder
+    config = json.loads((small_multimodal / "tokenizer_config.json").read_text())
+    assert config["added_tokens_decoder"]["262144"] == {"content": "<image_soft_token>", "lstrip": False,
+                                                        "normalized": False, "rstrip": False, "single_word": False,
+                                                        "special": True}
+    assert (config["boi_token"], config["eoi_token"], config["image_token"]) == ("<start_of_image>", "<end_of_image>",
+                                                                               "<image_soft_token>")
 
 
 def test_the_gguf_metadata_reader_reads_what_gguf_py_writes(tmp_path):

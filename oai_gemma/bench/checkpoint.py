@@ -371,16 +371,23 @@ def write_tokenizer(directory: Path, source: Path, multimodal: bool) -> None:
         tokenizer.save(str(directory / "tokenizer.json"))
     else:
         shutil.copyfile(source / "tokenizer.json", directory / "tokenizer.json")
-    # what llama.cpp's converter turns into token types: special added tokens CONTROL, the others USER_DEFINED
-    config["added_tokens_decoder"] = {
-        str(index): {"content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
-                     "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special}
-        for index, token in sorted(tokenizer.get_added_tokens_decoder().items())
-    }
+    pieces, scores, types = embedded_vocabulary()
+    # llama.cpp's converter takes the token types from here: special added tokens CONTROL, the others USER_DEFINED.
+    # tokenizer.json has the user-defined runs of 2-31 spaces in its BPE vocabulary, not as added tokens: listed
+    # too (as "▁▁"...), they come out as the real conversion has them (the embedded GGUF's types)
+    added = tokenizer.get_added_tokens_decoder()
+    decoder = {index: {"content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+                       "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special}
+               for index, token in added.items()}
+    for index, kind in enumerate(types):
+        if kind == SP_USER_DEFINED and index not in decoder:
+            decoder[index] = {"content": pieces[index], "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": False}
+    config["added_tokens_decoder"] = {str(index): decoder[index] for index in sorted(decoder)}
     (directory / "tokenizer_config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2,
                                                                 ensure_ascii=False) + "\n")
     (directory / "chat_template.jinja").write_text(chat_template_text())
-    (directory / "tokenizer.model").write_bytes(sentencepiece_model(*embedded_vocabulary()))
+    (directory / "tokenizer.model").write_bytes(sentencepiece_model(pieces, scores, types))
 
 
 def write_generation_config(directory: Path, config) -> None:
