@@ -496,10 +496,27 @@ def _converter_env(llama: LlamaCpp) -> dict[str, str]:
     return env
 
 
-def _run(argv: list[str], env: dict[str, str] | None = None) -> None:
+def check_converter(llama: LlamaCpp) -> None:
+    """The converter's imports that our own environment may lack (it reads Gemma's vocabulary with SentencePiece)."""
+    probe = subprocess.run([sys.executable, "-c", "import sentencepiece, gguf"], env=_converter_env(llama),
+                           capture_output=True, text=True)
+    if probe.returncode:
+        raise FileNotFoundError("llama.cpp's converter needs sentencepiece (pip install sentencepiece, or put it on "
+                                f"PYTHONPATH): {probe.stderr.strip().splitlines()[-1]}")
+
+
+def _run(argv: list[str], output: Path, env: dict[str, str] | None = None) -> None:
+    """Run a step that writes `output` (the argument `output` in `argv`), to a .partial name renamed once done:
+    an interrupted step leaves no file that a later run would take as made."""
+    partial = output.with_name(output.name + ".partial")
+    argv = [str(partial) if arg == str(output) else arg for arg in argv]
     print("+ " + " ".join(argv), file=sys.stderr, flush=True)
     started = time.monotonic()
-    subprocess.run(argv, env=env, check=True)
+    try:
+        subprocess.run(argv, env=env, check=True)
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
     print(f"  ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
 
 
@@ -525,7 +542,7 @@ def write_gguf(directory: Path, kinds: list[str], llama: LlamaCpp, *, force: boo
     wanted = [gguf_path(directory, kind) for kind in kinds]
     if force or any(not path.exists() for path in wanted):
         if force or not bf16.exists():
-            _run([sys.executable, script, str(directory), "--outtype", "bf16", "--outfile", str(bf16)], env)
+            _run([sys.executable, script, str(directory), "--outtype", "bf16", "--outfile", str(bf16)], bf16, env)
         for kind, path in zip(kinds, wanted, strict=True):
             if kind == "bf16" or (path.exists() and not force):
                 continue
@@ -534,14 +551,15 @@ def write_gguf(directory: Path, kinds: list[str], llama: LlamaCpp, *, force: boo
                       "docs/benchmarks.md)", file=sys.stderr)
                 continue
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            _run([str(llama.quantize), str(bf16), str(path), GGUF_TYPES[kind], str(threads)])
+            _run([str(llama.quantize), str(bf16), str(path), GGUF_TYPES[kind], str(threads)], path)
         if "bf16" not in kinds and all(path.exists() for path in wanted):
             bf16.unlink(missing_ok=True)
     made += [path for path in wanted if path.exists()]
     if (directory / "preprocessor_config.json").exists():
         mmproj = gguf_path(directory, "mmproj")
         if force or not mmproj.exists():
-            _run([sys.executable, script, str(directory), "--mmproj", "--outtype", "f16", "--outfile", str(mmproj)], env)
+            _run([sys.executable, script, str(directory), "--mmproj", "--outtype", "f16", "--outfile", str(mmproj)],
+                 mmproj, env)
         made.append(mmproj)
     return made
 
@@ -581,6 +599,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gguf:  # fail before the weights are written, not after
         try:
             llama = find_llama_cpp(args.llama_cpp)
+            check_converter(llama)
         except FileNotFoundError as exc:
             print(exc, file=sys.stderr)
             return 2
