@@ -269,3 +269,15 @@ def test_without_llama_cpp_the_gguf_step_says_where_to_point_it(tmp_path, monkey
     assert found.source == tree and found.quantize is None
     (tree / "build" / "bin" / "llama-quantize").write_text("")
     assert checkpoint.find_llama_cpp(str(tree)).quantize == tree / "build" / "bin" / "llama-quantize"
+
+
+def test_a_gguf_step_leaves_its_file_only_once_complete(tmp_path):
+    import subprocess
+
+    source, output = tmp_path / "in.gguf", tmp_path / "out.gguf"
+    source.write_bytes(b"GGUF")
+    with pytest.raises(subprocess.CalledProcessError):
+        checkpoint._run(["sh", "-c", 'cp "$0" "$1"; exit 1', str(source), str(output)], output)
+    assert not output.exists() and not list(tmp_path.glob("*.partial"))
+    checkpoint._run(["cp", str(source), str(output)], output)
+    assert output.read_bytes() == b"GGUF" and not list(tmp_path.glob("*.partial"))
