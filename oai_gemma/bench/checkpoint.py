@@ -7,8 +7,9 @@ model's tokenizer (every Gemma-3 size shares its 262,144-token vocabulary; the 4
 262,144 as the real -it tokenizers do, with `<start_of_image>` 255,999 and `<end_of_image>` 256,000), a SentencePiece
 `tokenizer.model` rebuilt from the embedded GGUF's vocabulary (llama.cpp's converter reads the vocabulary from it),
 Gemma-3's chat template and, for the 4B, the processor's configs. The weights are noise: seeded normal values of std
-0.02 (Gemma's RMSNorms, which scale by 1 + weight, get zeros), so every activation stays finite through the layers in
-bf16 but the output is gibberish: benchmarks send `ignore_eos` and compare speed and memory only.
+0.02 (Gemma's RMSNorms, which scale by 1 + weight, get zeros; the token embedding smaller, see `embedding_std`), so
+every activation stays finite through the layers in bf16 but the output is gibberish, and no run of one token:
+benchmarks send `ignore_eos` and compare speed and memory only.
 
 The GGUF files come from llama.cpp's own `convert_hf_to_gguf.py` (from the source tree llama-server was built in,
 docs/benchmarks.md) at bf16, with `--mmproj` for the 4B's vision tower (f16), then `llama-quantize`.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import struct
@@ -69,7 +71,11 @@ PUBLISHED_1B = {
 }
 
 INIT_STD = 0.02
-FORMAT_VERSION = 1
+SELF_LOGIT_Z = 1.5
+"""How far (in standard deviations of the logits) the input token's own logit stands above the others: the token
+embedding's std is chosen for it (`embedding_std`)."""
+FORMAT_VERSION = 2
+"""2: the token embedding's std from SELF_LOGIT_Z (1 had 0.02: the 4B echoed its input, greedy and sampled)."""
 MARKER = ".random-checkpoint.json"
 SHARD_BYTES = 5 * 10**9
 """transformers' default max_shard_size (5 GB): the 4B comes out in two files, as the published one does."""
@@ -155,7 +161,19 @@ def tensor_plan(config) -> dict[str, tuple[int, ...]]:
     return plan
 
 
-def initial_value(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+def embedding_std(config) -> float:
+    """The token embedding's std. The embedding (tied to the lm_head) is scaled by sqrt(hidden) on the way in, so
+    the input token's own row stays in the residual stream, whose RMS grows to ~sqrt(2 * layers + 1) (each of the
+    2 * layers sublayers adds a post-normed output of RMS ~1). At the output its logit stands
+    hidden * std / sqrt(2 * layers + 1) standard deviations above the others' (which have std sqrt(hidden) * std):
+    with std 0.02 that is 6.2 for the 4B, whose every argmax was then the input token (the output a run of one
+    token, which n-gram speculation drafts perfectly). The std here puts it at SELF_LOGIT_Z: ~0.005 for the 4B,
+    ~0.01 for the 1B."""
+    text = config.get_text_config()
+    return SELF_LOGIT_Z * math.sqrt(2 * text.num_hidden_layers + 1) / text.hidden_size
+
+
+def initial_value(name: str, shape: tuple[int, ...], embed_std: float = INIT_STD) -> tuple[str, float]:
     """How a tensor is filled: ("zeros" | "ones", 0) or ("normal", std)."""
     if name.startswith(("vision_tower.", "multi_modal_projector.")):  # SigLIP and the projector
         if "mm_soft_emb_norm" in name:  # a Gemma RMSNorm: times (1 + weight)
@@ -169,15 +187,17 @@ def initial_value(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
         return "normal", INIT_STD
     if name.endswith("norm.weight"):  # Gemma's RMSNorms (input, post-attention, feed-forward, q/k, final)
         return "zeros", 0.0
+    if name.endswith("embed_tokens.weight"):
+        return "normal", embed_std
     return "normal", INIT_STD
 
 
-def _chunks(name: str, shape: tuple[int, ...], seed: int, dtype) -> Iterator:
+def _chunks(name: str, shape: tuple[int, ...], seed: int, dtype, embed_std: float) -> Iterator:
     """The tensor's values as flat chunks of `dtype`, drawn from a generator seeded by (seed, name): a tensor's
     values do not depend on the others."""
     import torch
 
-    kind, std = initial_value(name, shape)
+    kind, std = initial_value(name, shape, embed_std)
     total = 1
     for dim in shape:
         total *= dim
@@ -194,7 +214,7 @@ def _chunks(name: str, shape: tuple[int, ...], seed: int, dtype) -> Iterator:
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
-def write_safetensors(path: Path, plan: dict[str, tuple[int, ...]], seed: int, dtype) -> int:
+def write_safetensors(path: Path, plan: dict[str, tuple[int, ...]], seed: int, dtype, embed_std: float = INIT_STD) -> int:
     """Write the tensors of `plan` as one safetensors file, each drawn and written a chunk at a time (the format:
     an 8-byte header length, the JSON header, the data). Returns the data's size in bytes."""
     import torch
@@ -215,7 +235,7 @@ def write_safetensors(path: Path, plan: dict[str, tuple[int, ...]], seed: int, d
         out.write(struct.pack("<Q", len(encoded)))
         out.write(encoded)
         for name, shape in plan.items():
-            for chunk in _chunks(name, shape, seed, dtype):
+            for chunk in _chunks(name, shape, seed, dtype, embed_std):
                 out.write(chunk.view(torch.uint8).numpy().data)
     return offset
 
@@ -236,18 +256,19 @@ def shard(plan: dict[str, tuple[int, ...]], item_bytes: int, limit: int) -> list
     return shards
 
 
-def write_weights(directory: Path, plan: dict[str, tuple[int, ...]], seed: int, dtype, shard_bytes: int) -> int:
+def write_weights(directory: Path, plan: dict[str, tuple[int, ...]], seed: int, dtype, shard_bytes: int,
+                  embed_std: float = INIT_STD) -> int:
     """model.safetensors, or model-0000i-of-0000n.safetensors and their index. Returns the total size."""
     import torch
 
     parts = shard(plan, torch.empty((), dtype=dtype).element_size(), shard_bytes)
     if len(parts) == 1:
-        return write_safetensors(directory / "model.safetensors", plan, seed, dtype)
+        return write_safetensors(directory / "model.safetensors", plan, seed, dtype, embed_std)
     total = 0
     weight_map = {}
     for index, part in enumerate(parts, 1):
         filename = f"model-{index:05d}-of-{len(parts):05d}.safetensors"
-        total += write_safetensors(directory / filename, part, seed, dtype)
+        total += write_safetensors(directory / filename, part, seed, dtype, embed_std)
         weight_map.update(dict.fromkeys(part, filename))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -434,14 +455,15 @@ def build_checkpoint(config, target: Path, *, seed: int = 0, tokenizer_source: P
         multimodal = is_multimodal(config)
         dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))
         plan = tensor_plan(config)
-        total = write_weights(staging, plan, seed, dtype, shard_bytes)
+        embed_std = embedding_std(config)
+        total = write_weights(staging, plan, seed, dtype, shard_bytes, embed_std)
         config.save_pretrained(staging)
         write_generation_config(staging, config)
         write_tokenizer(staging, Path(tokenizer_source), multimodal)
         if multimodal:
             write_processor(staging)
         parameters = sum(_numel(shape) for shape in plan.values())
-        info = {"format": FORMAT_VERSION, "seed": seed, "init_std": INIT_STD, "parameters": parameters,
+        info = {"format": FORMAT_VERSION, "seed": seed, "init_std": INIT_STD, "embedding_std": embed_std, "parameters": parameters,
                 "bytes": total, "architecture": model_class(config).__name__}
         (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
         staging.chmod(0o755)  # mkdtemp's 0700 would follow it into place
