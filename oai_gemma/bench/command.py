@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .checkpoint import add_parser as add_checkpoint_parser
 from .client import run_level, warm_up
 from .compare import LORA_SERVERS, SERVER_NAMES, build_spec, default_servers, free_port, running
 from .floor import engine_step_ms, health, read_bandwidth, speculation
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ours-lora and llama-server-lora servers serve them; else the server's first N adapters")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapters --lora makes (without --lora-dir)")
     parser.add_argument("--lora-dir", help="a directory of PEFT adapter directories to use instead of random ones")
+    add_checkpoint_parser(parser.add_subparsers(dest="bench_command", metavar="{checkpoint}",
+                                                help="instead of a sweep: checkpoint writes the random-weight 1B/4B "
+                                                     "fixtures (oai-gemma bench checkpoint --help)"))
 
 
 def _machine() -> dict:
