@@ -25,6 +25,7 @@ from ...cpu import cpu_flags
 from ...progress import Phase
 from ...settings import EMBEDDED, ModelSettings
 from .lean import build as lean_model
+from .lean_vision import build_multimodal
 from .lean_config import model_config as lean_model_config
 from .processor import Processor as LeanProcessor, can_preprocess
 from .tokenizer import load_tokenizer
@@ -207,7 +208,7 @@ def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
     with ThreadPoolExecutor(1) as pool:
         tokenizer = pool.submit(load_tokenizer, tokenizer_source)
         if isinstance(config, SimpleNamespace):
-            model = lean_model(config, source, dtype)
+            model = (build_multimodal if getattr(config, "vision_config", None) is not None else lean_model)(config, source, dtype)
         else:
             model = _load_weights(settings, source, config, multimodal, device, dtype)
         tokenizer = tokenizer.result()
