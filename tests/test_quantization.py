@@ -254,3 +254,18 @@ def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_start(blocked, t
     linears = quantize_all({"projection.0": torch.randn(64, 64, dtype=torch.bfloat16)}, "int8", cache_file)
     assert set(linears) == {"projection.0"} and not cache_file.exists()
     assert "could not keep the quantized weights" in caplog.text
+
+
+def test_a_checkpoint_written_again_in_place_gets_new_quantized_weights(tmp_path):
+    """The cache file is named by the weight files' sizes and times too, so regenerated weights are never served
+    from an older checkpoint's quantized copy."""
+    import os
+
+    from oai_gemma.engine.config import _quantized_file
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"0" * 64)
+    before = _quantized_file(tmp_path / "cache", str(tmp_path), "int8", torch.float32)
+    assert before == _quantized_file(tmp_path / "cache", str(tmp_path), "int8", torch.float32)
+    os.utime(weights, ns=(1, 1))
+    assert _quantized_file(tmp_path / "cache", str(tmp_path), "int8", torch.float32) != before

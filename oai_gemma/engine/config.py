@@ -11,6 +11,7 @@ kernel, batch-invariant `on` off the CPU path) raise `ConfigError` here, before 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from .cache.memory import blocks_within_budget
 from .lora.adapter import LoraModule, parse_module
 from .model import native
 from .shape import TextShape
+from .model.mapped import checkpoint_files
 from .model.quantized import FORMAT, NativeQ8Linear, linear_for, resolve as resolve_quantization
 
 if TYPE_CHECKING:
@@ -199,8 +201,19 @@ def _batch_invariant(setting: str, device: torch.device) -> str:
 
 
 def _quantized_file(cache_dir: Path, source_dir: str, quantization: str, dtype: torch.dtype) -> Path:
-    """Quantized weights kept between starts, named by the model, the setting, the dtype, torch's version (its
-    int4 layout is torch's own) and the stored layout's version."""
+    """Quantized weights kept between starts, named by the model (its path, and its weight files' sizes and times: a
+    checkpoint written again in place is quantized again), the setting, the dtype, torch's version (its int4 layout
+    is torch's own) and the stored layout's version."""
     model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source_dir).resolve()).strip("/"))
+    model += f"-{_files_stamp(Path(source_dir))}"
     name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}{'q8' if linear_for(quantization, 'lm_head', dtype) is NativeQ8Linear else ''}.safetensors"
     return cache_dir / "quantized" / name
+
+
+def _files_stamp(source: Path) -> str:
+    """A short digest of the checkpoint's weight files' sizes and modification times ("unread" where they cannot be)."""
+    try:
+        stats = [(path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in checkpoint_files(source)]
+    except (OSError, ValueError):
+        return "unread"
+    return hashlib.sha256(repr(stats).encode()).hexdigest()[:12]
