@@ -119,13 +119,9 @@ def text_model(config: SimpleNamespace) -> nn.Module:
 
 
 def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
-    """The model (`Gemma3ForCausalLM`'s tree: `.model`, `.lm_head`, `.config`; for a multimodal config
-    `Gemma3ForConditionalGeneration`'s, engine/model/lean_vision.py) with the checkpoint's weights in `dtype`.
-    Tensors stored in `dtype` stay views into the file's private map, as transformers leaves them."""
-    if getattr(config, "vision_config", None) is not None:
-        from .lean_vision import build_multimodal
-
-        return build_multimodal(config, source, dtype)
+    """The model (`Gemma3ForCausalLM`'s tree: `.model`, `.lm_head`, `.config`; a multimodal one is
+    engine/model/lean_vision.py's `build_multimodal`) with the checkpoint's weights in `dtype`. Tensors stored in
+    `dtype` stay views into the file's private map, as transformers leaves them."""
     model = nn.Module()
     model.model, model.config = text_model(config), config
     model.lm_head = Linear(config.hidden_size, config.vocab_size)

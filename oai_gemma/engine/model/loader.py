@@ -26,6 +26,7 @@ from ...progress import Phase
 from ...settings import EMBEDDED, ModelSettings
 from .lean import build as lean_model
 from .lean_config import model_config as lean_model_config
+from .lean_vision import build_multimodal as lean_multimodal_model
 from .processor import Processor as LeanProcessor, can_preprocess
 from .tokenizer import load_tokenizer
 
@@ -207,7 +208,7 @@ def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
     with ThreadPoolExecutor(1) as pool:
         tokenizer = pool.submit(load_tokenizer, tokenizer_source)
         if isinstance(config, SimpleNamespace):
-            model = lean_model(config, source, dtype)
+            model = (lean_multimodal_model if multimodal else lean_model)(config, source, dtype)
         else:
             model = _load_weights(settings, source, config, multimodal, device, dtype)
         tokenizer = tokenizer.result()
