@@ -57,11 +57,11 @@ def _theirs(directory: Path):
     return AutoConfig.from_pretrained(directory)
 
 
-@pytest.mark.parametrize("directory", ["4b", "tiny"])
+@pytest.mark.parametrize("directory", ["4b", "12b", "27b", "tiny"])
 def test_config_json_is_read_as_transformers_reads_it(directory, tiny_vision_dir):
     """The real 4B's sparse old-format config.json (transformers' defaults, `rope_scaling`) and transformers 5's
     own (`rope_parameters` per layer kind) give transformers' values."""
-    path = FOUR_B if directory == "4b" else tiny_vision_dir
+    path = tiny_vision_dir if directory == "tiny" else FOUR_B.parent / f"gemma-3-{directory}-it"
     ours, why = lean_config.multimodal_config(json.loads((path / "config.json").read_text()))
     theirs = _theirs(path)
     assert ours is not None, why
@@ -72,7 +72,7 @@ def test_config_json_is_read_as_transformers_reads_it(directory, tiny_vision_dir
     for key in ("mm_tokens_per_image", "image_token_id", "boi_token_index", "eoi_token_index", "tie_word_embeddings"):
         assert getattr(ours, key) == getattr(theirs, key), key
     assert Gemma3Shape.of(ours) == Gemma3Shape.of(theirs)
-    if directory == "4b":
+    if directory != "tiny":
         assert ours.text_config.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
 
 

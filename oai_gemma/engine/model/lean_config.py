@@ -113,6 +113,8 @@ def _not_understood(config: dict) -> str:
 def multimodal_config(raw: dict) -> tuple[SimpleNamespace | None, str]:
     """A Gemma3ForConditionalGeneration's config: its text config as `text_config` reads it, a SigLIP tower
     without the pooling head, transformers' defaults for the rest."""
+    if raw.get("quantization_config"):
+        return None, "quantization"
     text_raw = {"model_type": "gemma3_text", **(raw.get("text_config") or {})}
     text, why = text_config(text_raw)
     if text is None:
