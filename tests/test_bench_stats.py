@@ -128,6 +128,27 @@ def test_the_peak_rss_of_a_server_counts_its_whole_process_tree():
     assert tree_rss(parent.pid) is None  # gone
 
 
+def test_a_process_high_water_mark_counts_memory_it_has_freed_since():
+    import subprocess
+    import sys
+
+    from oai_gemma.bench.memory import MB, high_water_mark, tree_rss
+
+    code = "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); del b; import time; time.sleep(5)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        while (high_water_mark(proc.pid) or 0) < 300 * MB and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # past the `del`
+        assert high_water_mark(proc.pid) > 300 * MB and tree_rss(proc.pid) < 200 * MB
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_ignore_eos_is_added_to_every_request_after_its_route():
     from oai_gemma.bench.command import ignoring_eos
 

@@ -17,7 +17,7 @@ from .checkpoint import add_parser as add_checkpoint_parser
 from .client import run_level, warm_up
 from .compare import LORA_SERVERS, SERVER_NAMES, build_spec, default_servers, free_port, running
 from .floor import engine_step_ms, health, read_bandwidth, speculation
-from .memory import MB, PeakRss, tree_rss
+from .memory import MB, PeakRss, high_water_mark, tree_rss
 from .lora import prepare as prepare_lora, route as lora_route, served_adapters, time_load
 from .prompts import EDITS, JSON_SUBJECTS, PROMPT_SETS, PROMPTS, QUESTIONS
 from .report import console_report, markdown_report, write_json
@@ -257,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
                     with PeakRss(pid) as peak:
                         server = asyncio.run(_sweep(spec.base_url, model, args, name, adapters))
                     server["ready_rss_mb"], server["peak_rss_mb"] = round((ready_rss or 0) / MB), round(peak.bytes / MB)
+                    server["lifetime_peak_rss_mb"] = round((high_water_mark(pid) or 0) / MB)  # loading included
                     if name == "ours-lora":  # issue 28: a rank-16 adapter loads in under 1 s
                         server["lora_load_s"] = load_s = time_load(spec.base_url, lora.spare, args.api_key)
                         print(f"[{name}] loading one more adapter at run time: {load_s} s", file=sys.stderr)

@@ -29,6 +29,16 @@ def tree_rss(pid: int) -> int | None:
     return total
 
 
+def high_water_mark(pid: int) -> int | None:
+    """The most bytes `pid` itself ever had resident (the kernel's VmHWM): loading included, which a sampler
+    started once the server is ready cannot see; None where it cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class PeakRss:
     """`with PeakRss(pid, every=0.1) as peak:` ... `peak.bytes`: the largest tree RSS seen while the block ran."""
 

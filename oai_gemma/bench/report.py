@@ -212,7 +212,8 @@ def console_report(payload: dict) -> str:
     shared = _prompt_set(payload["meta"]) == "shared"
     for name, server in payload["servers"].items():
         ready = f", ready in {server['ready_s']:.1f} s" if server.get("ready_s") is not None else ""
-        ready += f", RSS {server['ready_rss_mb']} MB ready, {server['peak_rss_mb']} MB peak" if server.get("peak_rss_mb") else ""
+        ready += (f", RSS {server['ready_rss_mb']} MB ready, {server['peak_rss_mb']} MB peak in the sweep, "
+                  f"{server.get('lifetime_peak_rss_mb')} MB since start" if server.get("peak_rss_mb") else "")
         parts.append(f"== {name}  ({server.get('base_url', '')}, model {server.get('model', '?')}{ready}"
                      f"{_busy(server.get('cpu_busy_idle'))})")
         if server.get("error"):
@@ -303,7 +304,8 @@ def markdown_report(payload: dict) -> str:
             out += [f"Start to `/health` 200: {server['ready_s']:.1f} s.", ""]
         if server.get("peak_rss_mb"):
             out += [f"Resident memory (the server's process tree): {server['ready_rss_mb']} MB when ready, "
-                    f"{server['peak_rss_mb']} MB at the sweep's peak.", ""]
+                    f"{server['peak_rss_mb']} MB at the sweep's peak; the server process's own peak since it started "
+                    f"(loading included): {server.get('lifetime_peak_rss_mb')} MB.", ""]
         if server.get("cpu_busy_idle") is not None:
             out += [f"CPU busy while the server idled, before the sweep: {server['cpu_busy_idle']:.0%}.", ""]
         if server.get("error"):
