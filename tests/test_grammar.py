@@ -292,3 +292,21 @@ def test_unbounded_numbers_get_sane_bounds(compiler, tokenizer):
     assert accepts(at_least_5, "[123456789012345]")
     assert not accepts(at_least_5, "[4]")
     assert accepts({"type": "array", "items": {"type": "number", "multipleOf": 0.5, "maximum": 10}}, "[9.5]")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object"},  # json_object: values of any type
+    {"type": "object", "properties": {"s": {"type": "string"}}, "additionalProperties": True},
+    {"type": "object", "properties": {"a": {}}},
+    {"type": "object", "properties": {"a": {"type": "array"}}},
+    {"type": "object", "properties": {"a": {"description": "anything"}}},
+])
+def test_numbers_in_values_of_any_type_are_bounded_too(compiler, tokenizer, schema):
+    # issue 42: `{"city":"Paris",":":5005571221656402272548}` came from a value of any type
+    def accepts(text):
+        return compiler.json_schema(schema).matcher().matcher.validate_tokens(tokenizer.encode(text)) == len(tokenizer.encode(text))
+
+    assert accepts('{"a":[-9000000000,{"b":[0.5,null,true,"x",{}]}]}')
+    assert accepts('{"a":[123456789012345')
+    assert not accepts('{"a":[5005571221656402272548')
+    assert not accepts('{"a":[{"b":1e5')

@@ -7,11 +7,13 @@ import pytest
 
 from oai_gemma.chat import render_chat
 from oai_gemma.chat.tools import (
+    MAX_FORCED_CALLS,
     CallDelta,
     Function,
     ParsedCall,
     ToolCallStream,
     calls_schema,
+    closed,
     parse_tool_calls,
     render_tool_calls,
     tool_prompt,
@@ -285,6 +287,42 @@ def test_forced_schema_of_one_function_accepts_exactly_its_call():
         jsonschema.validate({"name": "get_weather", "parameters": {}}, schema)
 
 
+def test_forced_schema_refuses_parameters_the_tool_does_not_declare():
+    # issue 42: JSON Schema's default (`additionalProperties` absent: any key) let the model add `":":5005571...`
+    schema = calls_schema(FUNCTIONS[:1], parallel=False)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "parameters": {"city": "Paris", ":": 5}}, schema)
+    with pytest.raises(jsonschema.ValidationError):  # a function without parameters: `{}` only
+        jsonschema.validate({"name": "f", "parameters": {"x": 1}}, calls_schema([Function("f")], parallel=False))
+
+
+def test_closed_closes_every_object_that_does_not_say_otherwise():
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "at": point, "path": {"type": "array", "items": point}, "either": {"anyOf": [point, {"type": "null"}]},
+            "tags": {"type": "object", "additionalProperties": {"type": "string"}}, "free": {"type": "object", "additionalProperties": True},
+            "properties": {"type": "object"},  # a parameter named like a keyword is a parameter
+            "both": {"allOf": [point, {"properties": {"y": {"type": "integer"}}}]},
+            "ref": {"$ref": "#/$defs/point"},
+            "kind": {"enum": [{"type": "object"}]},  # data, not a schema: untouched
+        },
+        "$defs": {"point": point},
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["at"]["additionalProperties"] is False and props["path"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["tags"]["additionalProperties"] == {"type": "string"} and props["free"]["additionalProperties"] is True
+    assert props["properties"] == {"type": "object", "additionalProperties": False}
+    assert all("additionalProperties" not in member for member in props["both"]["allOf"])  # each sees its own only
+    assert "additionalProperties" not in props["ref"] and out["$defs"]["point"]["additionalProperties"] is False
+    assert props["kind"] == {"enum": [{"type": "object"}]} and "additionalProperties" not in schema  # the declared one unchanged
+    jsonschema.validate({"both": {"x": 1, "y": 2}, "free": {"any": [1]}}, out)
+
+
 def test_forced_schema_with_parallel_is_a_non_empty_list_of_any_tool_call():
     schema = calls_schema(FUNCTIONS, parallel=True)
     answer = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "add", "parameters": {"a": 1, "b": 2}}]
@@ -292,3 +330,5 @@ def test_forced_schema_with_parallel_is_a_non_empty_list_of_any_tool_call():
     assert parse_tool_calls(json.dumps(answer), NAMES) == [WEATHER, ADD]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], schema)
+    with pytest.raises(jsonschema.ValidationError):  # a looping list ends: at most MAX_FORCED_CALLS calls
+        jsonschema.validate([answer[0]] * (MAX_FORCED_CALLS + 1), schema)

@@ -20,15 +20,19 @@ from typing import Any
 
 import msgspec
 
+from ..engine.sampling.json_document import map_subschemas, schema_types
 from .messages import ToolCall
 from .tool_parser import CallDelta, ParsedCall, ToolCallStream, parse_tool_calls
 
 __all__ = [
-    "CallDelta", "Function", "ParsedCall", "ToolCallStream", "calls_schema", "parse_tool_calls", "render_tool_calls",
+    "CallDelta", "Function", "ParsedCall", "ToolCallStream", "calls_schema", "closed", "parse_tool_calls", "render_tool_calls",
     "render_tool_result", "tool_prompt", "ToolPlan",
 ]
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_COMPOSED = frozenset({"allOf", "anyOf", "oneOf", "$ref"})
+MAX_FORCED_CALLS = 16
+"""The most calls one forced answer holds (OpenAI states no limit; 16 keeps a looping list within 1024 tokens)."""
 
 
 @dataclass(frozen=True)
@@ -167,18 +171,32 @@ def calls_schema(functions: list[Function], *, parallel: bool) -> dict:
     """The JSON schema of the answers that are calls of `functions`, in the prompt's format.
 
     One function (a named `tool_choice`): that call. Several (`required`): any one of them. With `parallel`, a
-    non-empty list of such calls.
+    list of 1 to MAX_FORCED_CALLS such calls (a small model would otherwise repeat calls until the budget ends).
     """
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": f.name}, "parameters": f.parameters or EMPTY_PARAMETERS},
+            "properties": {"name": {"const": f.name}, "parameters": closed(f.parameters or EMPTY_PARAMETERS)},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
         for f in functions
     ]
     call = options[0] if len(options) == 1 else {"anyOf": options}
-    return {"type": "array", "items": call, "minItems": 1} if parallel else call
+    return {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_FORCED_CALLS} if parallel else call
 
 
+def closed(schema):
+    """A copy of a `parameters` schema in which every object that does not say `additionalProperties` has it
+    false: a forced call holds to the parameters its tool declares (JSON Schema's default would let a small model
+    add any key, with any value, without end). Objects whose properties come from a sibling `allOf`, `anyOf`,
+    `oneOf` or `$ref`, and the members of an `allOf` (each sees only its own properties), are left as declared."""
+    if not isinstance(schema, dict):
+        return schema
+    out = map_subschemas(schema, closed)
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [map_subschemas(sub, closed) if isinstance(sub, dict) else sub for sub in schema["allOf"]]
+    is_object = "object" in schema_types(out) or "properties" in out
+    if is_object and "additionalProperties" not in out and not _COMPOSED & set(out):
+        out["additionalProperties"] = False
+    return out

@@ -7,7 +7,8 @@ again and again, or digits without end) until `max_tokens` cuts the document and
 * `bound_numbers(schema)` gives every integer without bounds the range +-9e18 (inside 64 bits; llguidance
   cannot build the exact int64 range) and every number without bounds the range +-1e15 in steps of 1e-9 (at
   most 16 integer and 9 decimal digits, no exponent): what JSON Schema leaves unbounded, bounded where a user
-  would hardly notice.
+  would hardly notice. A value of any type (`{}`, `true`, the values of an object without `additionalProperties`,
+  the items of an array without `items`) is any JSON whose numbers are so bounded (`ANY_VALUE`).
 * `DocumentMatcher` wraps a sequence's llguidance matcher. It follows the text with a `JsonCursor` (open
   containers, string or not, the keys of each open object) and, each step, says which tokens it bans (those
   that would close a key the object already has) and which token it forces (once the budget left is within
@@ -28,8 +29,18 @@ import torch
 INTEGER_BOUND = 9 * 10**18
 NUMBER_BOUND = 1e15
 NUMBER_STEP = 1e-9
-_NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "default", "examples", "example", "deprecated", "readOnly", "writeOnly"})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems")
+"""Where a schema holds the schemas of the values it generates (never `enum`'s data, nor `not`, whose `{}` forbids)."""
+_ANY_REF = {"$ref": "#/$defs/oai_gemma_any"}
+ANY_VALUE = {
+    "type": ["null", "boolean", "string", "number", "array", "object"],
+    "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND, "multipleOf": NUMBER_STEP,
+    "items": _ANY_REF, "additionalProperties": _ANY_REF,
+}
+"""Any JSON value, its numbers bounded as an unbounded `number`'s (llguidance's own any-value has unbounded ones)."""
 
 CLOSING_MARGIN = 8
 """Tokens of slack when a document starts closing: one sampled token can deepen the document by a few levels
@@ -52,21 +63,51 @@ _CLOSING_TEXTS = {
 }
 
 
-def bound_numbers(schema):
-    """A copy of `schema` where integers and numbers without bounds get the module's bounds (see above)."""
-    if isinstance(schema, list):
-        return [bound_numbers(item) for item in schema]
+def map_subschemas(schema: dict, f) -> dict:
+    """A copy of `schema` with `f` applied to each schema of a value it generates (`_SCHEMA_VALUES` and co.)."""
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: f(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [f(sub) for sub in out[key]]
+    for key in _SCHEMA_VALUES:
+        if key in out:
+            out[key] = [f(sub) for sub in out[key]] if isinstance(out[key], list) else f(out[key])
+    return out
+
+
+def schema_types(schema: dict) -> set[str]:
+    kinds = schema.get("type")
+    return {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+
+
+def bound_numbers(schema: dict) -> dict:
+    """A copy of `schema` where integers and numbers without bounds, also inside values of any type, get the
+    module's bounds (see above)."""
+    out = _bounded(schema)
+    defs = out.get("$defs") if isinstance(out.get("$defs"), dict) else {}
+    return {**out, "$defs": {**defs, "oai_gemma_any": ANY_VALUE}}
+
+
+def _bounded(schema):
+    if schema is True or (isinstance(schema, dict) and not set(schema) - _ANNOTATIONS):
+        return dict(_ANY_REF)
     if not isinstance(schema, dict):
         return schema
-    out = {key: value if key in _DATA_KEYWORDS else bound_numbers(value) for key, value in schema.items()}
-    kinds = out.get("type")
-    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    out = map_subschemas(schema, _bounded)
+    kinds = schema_types(out)
     if "number" in kinds:
         _bound(out, NUMBER_BOUND)
         if "multipleOf" not in out:
             out["multipleOf"] = NUMBER_STEP
     elif "integer" in kinds:
         _bound(out, INTEGER_BOUND)
+    if ("object" in kinds or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = dict(_ANY_REF)  # JSON Schema's default, `true`, with bounded numbers
+    if "array" in kinds and "items" not in out:
+        out["items"] = dict(_ANY_REF)
     return out
 
 
