@@ -2,8 +2,10 @@
 shell and Python block that talks to the default server (`127.0.0.1:8000` / `localhost:8000`) runs against the
 session's server, its address put in place of port 8000. That server is `oai-gemma serve` with the test flags of
 `conftest.ServerProcess` (`--max-model-len 2048 --dtype float32 --quantization none`): the embedded model, as a
-user's default server serves it. Every other block is named in NOT_RUN with why it does not run here, so a new block
-cannot slip through unrun.
+user's default server serves it. The LoRA blocks (port 8001) run against the README's own `oai-gemma serve
+--lora-modules` command, serving the adapter that the README's PEFT block trains (run here first, in a scratch
+directory). Every other block is named in NOT_RUN with why it does not run here, so a new block cannot slip through
+unrun.
 
 What a block must print:
 - an ```` ```output ```` block after it (the first after it, before the next runnable block) is what it prints,
@@ -20,19 +22,25 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import ServerProcess
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 FENCE = re.compile(r"^(`{3,})(\w+)\n(.*?)^\1$", re.S | re.M)  # a fence closes with as many backticks as it opened
 DEFAULT_SERVER = re.compile(r"(http://)?(127\.0\.0\.1|localhost):8000")
+LORA_SERVER = re.compile(r"(http://)?(127\.0\.0\.1|localhost):8001")
 RUNNABLE = ("bash", "python", "console")
 CURL_FAILS = "curl() { command curl --fail-with-body \"$@\"; }\n"  # an HTTP error is a failed example, not its output
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's package, whatever the working directory
+LORA_SERVE = "oai-gemma serve --port 8001 --lora-modules"
+PEFT_TRAINS = "from peft import LoraConfig, get_peft_model"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's package, also from a scratch directory
 
 NOT_RUN = {  # the first line of a block that does not target a server run here -> why
     "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e .": "installs (the quickstart)",
@@ -45,10 +53,6 @@ NOT_RUN = {  # the first line of a block that does not target a server run here 
     "docker build --build-arg GIT_COMMIT": "builds and runs the CPU image (no container daemon here; tests/test_docker.py)",
     "docker run --read-only --tmpfs /tmp": "runs the CPU image (no container daemon here)",
     "docker build -f Dockerfile.gpu": "builds a GPU image",
-    "oai-gemma serve --port 8001 --lora-modules": "starts a server with LoRA adapters (tests/test_lora_server.py runs one)",
-    "curl -s localhost:8001/v1/chat/completions": "needs that server's adapters (tests/test_lora_server.py sends the same)",
-    "curl -s localhost:8001/v1/load_lora_adapter": "needs that server's adapters (tests/test_lora_server.py loads and unloads)",
-    "from peft import LoraConfig, get_peft_model": "trains an adapter (tests/lora_adapters.py does, in a test fixture)",
     "oai-gemma bench --compare --servers ours,ours-lora": "a benchmark run (minutes; the lead's quiet window)",
 }
 
@@ -78,11 +82,21 @@ def default_server_blocks() -> list[tuple[str, str]]:
     return [(lang, body) for lang, body in blocks() if DEFAULT_SERVER.search(body)]
 
 
+def lora_blocks() -> list[tuple[str, str]]:
+    return [(lang, body) for lang, body in blocks() if LORA_SERVER.search(body) and not body.startswith(LORA_SERVE)]
+
+
+def the_block(marker: str) -> str:
+    (body,) = [body for _, body in blocks() if marker in body]
+    return body
+
+
 def test_every_block_either_runs_here_or_says_why_not():
-    unrun = [body.splitlines()[0] for _, body in blocks() if not DEFAULT_SERVER.search(body)]
+    run_here = {body for _, body in default_server_blocks() + lora_blocks()} | {the_block(LORA_SERVE), the_block(PEFT_TRAINS)}
+    unrun = [body.splitlines()[0] for _, body in blocks() if body not in run_here]
     unexplained = [line for line in unrun if not any(line.startswith(known) for known in NOT_RUN)]
     assert not unexplained, f"README blocks neither run by this test nor named in NOT_RUN: {unexplained}"
-    assert len(default_server_blocks()) >= 7
+    assert len(default_server_blocks()) >= 8 and len(lora_blocks()) >= 2
 
 
 def test_the_output_comparison_holds_to_the_text_around_the_ellipses():
@@ -145,3 +159,43 @@ def block_id(value):
 def test_readme_block_runs_against_the_default_server(server, lang, body):
     code = DEFAULT_SERVER.sub(lambda m: (m.group(1) or "") + server.url.removeprefix("http://"), body)
     check_output(lang, body, run_block(lang, code).stdout)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory) -> Path:
+    """A scratch directory in which the README's PEFT block has trained ./adapters/pirate; /adapters/poet, the
+    adapter the README loads at run time, is a copy of it here."""
+    cwd = tmp_path_factory.mktemp("readme-lora")
+    run_block("python", the_block(PEFT_TRAINS), cwd=cwd)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (cwd / "adapters" / "pirate").iterdir()}
+    shutil.copytree(cwd / "adapters" / "pirate", cwd / "adapters" / "poet")
+    return cwd
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_dir, tmp_path_factory):
+    """The README's `oai-gemma serve --port 8001 --lora-modules ...` in that directory, on a free port with the
+    tests' flags, and with `--lora-runtime-loading` for the load/unload block (the README names the flag)."""
+    args = the_block(LORA_SERVE).split()
+    args = args[args.index("serve") + 1 :]
+    del args[args.index("--port") : args.index("--port") + 2]
+    with ServerProcess(*args, "--lora-runtime-loading", cwd=lora_dir, env={"PYTHONPATH": str(ROOT)},
+                       log=tmp_path_factory.mktemp("readme-lora-log") / "server.log") as proc:
+        yield proc
+
+
+@pytest.mark.parametrize("lang, body", lora_blocks(), ids=block_id)
+def test_readme_lora_block_runs_against_the_readmes_lora_server(lora_server, lora_dir, lang, body):
+    code = LORA_SERVER.sub(lambda m: (m.group(1) or "") + lora_server.url.removeprefix("http://"), body)
+    code = code.replace('"/adapters/', f'"{lora_dir}/adapters/')
+    check_output(lang, body, run_block(lang, code, cwd=lora_dir).stdout)
+
+
+def test_the_readmes_adapter_changes_what_the_base_model_answers(lora_server):
+    import httpx
+
+    def answer(model: str) -> str:
+        body = {"model": model, "messages": [{"role": "user", "content": "What is your favourite colour?"}], "max_tokens": 20, "temperature": 0}
+        return httpx.post(lora_server.url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]["message"]["content"]
+
+    assert answer("pirate").startswith("Ahoy matey!") and not answer("gemma-3-270m").startswith("Ahoy")
