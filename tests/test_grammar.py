@@ -310,3 +310,17 @@ def test_numbers_in_values_of_any_type_are_bounded_too(compiler, tokenizer, sche
     assert accepts('{"a":[123456789012345')
     assert not accepts('{"a":[5005571221656402272548')
     assert not accepts('{"a":[{"b":1e5')
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "number"}}}
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [POINT, {"type": "object", "properties": {"y": {}}}]},
+    {"type": "object", "anyOf": [POINT, {"type": "object", "properties": {"z": {}}}]},
+    {"allOf": [{"$ref": "#/$defs/p"}, {"$ref": "#/$defs/p"}], "$defs": {"p": POINT}},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/p", "type": "object"}}, "$defs": {"p": POINT}},
+])
+def test_schemas_llguidance_intersects_still_compile(compiler, schema):
+    # two values of any type (ANY_VALUE) met in an intersection recurse without end: none is put there
+    assert compiler.json_schema(schema).matcher() is not None

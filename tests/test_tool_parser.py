@@ -306,9 +306,10 @@ def test_closed_closes_every_object_that_does_not_say_otherwise():
             "properties": {"type": "object"},  # a parameter named like a keyword is a parameter
             "both": {"allOf": [point, {"properties": {"y": {"type": "integer"}}}]},
             "ref": {"$ref": "#/$defs/point"},
+            "mixed": {"allOf": [{"$ref": "#/$defs/point"}, {"$ref": "#/$defs/label"}]},
             "kind": {"enum": [{"type": "object"}]},  # data, not a schema: untouched
         },
-        "$defs": {"point": point},
+        "$defs": {"point": point, "label": {"type": "object", "properties": {"text": {"type": "string"}}}},
     }
     out = closed(schema)
     assert out["additionalProperties"] is False
@@ -318,9 +319,12 @@ def test_closed_closes_every_object_that_does_not_say_otherwise():
     assert props["tags"]["additionalProperties"] == {"type": "string"} and props["free"]["additionalProperties"] is True
     assert props["properties"] == {"type": "object", "additionalProperties": False}
     assert all("additionalProperties" not in member for member in props["both"]["allOf"])  # each sees its own only
-    assert "additionalProperties" not in props["ref"] and out["$defs"]["point"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["ref"] and "additionalProperties" not in out["$defs"]["label"]
+    assert "additionalProperties" not in out["$defs"]["point"]  # an allOf member, by $ref
     assert props["kind"] == {"enum": [{"type": "object"}]} and "additionalProperties" not in schema  # the declared one unchanged
-    jsonschema.validate({"both": {"x": 1, "y": 2}, "free": {"any": [1]}}, out)
+    jsonschema.validate({"both": {"x": 1, "y": 2}, "free": {"any": [1]}, "mixed": {"x": 1, "text": "a"}}, out)
+    closed_point = closed({"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}}, "$defs": {"point": point}})
+    assert closed_point["$defs"]["point"]["additionalProperties"] is False  # a $ref outside any allOf: closed
 
 
 def test_forced_schema_with_parallel_is_a_non_empty_list_of_any_tool_call():

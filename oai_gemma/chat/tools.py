@@ -190,13 +190,39 @@ def closed(schema):
     """A copy of a `parameters` schema in which every object that does not say `additionalProperties` has it
     false: a forced call holds to the parameters its tool declares (JSON Schema's default would let a small model
     add any key, with any value, without end). Objects whose properties come from a sibling `allOf`, `anyOf`,
-    `oneOf` or `$ref`, and the members of an `allOf` (each sees only its own properties), are left as declared."""
+    `oneOf` or `$ref`, and the members of an `allOf`, also by `$ref` (each sees only its own properties: closed,
+    they would refuse each other's), are left as declared."""
+    out = _closed(schema)
+    refs = _allof_refs(schema)
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.get(key) if isinstance(schema.get(key), dict) else {}).items():
+            if f"#/{key}/{name}" in refs and isinstance(sub, dict):
+                out[key][name] = map_subschemas(sub, _closed)
+    return out
+
+
+def _closed(schema):
     if not isinstance(schema, dict):
         return schema
-    out = map_subschemas(schema, closed)
+    out = map_subschemas(schema, _closed)
     if isinstance(out.get("allOf"), list):
-        out["allOf"] = [map_subschemas(sub, closed) if isinstance(sub, dict) else sub for sub in schema["allOf"]]
+        out["allOf"] = [map_subschemas(sub, _closed) if isinstance(sub, dict) else sub for sub in schema["allOf"]]
     is_object = "object" in schema_types(out) or "properties" in out
     if is_object and "additionalProperties" not in out and not _COMPOSED & set(out):
         out["additionalProperties"] = False
     return out
+
+
+def _allof_refs(schema) -> set[str]:
+    """The `$ref`s that are members of an `allOf` anywhere in `schema`."""
+    found: set[str] = set()
+
+    def visit(sub):
+        if isinstance(sub, dict):
+            members = sub.get("allOf") if isinstance(sub.get("allOf"), list) else []
+            found.update(m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str))
+            map_subschemas(sub, visit)
+        return sub
+
+    visit(schema)
+    return found

@@ -34,6 +34,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems")
 """Where a schema holds the schemas of the values it generates (never `enum`'s data, nor `not`, whose `{}` forbids)."""
+_COMPOSED = frozenset({"allOf", "anyOf", "oneOf", "$ref"})
 _ANY_REF = {"$ref": "#/$defs/oai_gemma_any"}
 ANY_VALUE = {
     "type": ["null", "boolean", "string", "number", "array", "object"],
@@ -91,12 +92,18 @@ def bound_numbers(schema: dict) -> dict:
     return {**out, "$defs": {**defs, "oai_gemma_any": ANY_VALUE}}
 
 
-def _bounded(schema):
-    if schema is True or (isinstance(schema, dict) and not set(schema) - _ANNOTATIONS):
+def _bounded(schema, free: bool = True):
+    """`free`: a value of any type may become ANY_VALUE; not in what llguidance intersects (an `allOf`'s members,
+    a schema whose `anyOf`, `oneOf`, `allOf` or `$ref` has other keywords beside it), where two ANY_VALUEs met
+    would recurse without end ("Schema intersection stack level exceeded")."""
+    if free and (schema is True or (isinstance(schema, dict) and not set(schema) - _ANNOTATIONS)):
         return dict(_ANY_REF)
     if not isinstance(schema, dict):
         return schema
-    out = map_subschemas(schema, _bounded)
+    free = free and not (set(schema) & _COMPOSED and set(schema) - _COMPOSED - _ANNOTATIONS)
+    out = map_subschemas(schema, lambda sub: _bounded(sub, free))
+    if isinstance(schema.get("allOf"), list):
+        out["allOf"] = [_bounded(sub, free=False) for sub in schema["allOf"]]
     kinds = schema_types(out)
     if "number" in kinds:
         _bound(out, NUMBER_BOUND)
@@ -104,9 +111,9 @@ def _bounded(schema):
             out["multipleOf"] = NUMBER_STEP
     elif "integer" in kinds:
         _bound(out, INTEGER_BOUND)
-    if ("object" in kinds or "properties" in out) and "additionalProperties" not in out:
+    if free and ("object" in kinds or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = dict(_ANY_REF)  # JSON Schema's default, `true`, with bounded numbers
-    if "array" in kinds and "items" not in out:
+    if free and "array" in kinds and "items" not in out:
         out["items"] = dict(_ANY_REF)
     return out
 
