@@ -142,3 +142,15 @@ def _reason(health: httpx.Response) -> str | None:
         return health.json().get("reason")
     except (ValueError, AttributeError):
         return None
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's in-process model work: the tests share the machine with the servers (and one
+    is fast enough for the small models they build)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,12 +24,7 @@ SMALL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, he
 SMALL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_1b_config_is_the_published_one():

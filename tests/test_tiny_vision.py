@@ -24,13 +24,7 @@ EOI = tiny_vision.EOI_TOKEN_ID
 TEXT_VOCAB = 262_144
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the tests share the machine; one thread keeps them light (and is fast enough for a 270m model)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
