@@ -151,11 +151,13 @@ def check_sse(out: str) -> None:
     assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks).strip()
 
 
-def block_id(value):
-    return value.splitlines()[0][:40] if "\n" in value else value
+def ids(blocks: list[tuple[str, str]]) -> list[str]:
+    """`README.md:<line>` of each block (where to look when one fails), and its first words."""
+    text = README.read_text()
+    return [f"README.md:{text[: text.index(body)].count(chr(10))}-{body.splitlines()[0][:30]}" for _, body in blocks]
 
 
-@pytest.mark.parametrize("lang, body", default_server_blocks(), ids=block_id)
+@pytest.mark.parametrize("lang, body", default_server_blocks(), ids=ids(default_server_blocks()))
 def test_readme_block_runs_against_the_default_server(server, lang, body):
     code = DEFAULT_SERVER.sub(lambda m: (m.group(1) or "") + server.url.removeprefix("http://"), body)
     check_output(lang, body, run_block(lang, code).stdout)
@@ -184,7 +186,7 @@ def lora_server(lora_dir, tmp_path_factory):
         yield proc
 
 
-@pytest.mark.parametrize("lang, body", lora_blocks(), ids=block_id)
+@pytest.mark.parametrize("lang, body", lora_blocks(), ids=ids(lora_blocks()))
 def test_readme_lora_block_runs_against_the_readmes_lora_server(lora_server, lora_dir, lang, body):
     code = LORA_SERVER.sub(lambda m: (m.group(1) or "") + lora_server.url.removeprefix("http://"), body)
     code = code.replace('"/adapters/', f'"{lora_dir}/adapters/')
