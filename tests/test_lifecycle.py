@@ -102,9 +102,10 @@ class Shutdown:
 
     def __init__(self, tmp_path_factory):
         log = tmp_path_factory.mktemp("logs") / "shutdown-server.log"
-        self.server = ServerProcess(env={"OAI_GEMMA_SERVER__SHUTDOWN_GRACE": "2"}, log=log).__enter__()
+        # a grace a short stream finishes within on a slow 2-core CPU (float32 on AVX2), the long one (1,500 tokens) not
+        self.server = ServerProcess(env={"OAI_GEMMA_SERVER__SHUTDOWN_GRACE": "8"}, log=log).__enter__()
         self.streams: dict[str, list] = {}
-        short = {**LONG, "max_tokens": 20, "stream": True}
+        short = {**LONG, "max_tokens": 10, "stream": True}
         long = {**LONG, "stream": True}
         started = [threading.Event(), threading.Event()]
         threads = [
