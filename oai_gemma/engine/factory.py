@@ -28,7 +28,7 @@ def load_engine(settings: Settings) -> Engine:
     log.info("%s", version_line())
     log.info("start-up: %s; /health answers 503 until ready", start_plan(settings.model))
     started = time.monotonic()
-    loaded = load(settings.model, lean=True)  # transformers' modules only where lean.py cannot build the model
+    loaded = load(settings.model, lean=True, stream=True)  # the text weights read later, one tensor at a time
     loaded_at = time.monotonic()
     engine = Engine.from_settings(loaded, settings, own_weights=True)  # nothing else uses this model: one copy of its weights
     log.info("CPU kernels: torch %s, native %s", provenance()["cpu_capability"], engine.kernel_isa)
