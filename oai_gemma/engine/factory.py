@@ -31,6 +31,7 @@ def load_engine(settings: Settings) -> Engine:
     loaded = load(settings.model, lean=True, stream=True)  # the text weights read later, one tensor at a time
     loaded_at = time.monotonic()
     engine = Engine.from_settings(loaded, settings, own_weights=True)  # nothing else uses this model: one copy of its weights
+    loaded_peak = resident_bytes("VmHWM")
     log.info("CPU kernels: torch %s, native %s", provenance()["cpu_capability"], engine.kernel_isa)
     built_at = time.monotonic()
     log.info("warm-up: running every step shape once, so no request pays for it")
@@ -48,8 +49,9 @@ def load_engine(settings: Settings) -> Engine:
     total, weights, kv = resident_bytes(), engine.weight_bytes, runner.cache.resident_bytes()
     log.info(
         "resident memory: %.0f MB (weights %.0f, KV cache %.0f of %.0f allocated, other %.0f: runtime, tokenizer, "
-        "grammar, activations); weights quantized: %s", total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB,
-        (total - weights - kv) / MB, runner.quantization,
+        "grammar, activations); weights quantized: %s; peak %.0f MB while loading, %.0f MB by the end of warm-up",
+        total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB, (total - weights - kv) / MB, runner.quantization,
+        loaded_peak / MB, resident_bytes("VmHWM") / MB,
     )
     return engine
 

@@ -46,6 +46,9 @@ KERNEL_ROWS = 128
 """Below this many rows `NativeInt8Linear` runs its kernel; from it on (a prefill chunk) the weight is dequantized
 for the call and oneDNN multiplies (measured, 2048 x 640 gate: 64 rows 0.85 vs 1.37 ms, 128 rows 2.19 vs 1.66 ms
 with AVX512's oneDNN; with AVX2's 2.05 vs 3.46 ms)."""
+DEQUANTIZE_BYTES = 16 << 20
+"""A prefill chunk dequantizes a weight in tiles of about this many bytes of float32 (the 1B's 262k-row lm_head whole
+would be 1.2 GB; a 6912 x 1152 projection is 32 MB)."""
 FORMAT = 2
 """The stored layout's version, part of the model cache's file name (2: float32 int8 as [N/8, K, 8])."""
 
@@ -171,14 +174,28 @@ class NativeInt8Linear(RowsQuantized):
         n, k = q.shape
         return q.view(n // 8, 8, k).transpose(1, 2)
 
-    def dequantized(self) -> torch.Tensor:
-        groups, k, _ = self.packed.shape
-        return self.packed.transpose(1, 2).reshape(groups * 8, k).float() * self.scale[:, None]
+    def dequantized(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Output channels lo..hi (multiples of GROUP; all by default) in float32."""
+        hi = self.scale.numel() if hi is None else hi
+        return self.unpack(self.packed[lo // self.GROUP : hi // self.GROUP]).float() * self.scale[lo:hi, None]
+
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        groups, k, _ = packed.shape
+        return packed.transpose(1, 2).reshape(groups * 8, k)
+
+    def dequantized_call(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """A prefill chunk: dequantizing beats the kernel there, a tile of about DEQUANTIZE_BYTES of output channels
+        at a time (one copy of each weight: the float32 tile is the only other, issue 37)."""
+        x, n = x.float(), self.scale.numel()
+        step = max(self.GROUP, DEQUANTIZE_BYTES // (4 * x.shape[1]) // self.GROUP * self.GROUP)
+        parts = [F.linear(x, self.dequantized(lo, min(n, lo + step))).to(out_dtype) for lo in range(0, n, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x [M, K] float32 or bf16 (widened in the kernel) -> [M, N] in `out_dtype` (float32 or bf16)."""
-        if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized once beats the kernel
-            return F.linear(x.float(), self.dequantized()).to(out_dtype)
+        if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized beats the kernel
+            return self.dequantized_call(x, out_dtype)
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
@@ -207,13 +224,14 @@ class NativeQ8Linear(NativeInt8Linear):
         n, k = q.shape
         return q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)
 
-    def dequantized(self) -> torch.Tensor:
-        groups, quads, _, _ = self.packed.shape
-        return self.packed.permute(0, 2, 1, 3).reshape(groups * 16, quads * 4).float() * self.scale[:, None]
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        groups, quads, _, _ = packed.shape
+        return packed.permute(0, 2, 1, 3).reshape(groups * 16, quads * 4)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if x.shape[0] >= KERNEL_ROWS:
-            return F.linear(x.float(), self.dequantized()).to(out_dtype)
+            return self.dequantized_call(x, out_dtype)
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
