@@ -19,7 +19,7 @@ from oai_gemma.engine.model.layout import Layout, TensorFile
 from oai_gemma.engine.model.loader import embedded_model_dir, load
 from oai_gemma.engine.model.streamed import from_safetensors
 from oai_gemma.engine.model.weights import PROJECTIONS, from_modules
-from oai_gemma.engine.model.linear import FrozenLinear
+from oai_gemma.engine.ops.linear import FrozenLinear
 from oai_gemma.engine.shape import Gemma3Shape
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .linear import FrozenLinear
-from .quantized import PerStepLinear, linear_for
+from ..ops.linear import FrozenLinear
+from ..ops.quantized import PerStepLinear, linear_for
 from .mapped import read_header
 
 log = logging.getLogger("oai_gemma.engine")

@@ -25,8 +25,8 @@ from .lean import Rotary
 from .loader import LoadedModel
 from .streamed import from_safetensors
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
-from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
-from .linear import call_linear
+from ..ops.invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
+from ..ops.linear import call_linear
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import FULL, SLIDING, Gemma3Shape
 from ..config import ConfigError, EngineConfig
