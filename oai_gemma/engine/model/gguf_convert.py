@@ -138,25 +138,31 @@ def write_safetensors(path: Path, planned: list[Planned], progress: Callable[[in
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     total, done = sum(item.source.nbytes for item in planned), 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        progress(done, total)
+
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(encoded)) + encoded)
         for item in planned:
-            _write_tensor(out, item)
-            done += item.source.nbytes
-            progress(done, total)
+            _write_tensor(out, item, advance)
 
 
-def _write_tensor(out, item: Planned) -> None:
+def _write_tensor(out, item: Planned, advance: Callable[[int], None]) -> None:
     source = item.source
     rows = source.shape[0] if len(source.shape) > 1 else 1
     if source.kind in SAFETENSORS and not item.shift and SAFETENSORS[source.kind] == item.dtype:
         out.write(item.file.raw(source).tobytes())  # stored as it will be: copied, no float detour
+        advance(source.nbytes)
     else:
         width = int(np.prod(source.shape[1:], dtype=np.int64)) if rows > 1 else source.shape[0]
         step = max(1, CHUNK_BYTES // (4 * width))
         for first in range(0, rows, step):
             values = item.file.rows(source, first, min(rows, first + step)) + np.float32(item.shift)
             out.write(_encode(values.astype(np.float32, copy=False), item.dtype))
+            advance((min(rows, first + step) - first) * (source.nbytes // rows))
     if item.rows > rows and len(source.shape) > 1:  # the vocabulary's missing rows
         width = int(np.prod(source.shape[1:], dtype=np.int64)) * (4 if item.dtype == "F32" else 2)
         out.write(bytes(width * (item.rows - rows)))
