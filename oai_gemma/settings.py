@@ -248,13 +248,13 @@ def model_source_problem(source: str, mmproj: str = "") -> str | None:
         return (f"--mmproj goes with a GGUF --model (llama.cpp's model file and its mmproj); {source} carries its "
                 "vision tower, if it has one, in its own checkpoint")
     for path, role in ((source, "model"), (mmproj, "mmproj")):
-        problem = _file_problem(path, role) if path and path != EMBEDDED else None
+        problem = _file_problem(path, role, source) if path and path != EMBEDDED else None
         if problem:
             return problem
     return None
 
 
-def _file_problem(source: str, role: str) -> str | None:
+def _file_problem(source: str, role: str, model: str) -> str | None:
     path = Path(source).expanduser()
     if not path.exists():
         looks_like_a_path = source.startswith(("/", "./", "../", "~")) or source.endswith((".gguf", ".safetensors"))
@@ -265,7 +265,7 @@ def _file_problem(source: str, role: str) -> str | None:
     if path.is_file() and (source.endswith(".gguf") or role == "mmproj"):
         from .engine.model.gguf_file import source_problem
 
-        return source_problem(str(path), role)
+        return source_problem(str(path), role, model if role == "mmproj" else "")
     return None
 
 

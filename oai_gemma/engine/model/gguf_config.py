@@ -75,6 +75,17 @@ def multimodal_vocab(rows: int, image_token: int) -> int:
     return rows if rows > image_token else -(-(image_token + 1) // VOCAB_ROUND) * VOCAB_ROUND
 
 
+def check_pair(model: GGUFFile, mmproj: GGUFFile) -> None:
+    """A GGUFError unless `mmproj` is a Gemma-3 vision tower projecting to `model`'s width."""
+    kind = mmproj.get("clip.projector_type") or mmproj.get("clip.vision.projector_type")
+    if kind != "gemma3" or not mmproj.get("clip.has_vision_encoder", True):
+        raise GGUFError(f"{mmproj.path} is a {kind!r} projector: --mmproj takes Gemma-3's (projector_type gemma3)")
+    width, hidden = mmproj.get("clip.vision.projection_dim"), model.get("gemma3.embedding_length")
+    if width != hidden:
+        raise GGUFError(f"{mmproj.path} projects images to width {width}, {model.path.name}'s hidden size is {hidden}: "
+                        "it is another model's vision tower (gemma-3-270m and 1b have none; 4b, 12b and 27b do)")
+
+
 def multimodal_config(text: dict, mmproj: GGUFFile, ids: dict[str, int]) -> dict:
     """A `Gemma3ForConditionalGeneration` config.json: `text` and a SigLIP tower from the `clip.vision.*` metadata."""
     def key(name: str, default=None):
@@ -83,14 +94,6 @@ def multimodal_config(text: dict, mmproj: GGUFFile, ids: dict[str, int]) -> dict
             raise GGUFError(f"{mmproj.path} lacks clip.vision.{name}")
         return value.item() if hasattr(value, "item") else value
 
-    kind = mmproj.get("clip.projector_type") or mmproj.get("clip.vision.projector_type")
-    if kind != "gemma3" or not mmproj.get("clip.has_vision_encoder", True):
-        raise GGUFError(f"{mmproj.path} is a {kind!r} projector: --mmproj takes Gemma-3's (projector_type gemma3)")
-    width = key("projection_dim")
-    if width != text["hidden_size"]:
-        raise GGUFError(f"{mmproj.path} projects images to width {width}, the model's hidden size is "
-                        f"{text['hidden_size']}: it is another model's vision tower (gemma-3-270m and 1b have none; "
-                        "4b, 12b and 27b do)")
     image, patch = key("image_size"), key("patch_size")
     side = image // patch // key("projector.scale_factor", 4)
     vision = {

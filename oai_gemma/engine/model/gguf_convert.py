@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_config import image_token_ids, multimodal_config, multimodal_vocab, processor_configs, text_config
+from .gguf_config import check_pair, image_token_ids, multimodal_config, multimodal_vocab, processor_configs, text_config
 from .gguf_file import BF16, F16, F32, GGUFError, GGUFFile, Tensor
 
 LAYER = {  # llama.cpp's name after `blk.N.` -> the checkpoint's after `model.layers.N.`
@@ -102,6 +102,7 @@ def plan(model: GGUFFile, mmproj: GGUFFile | None, quantized_dtype: torch.dtype)
     tied = "output.weight" not in model.tensors
     vocab, ids = embedding.shape[0], {}
     if mmproj is not None:
+        check_pair(model, mmproj)
         ids = image_token_ids(tokens)
         vocab = multimodal_vocab(vocab, ids["image_token_index"])
     config = text_config(model, vocab, tied)

@@ -80,20 +80,29 @@ class GGUFFile:
             pass
 
 
-def peek(path: str | Path, keys: int = 8) -> dict | None:
-    """The first `keys` metadata values of the file (where `general.architecture` is), or None where the file does
-    not start as a GGUF does. Milliseconds: it stops there."""
+def peek(path: str | Path, keys: int = 48) -> dict | None:
+    """The metadata values in the file's first 64 KB (`general.architecture`, the sizes: the converter writes them
+    before the vocabulary), at most `keys` of them, or None where the file does not start as a GGUF does.
+    Milliseconds: it stops there."""
     try:
         with open(path, "rb") as file:
             head = file.read(1 << 16)
-        return _read_metadata(head, keys)[0]
-    except (OSError, ValueError, struct.error, UnicodeDecodeError, IndexError, OverflowError):
+    except OSError:
         return None
+    found: dict = {}
+    try:
+        _read_metadata(head, keys, found)
+    except GGUFError:
+        if not found:
+            return None
+    except (ValueError, struct.error, UnicodeDecodeError, IndexError, OverflowError):
+        pass  # a value past the first 64 KB: what came before it is found
+    return found
 
 
-def source_problem(path: str, role: str) -> str | None:
-    """Why the file at `path` cannot be the model (`role` "model") or its vision tower ("mmproj"), where its first
-    bytes show it; None otherwise."""
+def source_problem(path: str, role: str, model: str = "") -> str | None:
+    """Why the file at `path` cannot be the model (`role` "model") or its vision tower ("mmproj", of the GGUF
+    `model`), where its first bytes show it; None otherwise."""
     head = peek(path)
     if head is None:
         return f"{path} is not a GGUF file (it does not start as one)"
@@ -102,17 +111,23 @@ def source_problem(path: str, role: str) -> str | None:
         what = "a Gemma-3 GGUF (architecture gemma3)" if role == "model" else \
             "a Gemma-3 mmproj GGUF (architecture clip: llama.cpp's `convert_hf_to_gguf.py --mmproj` output)"
         return f"{path} is a GGUF of architecture {arch!r}: --{role} takes {what}"
+    hidden = (peek(model) or {}).get("gemma3.embedding_length") if model else None
+    width = head.get("clip.vision.projection_dim")
+    if hidden is not None and width is not None and hidden != width:
+        return (f"{path} projects images to width {width}, {Path(model).name}'s hidden size is {hidden}: it is "
+                "another model's vision tower (gemma-3-270m and 1b have none; 4b, 12b and 27b do)")
     return None
 
 
-def _read_metadata(data, limit: int | None) -> tuple[dict, int, int]:
-    """(metadata, where the tensor table starts, tensor count); only the first `limit` values if given."""
+def _read_metadata(data, limit: int | None, metadata: dict | None = None) -> tuple[dict, int, int]:
+    """(metadata, where the tensor table starts, tensor count); only the first `limit` values if given, into
+    `metadata` as they are read."""
     if bytes(data[:4]) != MAGIC:
         raise GGUFError("it does not start with the GGUF magic bytes")
     version, tensor_count, count = struct.unpack_from("<IQQ", data, 4)
     if version not in (2, 3):
         raise GGUFError(f"GGUF version {version} (this reads versions 2 and 3)")
-    position, metadata = 24, {}
+    position, metadata = 24, {} if metadata is None else metadata
     for _ in range(count if limit is None else min(count, limit)):
         key, position = _string(data, position)
         kind = struct.unpack_from("<I", data, position)[0]
