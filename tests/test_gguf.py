@@ -116,6 +116,17 @@ def test_the_test_vocabulary_is_the_embedded_models_so_its_tokenizer_comes_from_
     assert ours.tensors["blk.1.ffn_up.weight"].kind == Q.Q8_0 and ours.tensors["token_embd.weight"].kind == Q.F16
 
 
+def test_the_conversion_counts_its_progress_up_to_the_whole(text_model, tmp_path):
+    """(The converted directories' Phase lines say how far it got: engine/model/gguf_source.py.)"""
+    from oai_gemma.engine.model.gguf_convert import convert
+
+    seen = []
+    gguf_file, _ = convert(text_model[1], None, tmp_path, progress=lambda done, total: seen.append((done, total)))
+    gguf_file.close()
+    total = seen[-1][1]
+    assert len(seen) > 10 and seen[-1][0] == total and [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
 def test_a_text_gguf_computes_what_the_model_it_was_made_from_does(cache, text_model):
     from oai_gemma.engine.model.lean_config import model_config
 
