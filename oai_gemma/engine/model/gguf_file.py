@@ -58,12 +58,12 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
     def raw(self, tensor: Tensor) -> np.ndarray:
-        """The tensor's bytes, one row per output row: (rows, bytes per row)."""
-        rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
+        """The tensor's bytes, a row per index of its first dimension (a 1-D tensor: one row): (rows, bytes)."""
+        rows = tensor.shape[0] if len(tensor.shape) > 1 else 1
         return np.frombuffer(self._map, np.uint8, tensor.nbytes, tensor.start).reshape(rows, -1)
 
     def rows(self, tensor: Tensor, first: int, last: int) -> np.ndarray:
-        """Rows `first:last` of the tensor (flattened to 2-D) as float32."""
+        """Rows `first:last` of the tensor (as `raw` cuts it) as float32, each row flat."""
         from gguf.quants import dequantize
 
         chunk = self.raw(tensor)[first:last]
@@ -71,7 +71,7 @@ class GGUFFile:
             return chunk.view("<f4")
         if tensor.kind == F16:
             return chunk.view("<f2").astype(np.float32)
-        return dequantize(chunk, tensor.kind)
+        return dequantize(chunk, tensor.kind).reshape(len(chunk), -1)
 
     def close(self) -> None:
         try:
