@@ -129,3 +129,4 @@ def _drop_orphans(directory: Path) -> None:
         if any(not Path(source["path"]).exists() for source in sources):
             log.info("dropping %s: its GGUF is gone", entry)
             shutil.rmtree(entry, ignore_errors=True)
+            (directory / f".{entry.name}.lock").unlink(missing_ok=True)
