@@ -153,7 +153,7 @@ def test_layer_functions_compile_as_one_graph_each(runners):
     """torch.compile(fullgraph=True) must trace them without a graph break (checked with the eager backend)."""
     static = runners[1].static
     w = static.weights[0]
-    hidden = torch.randn(2, runners[1].config.hidden_size)
+    hidden = torch.randn(2, runners[1].text_shape.hidden)
     cos, sin = (t[:2][:, None, :] for t in static.rope[runners[1].layer_types[0], torch.device("cpu")])
     pre = torch.compile(pre_attention, backend="eager", fullgraph=True)
     post = torch.compile(post_attention, backend="eager", fullgraph=True)
