@@ -20,6 +20,20 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 MODEL = "gemma-3-270m"
 MAX_MODEL_LEN = 2048
 LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log"))
+FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
+"""`ServerProcess(..., launcher=FAULT_SERVER)`: a server with the faults of tests/fault_server.py."""
+NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": "0"}
+"""A shared, busy CPU can take minutes over a prefill: for tests that are not about request timeouts."""
+
+
+def wait_for(condition, timeout: float) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def free_port() -> int:

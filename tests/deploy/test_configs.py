@@ -8,7 +8,7 @@ import pytest
 
 from oai_gemma.settings import EMBEDDED, load_settings
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROFILES = sorted(CONFIGS.glob("*.toml"))
 HF_CONFIGS = sorted(CONFIGS.glob("hf/*/config.json"))
 

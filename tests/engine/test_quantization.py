@@ -28,7 +28,7 @@ from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import EngineSettings, ModelSettings, Settings
 
-TEXT = (Path(__file__).parent / "data" / "apache-2.0.txt").read_text()
+TEXT = (Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt").read_text()
 BOUNDS = {"int8": 1.01, "int4": 1.05}
 BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 needs_bf16 = pytest.mark.skipif(

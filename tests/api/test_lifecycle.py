@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MODEL, ServerProcess, user
+from conftest import MODEL, ServerProcess, user, wait_for
 from openai_schema import validate
 
 LONG = {"model": MODEL, "messages": user("Write a very long story."), "max_tokens": 1500, "ignore_eos": True}
@@ -22,15 +22,6 @@ def sse_events(lines) -> list:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def running(url: str) -> int:

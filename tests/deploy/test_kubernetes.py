@@ -15,7 +15,7 @@ from kustomize_lite import render
 from oai_gemma.api.app import create_app
 from oai_gemma.settings import load_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu", "gpu-dummy")
 K8S_VERSION = "1.32"

@@ -197,7 +197,7 @@ def _schema_names_used_in_tests() -> dict[str, str]:
     from pathlib import Path
 
     found: dict[str, str] = {}
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not node.args:
                 continue

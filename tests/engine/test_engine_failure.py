@@ -11,11 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import MODEL, ServerProcess, user
-from test_lifecycle import wait_for
-from test_trust import NO_TIMEOUTS
+from conftest import FAULT_SERVER, MODEL, NO_TIMEOUTS, ServerProcess, user, wait_for
 
-FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
 STREAM = {"model": MODEL, "messages": user("Tell me a long story."), "max_tokens": 200, "ignore_eos": True, "stream": True}
 

@@ -11,7 +11,7 @@ from oai_gemma.engine.model.lean import text_config
 from oai_gemma.engine.model.loader import embedded_model_dir
 from oai_gemma.engine.shape import FULL, SLIDING, Gemma3Shape, TextShape, VisionShape
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "hf"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "hf"
 
 
 def test_the_4b_shape_has_its_published_dimensions_and_linear_rope_scaling_on_global_layers():

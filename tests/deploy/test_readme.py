@@ -31,7 +31,7 @@ import pytest
 
 from conftest import ServerProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^(`{3,})(\w+)\n(.*?)^\1$", re.S | re.M)  # a fence closes with as many backticks as it opened
 DEFAULT_SERVER = re.compile(r"(http://)?(127\.0\.0\.1|localhost):8000")

@@ -11,7 +11,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from oai_gemma.deploy.ray_serve import build
 
-CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "ray" / "serve-config.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve-config.yaml"
 
 
 def test_serve_config_validates_and_its_app_builds(monkeypatch):

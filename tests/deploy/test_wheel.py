@@ -20,7 +20,7 @@ import pytest
 
 from conftest import MODEL, ServerProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILT_FROM = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -17,13 +17,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, ServerProcess, user
-from test_lifecycle import wait_for
+from conftest import MODEL, NO_TIMEOUTS, ServerProcess, user, wait_for
 
 KEYS = ("key-tenant-a", "key-tenant-b")
 HEADER_TIMEOUT, BODY_TIMEOUT, BACKLOG = 6.0, 2.0, 16
-NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": "0"}
-"""A shared, busy CPU can take minutes over a prefill: these tests are not about request timeouts."""
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import openai
 
-from conftest import MODEL, ServerProcess, user
+from conftest import FAULT_SERVER, MODEL, ServerProcess, user
 
-FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")
 STORY = "The keeper logged the tide, the wind and the lamp's oil every hour of the long winter night. " * 8
 

@@ -17,10 +17,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, ServerProcess
-from test_trust import NO_TIMEOUTS
+from conftest import FAULT_SERVER, MODEL, NO_TIMEOUTS, ServerProcess
 
-FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 SMALL = ("--max-num-seqs", "4", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
 KILLS = int(os.environ.get("OAI_GEMMA_CRASH_KILLS", "10"))
 CLIENTS = 4
