@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import httpx
@@ -102,10 +103,93 @@ class ServerProcess:
         self.log.close()
 
 
+class SharedServers:
+    """Server processes shared across test files: `get(*extra, env=..., launcher=...)` starts one on its first request
+    and hands the same process to every later request with the same settings (the extra CLI arguments, the
+    environment, the launcher), whichever test file asks. A test that breaks its server (kills it, stops its engine)
+    must start its own `ServerProcess` instead. At most `KEEP` shared servers run at a time beside the session's
+    default one (each holds a model: ~1.6 GB); the one asked for least recently is stopped first, and a later
+    request starts it again. All stop at the end of the session."""
+
+    KEEP = 2
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.running: OrderedDict[tuple, ServerProcess] = OrderedDict()
+        self.started: list[tuple] = []  # every start, in order (a restart after eviction shows as a repeat)
+
+    def get(self, *extra: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = ("-m", "oai_gemma.cli"),
+            name: str = "shared") -> ServerProcess:
+        key = (extra, tuple(sorted((env or {}).items())), launcher)
+        if key in self.running:
+            self.running.move_to_end(key)
+            return self.running[key]
+        while len(self.running) >= self.KEEP:
+            self.running.popitem(last=False)[1].stop()
+        proc = ServerProcess(*extra, env=env, launcher=launcher, log=self.logs / f"{name}-{len(self.started)}.log")
+        self.running[key] = proc.__enter__()
+        self.started.append(key)
+        return proc
+
+    def close(self) -> None:
+        while self.running:
+            self.running.popitem()[1].stop()
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory):
+    servers = SharedServers(tmp_path_factory.mktemp("shared-server-logs"))
+    yield servers
+    servers.close()
+
+
 @pytest.fixture(scope="session")
 def server():
     with ServerProcess() as proc:
         yield proc
+
+
+FAULT_SMALL = ("--max-num-seqs", "4", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")
+"""The shared fault server's settings: a short warm-up (the tests on it are about faults, not speed)."""
+
+
+class FaultSwitches:
+    """The shared fault server's switches (tests/fault_server.py): a fault is on while its file exists
+    (`touch`, `clear`); the `fault_server` fixture clears every one before and after each test."""
+
+    NAMES = {"hash_collide": "OAI_GEMMA_FAULT_HASH_COLLIDE", "store_full": "OAI_GEMMA_FAULT_STORE_FULL",
+             "store_readonly": "OAI_GEMMA_FAULT_STORE_READONLY"}
+
+    def __init__(self, root: Path):
+        self.paths = {name: root / name for name in self.NAMES}
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {variable: str(self.paths[name]) for name, variable in self.NAMES.items()}
+
+    def touch(self, name: str) -> None:
+        self.paths[name].touch()
+
+    def clear(self, name: str) -> None:
+        self.paths[name].unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def fault_switches(tmp_path_factory) -> FaultSwitches:
+    return FaultSwitches(tmp_path_factory.mktemp("fault-switches"))
+
+
+@pytest.fixture
+def fault_server(shared_servers, fault_switches):
+    """One fault-injecting server (tests/fault_server.py) for every test whose faults it survives (a colliding
+    prefix-cache hash, a full or read-only Responses store): started once, every switch off before and after each
+    test. (The engine-failure tests kill their engines: they start their own.)"""
+    for name in fault_switches.paths:
+        fault_switches.clear(name)
+    proc = shared_servers.get(*FAULT_SMALL, env={**fault_switches.env, **NO_TIMEOUTS}, launcher=FAULT_SERVER, name="fault")
+    yield proc
+    for name in fault_switches.paths:
+        fault_switches.clear(name)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ import pytest
 from conftest import ServerProcess, user
 from metrics_scrape import scrape
 
+pytestmark = pytest.mark.slow
+
 MODEL = "gemma-3-270m"
 SLOTS, WAITING = 2, 2
 CAPACITY = SLOTS + WAITING

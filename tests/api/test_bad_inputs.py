@@ -154,6 +154,7 @@ def test_extreme_but_valid_values_are_served(http, fields):
     validate("CreateChatCompletionResponse", response.json())
 
 
+@pytest.mark.slow
 def test_extreme_values_do_not_fail_requests_batched_with_them(http):
     """The sampler runs every row of a step together: one request's absurd value must not fail its neighbours."""
     neighbour = {"model": MODEL, "messages": user("Count to fifty."), "max_tokens": 24, "ignore_eos": True, "stream": True}

@@ -71,12 +71,14 @@ def test_a_port_in_use_ends_the_start_before_loading_anything():
     assert "start-up:" not in log  # nothing was loaded
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_a_broken_config_exits_naming_the_file(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gemma3_text"')
     line = failed_start("--model", str(tmp_path))
     assert f"cannot load the model from {tmp_path}" in line and "config.json" in line
 
 
+@pytest.mark.slow
 def test_a_checkpoint_missing_its_weights_exits(tmp_path, embedded_dir):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if (embedded_dir / name).exists():
@@ -85,6 +87,7 @@ def test_a_checkpoint_missing_its_weights_exits(tmp_path, embedded_dir):
     assert str(tmp_path) in line
 
 
+@pytest.mark.slow
 def test_truncated_safetensors_exit_as_a_bad_checkpoint(tmp_path, embedded_dir):
     for path in embedded_dir.iterdir():
         if path.is_file():
@@ -94,17 +97,20 @@ def test_truncated_safetensors_exit_as_a_bad_checkpoint(tmp_path, embedded_dir):
     assert f"cannot load the model from {tmp_path}" in failed_start("--model", str(tmp_path))
 
 
+@pytest.mark.slow
 def test_running_out_of_memory_while_loading_says_what_to_lower():
     line = failed_start("--kv-cache-gib", "5000")  # more KV cache than any machine here has
     assert "out of memory while loading the model" in line and "--kv-cache-gib" in line
 
 
+@pytest.mark.slow
 def test_a_kernel_that_cannot_be_built_for_a_setting_that_needs_it_exits(tmp_path, embedded_dir):
     env = {"CC": "/bin/false", "OAI_GEMMA_MODEL__CACHE_DIR": str(tmp_path)}  # an empty cache: the kernel is compiled
     line = failed_start("--model", str(embedded_dir), "--dtype", "float32", "--quantization", "int8", env=env)
     assert "bad settings" in line and "native int8 kernel" in line
 
 
+@pytest.mark.slow
 def test_with_exit_on_engine_failure_off_a_failed_load_keeps_answering_503_with_the_reason(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
     port = free_port()

@@ -47,6 +47,7 @@ def timed(tmp_path_factory):
         yield proc
 
 
+@pytest.mark.slow
 def test_a_stream_past_the_request_timeout_ends_with_an_error_event_then_done(timed):
     started = time.monotonic()
     with httpx.stream("POST", timed.url + "/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as response:
@@ -61,6 +62,7 @@ def test_a_stream_past_the_request_timeout_ends_with_an_error_event_then_done(ti
     assert wait_for(lambda: running(timed.url) == 0, 10.0)
 
 
+@pytest.mark.slow
 def test_a_non_stream_past_the_request_timeout_is_504_in_the_envelope(timed):
     response = httpx.post(timed.url + "/v1/chat/completions", json=LONG, timeout=30)
     assert response.status_code == 504, response.text
@@ -70,6 +72,7 @@ def test_a_non_stream_past_the_request_timeout_is_504_in_the_envelope(timed):
     assert wait_for(lambda: running(timed.url) == 0, 10.0)
 
 
+@pytest.mark.slow
 def test_a_request_that_waits_past_the_idle_timeout_ends_with_timeout(timed):
     # the only batch slot is taken by a long stream, so the second request waits without a token
     with httpx.stream("POST", timed.url + "/v1/chat/completions", json={**LONG, "stream": True}, timeout=30) as first:
@@ -128,6 +131,7 @@ def shutdown(tmp_path_factory):
     return Shutdown(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_while_draining_new_requests_get_503_and_health_says_so(shutdown):
     assert shutdown.health.status_code == 503
     assert shutdown.new_request.status_code == 503
@@ -135,6 +139,7 @@ def test_while_draining_new_requests_get_503_and_health_says_so(shutdown):
     assert shutdown.new_request.json()["error"]["code"] == "server_shutting_down"
 
 
+@pytest.mark.slow
 def test_a_stream_that_ends_within_the_grace_finishes_normally(shutdown):
     events = shutdown.streams["short"]
     assert "[DONE]" in events
@@ -142,11 +147,13 @@ def test_a_stream_that_ends_within_the_grace_finishes_normally(shutdown):
     assert "length" in finishes
 
 
+@pytest.mark.slow
 def test_a_stream_still_running_after_the_grace_ends_with_an_error_event_then_done(shutdown):
     events = shutdown.streams["long"]
     assert events[events.index("[DONE]") - 1]["error"]["code"] == "server_shutting_down"
 
 
+@pytest.mark.slow
 def test_the_process_exits_0_after_a_drained_shutdown(shutdown):
     assert shutdown.exit_code == 0
 

@@ -4,6 +4,7 @@ import asyncio
 from pathlib import Path
 
 import openai
+import pytest
 
 from conftest import MODEL, user
 
@@ -31,6 +32,7 @@ def burst(server, count: int, offset: int) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_memory_after_200_requests_equals_memory_after_64(server):
     # the next 136 requests resend the first 64 prompts: the prefix cache holds their blocks already (the cache
     # growing with distinct prompts, up to engine.kv_cache_gib, is its job, not a leak), so what grows is a leak

@@ -10,6 +10,8 @@ from conftest import ServerProcess, user
 from metrics_scrape import delta, scrape
 from openai_schema import validate
 
+pytestmark = pytest.mark.slow
+
 KEYS = ("key-one", "key-two")
 MODEL = "gemma-3-270m"
 

@@ -381,6 +381,7 @@ def test_parameters_the_agents_sdk_sends_are_accepted(client):
 # ---- the store, bounded and per key, across a restart ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_store_survives_a_restart_and_keys_never_read_each_other(tmp_path):
     env = {
         "OAI_GEMMA_API_KEYS": "key-a,key-b", "OAI_GEMMA_RESPONSES__STORE_PATH": str(tmp_path / "responses.sqlite3"),

@@ -25,6 +25,8 @@ from schemathesis.specs.openapi.checks import (
 
 from conftest import MODEL, ServerProcess
 
+pytestmark = pytest.mark.slow
+
 CONFORMANCE = [
     not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
     response_schema_conformance,

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import MODEL, user
 
-pytestmark = pytest.mark.soak
+pytestmark = [pytest.mark.soak, pytest.mark.slow]
 
 SOAK_REQUESTS = int(os.environ.get("OAI_GEMMA_SOAK_REQUESTS", "300"))
 WARM_UP_REQUESTS = 64

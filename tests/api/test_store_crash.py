@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 
-from conftest import FAULT_SERVER, MODEL, NO_TIMEOUTS, ServerProcess
+from conftest import MODEL, NO_TIMEOUTS, ServerProcess
+
+pytestmark = pytest.mark.slow
 
 SMALL = ("--max-num-seqs", "4", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
 KILLS = int(os.environ.get("OAI_GEMMA_CRASH_KILLS", "10"))
@@ -106,30 +108,33 @@ def test_sigkill_during_a_burst_of_stored_responses_loses_no_completed_response(
         assert json.loads(stored[response_id])["status"] in ("completed", "incomplete")
 
 
-def test_a_full_or_read_only_store_fails_stored_requests_clearly_and_recovers(tmp_path):
-    switches = {"full": tmp_path / "full", "readonly": tmp_path / "readonly"}
-    env = {"OAI_GEMMA_FAULT_STORE_FULL": str(switches["full"]), "OAI_GEMMA_FAULT_STORE_READONLY": str(switches["readonly"]), **NO_TIMEOUTS}
-    server = ServerProcess(*SMALL, env=env, log=tmp_path / "server.log", launcher=FAULT_SERVER)
-    with server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
-        text = "Describe the harbour. " + "The boats come and go with the tide. " * 40  # each row needs new pages
+def store_errors(url: str) -> float:
+    scrape = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(r"^oai_gemma:response_store_errors_total\S* (\S+)$", scrape, re.M)
+    return float(found.group(1)) if found else 0.0
 
-        def ask(store: bool, stream: bool = False):
-            return client.responses.create(model=MODEL, input=text, store=store, stream=stream, max_output_tokens=2)
 
-        assert ask(store=True).status == "incomplete"  # (two tokens: max_output_tokens reached)
-        for name, switch in switches.items():
-            switch.touch()
-            with pytest.raises(openai.APIStatusError) as refused:
-                ask(store=True)
-            assert refused.value.status_code == 503 and refused.value.code == "store_unavailable", name
-            assert ("full" if name == "full" else "readonly") in refused.value.message
-            last = list(ask(store=True, stream=True))[-1]
-            assert last.type == "response.failed" and last.response.error.code == "server_error"
-            assert ask(store=False).status == "incomplete"  # the rest goes on
-            switch.unlink()
-            recovered = ask(store=True)
-            assert client.responses.retrieve(recovered.id).status == "incomplete"
-        scrape = httpx.get(server.url + "/metrics", timeout=10).text
-        assert float(re.search(r"^oai_gemma:response_store_errors_total\S* (\S+)$", scrape, re.M).group(1)) == 4
-        assert server.log_path.read_text().count("storing response") == 4
+def test_a_full_or_read_only_store_fails_stored_requests_clearly_and_recovers(fault_server, fault_switches):
+    # the shared fault server (conftest): its counters and log are read as what this test added to them
+    client = openai.OpenAI(base_url=fault_server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    text = "Describe the harbour. " + "The boats come and go with the tide. " * 40  # each row needs new pages
+    errors_before, logged_before = store_errors(fault_server.url), fault_server.log_path.read_text().count("storing response")
+
+    def ask(store: bool, stream: bool = False):
+        return client.responses.create(model=MODEL, input=text, store=store, stream=stream, max_output_tokens=2)
+
+    assert ask(store=True).status == "incomplete"  # (two tokens: max_output_tokens reached)
+    for name in ("store_full", "store_readonly"):
+        fault_switches.touch(name)
+        with pytest.raises(openai.APIStatusError) as refused:
+            ask(store=True)
+        assert refused.value.status_code == 503 and refused.value.code == "store_unavailable", name
+        assert ("full" if name == "store_full" else "readonly") in refused.value.message
+        last = list(ask(store=True, stream=True))[-1]
+        assert last.type == "response.failed" and last.response.error.code == "server_error"
+        assert ask(store=False).status == "incomplete"  # the rest goes on
+        fault_switches.clear(name)
+        recovered = ask(store=True)
+        assert client.responses.retrieve(recovered.id).status == "incomplete"
+    assert store_errors(fault_server.url) - errors_before == 4
+    assert fault_server.log_path.read_text().count("storing response") - logged_before == 4

@@ -19,6 +19,8 @@ import pytest
 
 from conftest import MODEL, NO_TIMEOUTS, ServerProcess, user, wait_for
 
+pytestmark = pytest.mark.slow
+
 KEYS = ("key-tenant-a", "key-tenant-b")
 HEADER_TIMEOUT, BODY_TIMEOUT, BACKLOG = 6.0, 2.0, 16
 

@@ -113,6 +113,7 @@ def small_multimodal(tmp_path_factory):
     return checkpoint.build_checkpoint(config, tmp_path_factory.mktemp("ckpt") / "small-4b")
 
 
+@pytest.mark.slow
 def test_the_small_text_checkpoint_loads_in_transformers_with_every_tensor(small_text):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -138,6 +139,7 @@ def test_the_small_text_checkpoint_loads_in_transformers_with_every_tensor(small
     assert json.loads((small_text / checkpoint.MARKER).read_text())["parameters"] == model.num_parameters()
 
 
+@pytest.mark.slow
 def test_the_small_text_checkpoint_loads_through_our_lean_loader(small_text):
     from oai_gemma.engine.model.loader import load
     from oai_gemma.settings import ModelSettings
@@ -149,6 +151,7 @@ def test_the_small_text_checkpoint_loads_through_our_lean_loader(small_text):
     assert loaded.model.model.embed_tokens.weight.shape == (262_144, 64)
 
 
+@pytest.mark.slow
 def test_the_weights_do_not_depend_on_the_file_layout(small_text, tmp_path):
     """A tensor's values come from (seed, name) alone: one file or shards, the same numbers."""
     from safetensors.torch import load_file
@@ -163,6 +166,7 @@ def test_the_weights_do_not_depend_on_the_file_layout(small_text, tmp_path):
         assert torch.equal(mine[name], load_file(small_text / index[name])[name]), name
 
 
+@pytest.mark.slow
 def test_the_small_multimodal_checkpoint_loads_with_its_processor(small_multimodal):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -190,6 +194,7 @@ def test_the_small_multimodal_checkpoint_loads_with_its_processor(small_multimod
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_the_tokenizer_model_is_the_vocabulary_llama_cpp_reads(small_text):
     """tokenizer.model, rebuilt from the embedded GGUF, splits text as tokenizer.json does (SentencePiece, which
     llama.cpp's converter reads it with, is no dependency of ours: skipped without it)."""
@@ -205,6 +210,7 @@ def test_the_tokenizer_model_is_the_vocabulary_llama_cpp_reads(small_text):
         assert model.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
 
 
+@pytest.mark.slow
 def test_the_tokenizer_config_lists_the_token_types_llama_cpp_takes(small_text, small_multimodal):
     """Added tokens: special ones become CONTROL in llama.cpp's conversion, the others USER_DEFINED, as in the
     embedded (real) GGUF; that includes the runs of spaces, which tokenizer.json keeps in its BPE vocabulary."""

@@ -449,6 +449,7 @@ def vision_guarded(tiny_vision_dir, tmp_path_factory):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_api_key_is_asked_once_and_an_image_is_answered(browser, vision_guarded):
     page = Page(browser, vision_guarded.url + "/")
     p = page.page

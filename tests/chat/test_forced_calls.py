@@ -11,8 +11,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import pytest
 
 from conftest import MODEL, user
+
+pytestmark = pytest.mark.slow
 
 CITY = {"type": "string", "maxLength": 32}
 PARAMETERS = {

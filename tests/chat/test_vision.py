@@ -24,6 +24,8 @@ from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 from openai_schema import validate
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-vision"
 MAX_IMAGES = 4
 MAX_PIXELS = 2_000_000

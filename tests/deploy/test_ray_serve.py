@@ -19,6 +19,8 @@ pytest.importorskip("ray.serve", reason="the Ray Serve tests need the `ray` extr
 
 from conftest import MODEL, ServerProcess, user
 
+pytestmark = pytest.mark.slow
+
 REPLICA = "x-oai-gemma-replica"
 LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log")).with_suffix(".ray.log")
 

@@ -187,12 +187,14 @@ def lora_server(lora_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("lang, body", lora_blocks(), ids=ids(lora_blocks()))
+@pytest.mark.slow
 def test_readme_lora_block_runs_against_the_readmes_lora_server(lora_server, lora_dir, lang, body):
     code = LORA_SERVER.sub(lambda m: (m.group(1) or "") + lora_server.url.removeprefix("http://"), body)
     code = code.replace('"/adapters/', f'"{lora_dir}/adapters/')
     check_output(lang, body, run_block(lang, code, cwd=lora_dir).stdout)
 
 
+@pytest.mark.slow
 def test_the_readmes_adapter_changes_what_the_base_model_answers(lora_server):
     import httpx
 

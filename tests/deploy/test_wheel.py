@@ -20,6 +20,8 @@ import pytest
 
 from conftest import MODEL, ServerProcess
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILT_FROM = "0123456789abcdef0123456789abcdef01234567"
 

@@ -18,6 +18,8 @@ from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
+pytestmark = pytest.mark.slow
+
 SEEDS = range(20)
 TOKENS = 24
 COMPANIONS = ("Describe Paris in detail. " * 40, "List ten fruits with their colours.", "Count from one to fifty.")

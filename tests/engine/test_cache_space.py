@@ -13,6 +13,8 @@ import pytest
 
 from conftest import MODEL, ServerProcess, user
 
+pytestmark = pytest.mark.slow
+
 ADAPTERS = ("a", "b")
 SMALL = ("--max-num-seqs", "8", "--max-prefill-tokens", "512", "--batch-invariant", "off")  # a short warm-up
 FILES = ("adapter_config.json", "adapter_model.safetensors")

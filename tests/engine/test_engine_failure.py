@@ -13,6 +13,8 @@ import pytest
 
 from conftest import FAULT_SERVER, MODEL, NO_TIMEOUTS, ServerProcess, user, wait_for
 
+pytestmark = pytest.mark.slow
+
 SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
 STREAM = {"model": MODEL, "messages": user("Tell me a long story."), "max_tokens": 200, "ignore_eos": True, "stream": True}
 

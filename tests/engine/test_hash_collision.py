@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-
 import openai
+import pytest
 
-from conftest import FAULT_SERVER, MODEL, ServerProcess, user
+from conftest import MODEL, user
 
-SMALL = ("--max-num-seqs", "2", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")
+pytestmark = pytest.mark.slow
+
 STORY = "The keeper logged the tide, the wind and the lamp's oil every hour of the long winter night. " * 8
 
 
@@ -18,16 +19,13 @@ def ask(client: openai.OpenAI, text: str, salt: str | None = None) -> tuple[str,
     return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
 
 
-def test_with_every_block_hash_colliding_a_prompt_never_gets_another_prompts_kv(tmp_path):
-    trigger = tmp_path / "collide"
-    trigger.touch()
+def test_with_every_block_hash_colliding_a_prompt_never_gets_another_prompts_kv(fault_server, fault_switches):
+    # the shared fault server (conftest): these prompts are new to it, and collide only from here on
+    fault_switches.touch("hash_collide")
     first, second = "Summarise: " + STORY, "Translate: " + STORY.upper()
-    with ServerProcess(*SMALL, env={"OAI_GEMMA_FAULT_HASH_COLLIDE": str(trigger)}, log=tmp_path / "server.log",
-                       launcher=FAULT_SERVER) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        assert ask(client, first)[1] == 0
-        answer, cached = ask(client, second)
-        assert cached == 0  # every block's hash finds `first`'s block, whose tokens differ
-        assert answer == ask(client, second, salt="nothing shared")[0]  # what it answers with no cache at all
-        assert ask(client, first)[1] <= 16  # colliding for real: one entry per hash, so at most one block is found
-
+    client = openai.OpenAI(base_url=fault_server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    assert ask(client, first)[1] == 0
+    answer, cached = ask(client, second)
+    assert cached == 0  # every block's hash finds `first`'s block, whose tokens differ
+    assert answer == ask(client, second, salt="nothing shared")[0]  # what it answers with no cache at all
+    assert ask(client, first)[1] <= 16  # colliding for real: one entry per hash, so at most one block is found

@@ -28,6 +28,8 @@ from oai_gemma.engine.shape import Gemma3Shape
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
+pytestmark = pytest.mark.slow
+
 FOUR_B = Path(__file__).resolve().parents[2] / "configs" / "hf" / "gemma-3-4b-it"
 TEXT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "head_dim", "rms_norm_eps", "query_pre_attn_scalar", "vocab_size", "sliding_window", "layer_types",

@@ -24,6 +24,8 @@ from oai_gemma.engine.sequence import StepItem
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
+pytestmark = pytest.mark.slow
+
 ATOL = 2e-3
 TOKENS = 12
 

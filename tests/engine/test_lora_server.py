@@ -12,6 +12,8 @@ from conftest import MODEL, ServerProcess, user
 from lora_adapters import FORMAT_PREFIX, STRONG, greedy, make_adapter, merged_model, train_format_adapter
 from metrics_scrape import scrape
 
+pytestmark = pytest.mark.slow
+
 USER, ADMIN = "user-key", "admin-key"
 PROMPT = user("Write a short poem about the sea.")
 

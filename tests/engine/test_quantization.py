@@ -63,6 +63,7 @@ def bf16_weight_bytes() -> int:
 
 @needs_bf16
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.slow
 def test_perplexity_and_resident_weights_stay_within_bounds(quantization, float32_perplexity, bf16_weight_bytes):
     runner, loaded = runner_for(quantization)
     ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
@@ -74,6 +75,7 @@ def test_perplexity_and_resident_weights_stay_within_bounds(quantization, float3
 
 @needs_bf16
 @needs_native
+@pytest.mark.slow
 def test_per_step_uses_both_layouts_in_one_run_each_within_its_bounds(float32_perplexity, bf16_weight_bytes):
     # bf16's default: every linear kept as int8 (native kernel) for steps of few rows and packed bf16 for the others
     none, _ = runner_for("none")
@@ -113,6 +115,7 @@ def test_per_step_uses_both_layouts_in_one_run_each_within_its_bounds(float32_pe
 
 
 @needs_native
+@pytest.mark.slow
 def test_in_float32_int8_runs_every_linear_through_the_native_kernel_within_its_bounds(float32_perplexity):
     # a CPU without bf16 computes in float32, where PyTorch's weight-only kernels are slower than packed float32:
     # there int8 is the project's AVX2 kernel (engine/native), float32 activations, so int8's quality
@@ -127,6 +130,7 @@ def test_in_float32_int8_runs_every_linear_through_the_native_kernel_within_its_
     assert runner.mapped_embedding
 
 
+@pytest.mark.slow
 def test_in_float32_int4_puts_the_lm_head_through_fbgemm_within_its_bounds(float32_perplexity):
     # in float32, int4's lm_head is int8 through fbgemm (activations quantized per call, faster from a few rows on);
     # the projections run the native int8 kernel, or stay packed float32 where it cannot run
@@ -142,6 +146,7 @@ def test_in_float32_int4_puts_the_lm_head_through_fbgemm_within_its_bounds(float
 
 
 @needs_bf16
+@pytest.mark.slow
 def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
     first, loaded = runner_for("int4")
     file = resolve(Settings(model=ModelSettings(quantization="int4")), loaded).quantized_weights
@@ -164,6 +169,7 @@ def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_su
     pytest.param("auto", "bfloat16", "per-step", 1000, marks=[needs_bf16, needs_native]),  # bf16's default
     ("int4", "float32", "int4", 600),
 ])
+@pytest.mark.slow
 def test_the_server_serves_under_each_setting(quantization, dtype, served, most_mb, tmp_path):
     with ServerProcess("--quantization", quantization, "--dtype", dtype, "--max-num-seqs", "4",
                        log=tmp_path / "server.log") as server:
@@ -212,6 +218,7 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
         assert all(a.choices[0].message.content and a.usage.completion_tokens > 0 for a in answers)
 
 
+@pytest.mark.slow
 def test_an_explicit_int8_the_native_kernel_cannot_serve_stops_the_server_with_the_reason(tmp_path):
     cache = tmp_path / "cache"  # a fresh model cache (no compiled kernel in it) holding the converted model
     cache.mkdir()
@@ -227,6 +234,7 @@ def test_an_explicit_int8_the_native_kernel_cannot_serve_stops_the_server_with_t
 
 
 @needs_native
+@pytest.mark.slow
 def test_images_are_served_under_float32_int8(tiny_vision_dir, tmp_path):
     # the vision tower stays unquantized; the text layers of the multimodal model run the native kernel
     image = io.BytesIO()

@@ -24,7 +24,7 @@ EOI = tiny_vision.EOI_TOKEN_ID
 TEXT_VOCAB = 262_144
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
