@@ -50,7 +50,7 @@ NOT_RUN = {  # the first line of a block that does not target a server run here 
     "oai-gemma serve --model /models/gemma-3-4b-it --served-model-name gemma-3-4b-it": "starts other models",
     "pip install torch            # the CUDA build from PyPI": "GPU install",
     "python3 benchmarks/gpu_check.py --out results/": "GPU benchmark",
-    "docker build --build-arg GIT_COMMIT": "builds and runs the CPU image (no container daemon here; tests/test_docker.py)",
+    "docker build --build-arg GIT_COMMIT": "builds and runs the CPU image (no container daemon here; tests/deploy/test_docker.py)",
     "docker run --read-only --tmpfs /tmp": "runs the CPU image (no container daemon here)",
     "docker build -f Dockerfile.gpu": "builds a GPU image",
     "oai-gemma bench --compare --servers ours,ours-lora": "a benchmark run (minutes; the lead's quiet window)",

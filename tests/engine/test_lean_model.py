@@ -90,7 +90,7 @@ def test_a_config_the_lean_tree_does_not_implement_is_left_to_transformers(tmp_p
 
 
 def test_a_multimodal_checkpoint_the_lean_tree_does_not_implement_loads_through_transformers(tmp_path, tiny_vision_dir):
-    """(The tiny multimodal model itself is built lean: tests/test_lean_vision.py.)"""
+    """(The tiny multimodal model itself is built lean: tests/engine/test_lean_vision.py.)"""
     def softcapped(config):
         config["text_config"]["attn_logit_softcapping"] = 50.0
 

@@ -1,7 +1,7 @@
 """The prefix cache on the real model (issue 12): in float32 (where batch-invariant mode is on), greedy and
 seeded outputs with the cache equal those without it, token for token, for a shared system prompt longer than
 the sliding window, a multi-turn conversation past the window, n > 1 and structured output; and concurrent
-arrivals behind one prefix compute it once. (Images: tests/test_vision.py.)"""
+arrivals behind one prefix compute it once. (Images: tests/chat/test_vision.py.)"""
 
 import asyncio
 import functools
