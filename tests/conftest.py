@@ -111,7 +111,7 @@ class SharedServers:
     default one (each holds a model: ~1.6 GB); the one asked for least recently is stopped first, and a later
     request starts it again. All stop at the end of the session."""
 
-    KEEP = 2
+    KEEP = 1
 
     def __init__(self, logs: Path):
         self.logs = logs
@@ -240,6 +240,37 @@ def _reason(health: httpx.Response) -> str | None:
         return health.json().get("reason")
     except (ValueError, AttributeError):
         return None
+
+
+VISION_MODEL, VISION_ADAPTER, VISION_API_KEY = "tiny-vision", "vision-lora", "vision-key"
+VISION_MAX_IMAGES, VISION_MAX_PIXELS, VISION_MAX_DOWNLOAD = 4, 2_000_000, 1_000_000
+
+
+@pytest.fixture(scope="session")
+def vision_adapter(tiny_vision_dir, tmp_path_factory) -> Path:
+    """A PEFT adapter on the seven projections of the tiny multimodal model's language model only (its vision tower
+    has q/k/v_proj too), made from a copy of the model loaded here for it."""
+    from lora_adapters import STRONG, make_adapter
+    from oai_gemma.engine.model.loader import load
+    from oai_gemma.settings import ModelSettings
+
+    loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
+    return make_adapter(loaded.model, tmp_path_factory.mktemp("vision-lora") / VISION_ADAPTER, STRONG["all8"], within="language_model")
+
+
+@pytest.fixture
+def vision_server(shared_servers, tiny_vision_dir, vision_adapter) -> ServerProcess:
+    """The tiny multimodal model as `tiny-vision`, one server for chat/test_vision.py and the playground's image test:
+    the adapter, image limits a test can reach, http images from loopback only, and an API key."""
+    env = {
+        "OAI_GEMMA_API_KEYS": VISION_API_KEY,
+        "OAI_GEMMA_IMAGES__ALLOWED_HOSTS": '["127.0.0.1"]',
+        "OAI_GEMMA_IMAGES__MAX_IMAGES": str(VISION_MAX_IMAGES),
+        "OAI_GEMMA_IMAGES__MAX_PIXELS": str(VISION_MAX_PIXELS),
+        "OAI_GEMMA_IMAGES__MAX_DOWNLOAD_BYTES": str(VISION_MAX_DOWNLOAD),
+    }
+    return shared_servers.get("--model", str(tiny_vision_dir), "--served-model-name", VISION_MODEL,
+                              "--lora-modules", f"{VISION_ADAPTER}={vision_adapter}", env=env, name="vision")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from litestar.testing import TestClient
 from PIL import Image
 from playwright.sync_api import expect, sync_playwright
 
-from conftest import MODEL, ServerProcess
+from conftest import MODEL, VISION_API_KEY, VISION_MODEL
 from oai_gemma.api.app import create_app
 from oai_gemma.settings import load_settings
 
@@ -33,7 +33,7 @@ ARGS = [
 browser_tests = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install chromium); the playground's browser tests drive the system's Chromium")
 TOKENS = 16
 ANSWER_TIMEOUT = 300_000  # ms; the shared test machine can be slow, the assertions never time the model
-KEY = "playground-key"
+KEY = VISION_API_KEY  # the key of conftest's vision server
 
 # records, on every animation frame, how long the last answer's text is: a streamed answer grows over many frames
 FRAME_RECORDER = """
@@ -437,21 +437,11 @@ def test_images_on_a_text_only_model_give_a_clear_message(browser, server):
         page.close()
 
 
-@pytest.fixture(scope="module")
-def vision_guarded(tiny_vision_dir, tmp_path_factory):
-    """The tiny multimodal model behind an API key: one server for both the image and the key tests."""
-    log = tmp_path_factory.mktemp("logs") / "playground-vision-server.log"
-    with ServerProcess(
-        "--model", str(tiny_vision_dir), "--served-model-name", "tiny-vision", "--max-num-seqs", "2",
-        env={"OAI_GEMMA_API_KEYS": KEY}, log=log,
-    ) as proc:
-        yield proc
-
-
 @browser_tests
 @pytest.mark.slow
-def test_api_key_is_asked_once_and_an_image_is_answered(browser, vision_guarded):
-    page = Page(browser, vision_guarded.url + "/")
+def test_api_key_is_asked_once_and_an_image_is_answered(browser, vision_server):
+    """On the tiny multimodal model behind an API key (conftest's vision server, shared with chat/test_vision.py)."""
+    page = Page(browser, vision_server.url + "/")
     p = page.page
     try:
         form = p.locator("#key-form")
@@ -464,7 +454,7 @@ def test_api_key_is_asked_once_and_an_image_is_answered(browser, vision_guarded)
         expect(p.locator("#key-message")).to_contain_text("Incorrect API key")
         p.fill("#api-key", KEY)
         p.press("#api-key", "Enter")
-        expect(p.locator("#model")).to_have_text("tiny-vision")
+        expect(p.locator("#model")).to_have_text(VISION_MODEL)
         expect(form).to_be_hidden()
         assert p.evaluate("localStorage.getItem('oai-gemma.api-key')") == KEY
         expect(p.locator("#key-row")).to_be_visible()  # a server with keys: the notice says one is stored
@@ -483,7 +473,7 @@ def test_api_key_is_asked_once_and_an_image_is_answered(browser, vision_guarded)
         assert page.headers[-1]["authorization"] == f"Bearer {KEY}"
 
         p.reload()  # kept in local storage: not asked again
-        expect(p.locator("#model")).to_have_text("tiny-vision")
+        expect(p.locator("#model")).to_have_text(VISION_MODEL)
         expect(form).to_be_hidden()
         assert not page.errors
     finally:

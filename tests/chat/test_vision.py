@@ -14,8 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ServerProcess
-from lora_adapters import STRONG, make_adapter, merged_model
+from conftest import (VISION_ADAPTER, VISION_API_KEY, VISION_MAX_DOWNLOAD, VISION_MAX_IMAGES, VISION_MAX_PIXELS,
+                      VISION_MODEL)
+from lora_adapters import merged_model
 from oai_gemma.chat import render_chat
 from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
@@ -26,11 +27,8 @@ from openai_schema import validate
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-vision"
-MAX_IMAGES = 4
-MAX_PIXELS = 2_000_000
-MAX_DOWNLOAD = 1_000_000
-ADAPTER = "vision-lora"
+MODEL, ADAPTER = VISION_MODEL, VISION_ADAPTER
+MAX_IMAGES, MAX_PIXELS, MAX_DOWNLOAD = VISION_MAX_IMAGES, VISION_MAX_PIXELS, VISION_MAX_DOWNLOAD
 
 
 def png(width=320, height=200, color=(200, 30, 30), fmt="PNG") -> bytes:
@@ -81,30 +79,10 @@ def vision_loaded(tiny_vision_dir):
     return load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
 
 
-@pytest.fixture(scope="module")
-def vision_adapter(vision_loaded, tmp_path_factory):
-    """A PEFT adapter on the seven projections of the language model only (the vision tower has q/k/v_proj too)."""
-    return make_adapter(vision_loaded.model, tmp_path_factory.mktemp("vision-lora") / ADAPTER, STRONG["all8"], within="language_model")
-
-
-@pytest.fixture(scope="module")
-def vision_server(tiny_vision_dir, vision_adapter, tmp_path_factory):
-    env = {
-        "OAI_GEMMA_IMAGES__ALLOWED_HOSTS": '["127.0.0.1"]',
-        "OAI_GEMMA_IMAGES__MAX_IMAGES": str(MAX_IMAGES),
-        "OAI_GEMMA_IMAGES__MAX_PIXELS": str(MAX_PIXELS),
-        "OAI_GEMMA_IMAGES__MAX_DOWNLOAD_BYTES": str(MAX_DOWNLOAD),
-    }
-    log = tmp_path_factory.mktemp("logs") / "vision-server.log"
-    with ServerProcess(
-        "--model", str(tiny_vision_dir), "--served-model-name", MODEL, "--lora-modules", f"{ADAPTER}={vision_adapter}", env=env, log=log,
-    ) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
+# the server: conftest's `vision_server` (the adapter, these limits, an API key), shared with the playground's image test
+@pytest.fixture
 def vclient(vision_server):
-    return openai.OpenAI(base_url=vision_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=vision_server.url + "/v1", api_key=VISION_API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +149,7 @@ def test_detail_high_turns_on_pan_and_scan_and_counts_every_crop(vclient, proces
 
 def test_image_request_batches_with_concurrent_text_streams(vision_server):
     async def main():
-        async with openai.AsyncOpenAI(base_url=vision_server.url + "/v1", api_key="unused", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=vision_server.url + "/v1", api_key=VISION_API_KEY, max_retries=0) as client:
             async def text(i):
                 stream = await client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=12, temperature=0, stream=True
