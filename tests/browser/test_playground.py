@@ -159,6 +159,7 @@ def test_requests_stream_with_usage_and_send_the_history_and_parameters(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_timing_panel_shows_numbers_and_one_mark_per_token(chat):
     for answer in chat.answers().all():
         assert float(chat.stat(answer, "ttft")) > 0
@@ -180,6 +181,7 @@ def test_timing_panel_shows_numbers_and_one_mark_per_token(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_export_is_the_request_an_sdk_would_send(chat):
     exported = chat.exported()
     second = chat.bodies[1]
@@ -190,6 +192,7 @@ def test_export_is_the_request_an_sdk_would_send(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_copy_button_copies_the_answer(chat):
     chat.context.grant_permissions(["clipboard-read", "clipboard-write"])
     answer = chat.answers().first
@@ -199,6 +202,7 @@ def test_copy_button_copies_the_answer(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_regenerate_resends_the_same_conversation(chat):
     before = len(chat.bodies)
     chat.page.click("#regenerate")
@@ -209,6 +213,7 @@ def test_regenerate_resends_the_same_conversation(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_every_control_has_a_label_and_the_keyboard_reaches_them(chat):
     unnamed = chat.page.evaluate("""() => [...document.querySelectorAll('button, input, select, textarea')]
         .filter((el) => !(el.labels?.length || el.getAttribute('aria-label') || (el.tagName === 'BUTTON' && el.textContent.trim())))
@@ -223,6 +228,7 @@ def test_every_control_has_a_label_and_the_keyboard_reaches_them(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_phone_width_has_no_horizontal_scroll(chat):
     chat.page.set_viewport_size({"width": 390, "height": 844})
     try:
@@ -235,6 +241,7 @@ def test_phone_width_has_no_horizontal_scroll(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_json_schema_mode_answers_valid_json(chat):
     p = chat.page
     p.click("#clear")
@@ -253,6 +260,7 @@ def test_json_schema_mode_answers_valid_json(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_markdown_is_rendered_safely(chat):
     html = chat.page.evaluate("""async () => {
         const { renderMarkdown } = await import('/playground/markdown.js');
@@ -285,6 +293,7 @@ def test_no_key_notice_on_a_server_without_keys(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_an_exported_conversation_imports_back_and_goes_on(chat, tmp_path):
     exported = {  # what Export JSON writes
         "model": MODEL, "temperature": 0, "top_p": 1, "max_tokens": TOKENS, "seed": 7, "ignore_eos": True,
@@ -310,6 +319,7 @@ def test_an_exported_conversation_imports_back_and_goes_on(chat, tmp_path):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_compare_mode_answers_with_two_settings_side_by_side(chat):
     p = chat.page
     set_up_plain_answers(p)
@@ -333,6 +343,7 @@ def test_compare_mode_answers_with_two_settings_side_by_side(chat):
 
 
 @browser_tests
+@pytest.mark.slow
 def test_screenshot_after_an_answer(chat):
     """The README's picture comes from benchmarks/playground_screenshot.py, the same steps on a quiet machine."""
     assert chat.shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -346,6 +357,7 @@ LOOP_TOKENS = 64
 
 
 @browser_tests
+@pytest.mark.slow
 def test_accepted_drafts_are_marked_in_the_plot_and_none_without_speculation(browser, server):
     """The tokens of one engine step (a draft the model accepted, and its own token) arrive back to back, so the
     plot marks every token after the first of a step as drafted. A greedy answer that repeats itself is drafted
@@ -379,6 +391,7 @@ def test_accepted_drafts_are_marked_in_the_plot_and_none_without_speculation(bro
 # ---- stop, images, keys --------------------------------------------------------------------------------------
 
 @browser_tests
+@pytest.mark.slow
 def test_stop_cancels_the_request_on_the_server(browser, server):
     page = Page(browser, server.url + "/playground")
     p = page.page
@@ -415,6 +428,7 @@ def attach_by_upload_and_paste(p) -> None:
 
 
 @browser_tests
+@pytest.mark.slow
 def test_images_on_a_text_only_model_give_a_clear_message(browser, server):
     page = Page(browser, server.url + "/")
     p = page.page

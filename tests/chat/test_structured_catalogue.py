@@ -7,8 +7,11 @@ import asyncio
 import json
 
 import jsonschema
+import pytest
 
 from conftest import MODEL, user
+
+pytestmark = pytest.mark.slow
 
 OBJ = {"type": "object"}
 

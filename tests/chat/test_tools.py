@@ -140,6 +140,7 @@ def test_streamed_calls_match_the_non_streamed_ones(client, called):
     assert streamed == [([c.function.name], c.function.arguments) for c in called.choices[0].message.tool_calls]
 
 
+@pytest.mark.slow
 def test_each_of_n_choices_gets_its_own_calls(client, called):
     response = ask(client, ASK, n=2)
     assert [c.finish_reason for c in response.choices] == ["tool_calls", "tool_calls"]
@@ -148,6 +149,7 @@ def test_each_of_n_choices_gets_its_own_calls(client, called):
         assert [c.function for c in choice.message.tool_calls] == expected  # greedy: each choice as alone
 
 
+@pytest.mark.slow
 def test_each_of_n_streamed_choices_gets_its_own_call_deltas_and_finish(http):
     stream = post_stream(http, {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0,
                                 "max_tokens": 50, "stream": True, "n": 2})
@@ -249,6 +251,7 @@ def get_weather(city: str) -> str:
     raise AssertionError("the server only asks for the call")
 
 
+@pytest.mark.slow
 def test_langchain_bind_tools_invoke_returns_tool_calls(server):
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
@@ -301,6 +304,7 @@ def test_langchain_bind_tools_with_forced_choice_returns_tool_calls(server):
     assert isinstance(reply.tool_calls[0]["args"]["city"], str)
 
 
+@pytest.mark.slow
 def test_langchain_structured_output_by_function_calling(server):
     from pydantic import BaseModel
 
@@ -314,6 +318,7 @@ def test_langchain_structured_output_by_function_calling(server):
     assert isinstance(person, Person)
 
 
+@pytest.mark.slow
 def test_a_call_cut_short_by_max_tokens_stays_a_call_with_finish_length(client, http):
     """As OpenAI's: `finish_reason: "length"`, in a stream and not. A forced call is a grammar's JSON document,
     which is closed within the budget (issue 18): its arguments parse and validate, within max_tokens."""

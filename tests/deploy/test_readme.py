@@ -158,6 +158,7 @@ def ids(blocks: list[tuple[str, str]]) -> list[str]:
 
 
 @pytest.mark.parametrize("lang, body", default_server_blocks(), ids=ids(default_server_blocks()))
+@pytest.mark.slow
 def test_readme_block_runs_against_the_default_server(server, lang, body):
     code = DEFAULT_SERVER.sub(lambda m: (m.group(1) or "") + server.url.removeprefix("http://"), body)
     check_output(lang, body, run_block(lang, code).stdout)

@@ -107,6 +107,7 @@ def test_the_engine_thread_computes_with_the_configured_threads_whatever_omp_num
     assert json.loads(done.stdout) == {"plain": 1, "compute": 3}
 
 
+@pytest.mark.slow
 def test_cpu_hog_run_reports_both_levels_and_stops_its_busy_loop(server):
     from oai_gemma.bench.cpu_hog import cpu_hog, report
 

@@ -19,6 +19,8 @@ from oai_gemma.engine.model.gemma3 import post_attention, pre_attention
 from oai_gemma.engine.model.static_decode import DecodeGraph
 from oai_gemma.settings import ModelSettings
 
+pytestmark = pytest.mark.slow
+
 MAX_LEN = 1024
 SLOTS = 6
 WINDOW = 512  # gemma-3-270m's sliding window

@@ -13,6 +13,8 @@ from oai_gemma.engine.model.loader import embedded_model_dir, load
 from oai_gemma.settings import ModelSettings
 
 
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def both():
     """(lean, transformers') loads of the embedded model in bfloat16: every tensor cast as the server casts it."""

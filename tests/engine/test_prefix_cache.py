@@ -15,6 +15,8 @@ from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
+pytestmark = pytest.mark.slow
+
 BLOCK = 16
 SYSTEM = "You are the support desk of a lighthouse museum. " + "Visitors ask about tides, lamps and the keepers' lives. " * 60
 QUESTIONS = ("When does the museum open?", "How tall is the tower?", "Can I bring my dog?", "Who was the last keeper?")

@@ -16,6 +16,8 @@ from oai_gemma.engine.speculative.planner import Speculator
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
+pytestmark = pytest.mark.slow
+
 CODE = '''def parse_pairs(text, separator="="):
     pairs = {}
     for line in text.splitlines():
