@@ -1,4 +1,6 @@
-"""One real `oai-gemma serve` process with the real embedded model, shared by the whole session."""
+"""One real `oai-gemma serve` process with the real embedded model, shared by the whole session (`server`), and the
+servers shared across test files by their settings (`shared_servers`: the fault server, the tiny multimodal
+model's). The folder map, the shared servers and the `slow` marker: docs/testing.md."""
 
 from __future__ import annotations
 
