@@ -170,6 +170,7 @@ def test_a_gguf_and_its_mmproj_compute_what_the_multimodal_model_does(cache, vis
     torch.testing.assert_close(got[..., :vocab], expected[..., :vocab], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_server_on_a_gguf_and_its_mmproj_answers_a_chat_and_an_image_chat(cache, vision_model):
     _, path, mmproj = vision_model
     _convert(cache, path, mmproj)  # converted once, by the test before or here
