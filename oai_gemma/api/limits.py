@@ -17,6 +17,7 @@ from msgspec import Meta
 
 CHAT, COMPLETIONS, RESPONSES, TOKENIZE, DETOKENIZE = "chat", "completions", "responses", "tokenize", "detokenize"
 INPUT_ITEMS = "input_items"
+LORA = "load_lora_adapter"
 """`GET /v1/responses/{id}/input_items`"""
 SAMPLING = (CHAT, COMPLETIONS, RESPONSES)
 PROMPT_CHARS = "max_model_len x the longest token's characters"
@@ -95,6 +96,9 @@ LIMITS: tuple[Limit, ...] = (
     Limit("text.format.name", "pattern", NAME, (RESPONSES,), "OpenAI's schema names"),
     Limit("input[].call_id", "min_length", 1, (RESPONSES,), "a call is answered by its id"),
     Limit("input[].name", "min_length", 1, (RESPONSES,), "a call names its function"),
+    # /v1/load_lora_adapter
+    Limit("lora_name", "min_length", 1, (LORA,), "an adapter is named (blanks stripped)"),
+    Limit("lora_path", "min_length", 1, (LORA,), "an adapter is read from a path (blanks stripped)"),
     # /detokenize
     Limit("tokens[]", "min", 0, (DETOKENIZE,), "a token id"),
     Limit("tokens[]", "max", VOCAB, (DETOKENIZE,), "a token id"),
@@ -153,13 +157,16 @@ def phrase(param: str, kind: str, limit, value=None, note: str = "") -> tuple[st
         code = f"{word}_{'above_max' if kind == 'max' else 'below_min'}_value"
         return f"Invalid '{param}': {word} {side} value. Expected a value {op} {number(limit)}{note}{got}.", code
     if kind in ("min_items", "max_items"):
-        what, unit = ("an array", "length") if not isinstance(value, dict) else ("an object", "entries")
-        if kind == "min_items" and value is not None and len(value) == 0:
-            return f"Invalid '{param}': empty {what[3:]}. Expected {what} with minimum {unit} {limit}{got}.", f"empty_{what[3:]}"
-        side = "too short" if kind == "min_items" else "too long"
-        code = f"{what[3:]}_{'below_min' if kind == 'min_items' else 'above_max'}_length"
-        bound = "minimum" if kind == "min_items" else "maximum"
-        return f"Invalid '{param}': {what[3:]} {side}. Expected {what} with {bound} {unit} {limit}{note}{got}.", code
+        shape = "object" if isinstance(value, dict) else "array"
+        least = kind == "min_items"
+        if least and value is not None and len(value) == 0:
+            side = "empty " + shape
+        else:
+            side = f"{shape} too {'short' if least else 'long'}" if shape == "array" else f"object too {'small' if least else 'large'}"
+        size = (f"with {'minimum' if least else 'maximum'} length {limit}" if shape == "array"
+                else f"with at {'least' if least else 'most'} {limit} entries")
+        code = f"empty_{shape}" if side.startswith("empty") else f"{shape}_{'below_min' if least else 'above_max'}_length"
+        return f"Invalid '{param}': {side}. Expected {'an array' if shape == 'array' else 'an object'} {size}{note}{got}.", code
     if kind in ("min_length", "max_length"):
         side, bound = ("too short", "minimum") if kind == "min_length" else ("too long", "maximum")
         code = f"string_{'below_min' if kind == 'min_length' else 'above_max'}_length"
