@@ -42,7 +42,7 @@ NOT_AT_THE_LIMIT = {  # (endpoint, param, kind): why a request at that limit is 
     (COMPLETIONS, "best_of", "max"): "a best_of other than 1 or n is not supported",
 }
 CODES = {("tokens[]", "min"): "invalid_token_id"}  # /detokenize's own check: an id outside the vocabulary, either side
-ITEM = {"messages": user("hi")[0], "prompt[]": 2}  # an item of the list where "x" is not one
+ITEM = {"messages": user("hi")[0], "prompt[]": 2, "input": {"role": "user", "content": "hi"}}  # an item of the list where "x" is not one
 
 
 def wire(param: str, value, endpoint: str) -> dict:
@@ -78,11 +78,14 @@ def past(row: Limit, limit):
 
 
 def at(row: Limit, limit):
-    item = ITEM.get(row.param, "x")
-    return {
-        "min": limit, "max": limit, "min_items": [item] * limit, "min_length": "x" * limit, "max_length": "x" * limit,
-        "max_items": {f"k{i}": "v" for i in range(limit)} if row.param == "metadata" else [item] * limit,
-    }.get(row.kind, None)
+    """A value at `limit` (None for a bound that has none: `above`, `pattern`)."""
+    if row.kind in ("min", "max"):
+        return limit
+    if row.kind in ("min_length", "max_length"):
+        return "x" * limit
+    if row.kind == "max_items" and row.param == "metadata":
+        return {f"k{i}": "v" for i in range(limit)}
+    return [ITEM.get(row.param, "x")] * limit if row.kind in ("min_items", "max_items") else None
 
 
 def shown(row: Limit, value) -> str:
@@ -91,10 +94,19 @@ def shown(row: Limit, value) -> str:
         return f"with {len(value)} entries" if isinstance(value, dict) else "an empty array" if not value else f"with length {len(value)}"
     if row.kind in ("min_length", "max_length"):
         return "an empty string" if not value else f"with length {len(value)}"
-    return f"'{value}'" if row.kind == "pattern" else f"got {value} instead"
+    return f"'{value}'" if row.kind == "pattern" else f"got {limits.number(value)} instead"
 
 
-SERVED = [(row, endpoint) for row in LIMITS for endpoint in row.endpoints if endpoint in PATHS and not isinstance(row.limit, str)]
+def bound(row: Limit) -> str:
+    """How the message states the limit."""
+    if row.kind in ("min", "above", "max"):
+        return f"Expected a value {dict(min='>=', above='>', max='<=')[row.kind]} {limits.number(row.limit)}"
+    if row.kind == "pattern":
+        return f"the pattern '{row.limit}'"
+    return f"at most {row.limit} entries" if row.param == "metadata" and row.kind == "max_items" else f"length {row.limit}"
+
+
+SERVED = [(row, endpoint) for row in LIMITS for endpoint in row.endpoints if endpoint in PATHS and row.static]
 
 
 def post(http, endpoint: str, fields: dict):
@@ -119,7 +131,7 @@ def test_one_past_a_constant_limit_is_refused_naming_the_field_the_limit_and_the
     error = refusal(post(http, endpoint, fields), param)
     message = error["message"]
     assert message.startswith(f"Invalid '{param}': "), message
-    assert str(limits.number(row.limit)) in message and shown(row, value) in message, message
+    assert bound(row) in message and shown(row, value) in message, message
     assert error["code"] == (CODES.get((row.param, row.kind)) or limits.phrase(param, row.kind, row.limit, value)[1])
 
 

@@ -34,6 +34,7 @@ class Limit:
     """`min`/`max` (a number, inclusive), `above` (a number, exclusive), `min_items`/`max_items` (an array's or an
     object's entries), `min_length`/`max_length` (a string's characters), `pattern` (a string's shape)."""
     limit: int | float | str
+    """A float for a decimal field, an int for an integer or a count."""
     endpoints: tuple[str, ...]
     why: str
 
@@ -49,16 +50,16 @@ def _range(param: str, low, high, endpoints: tuple[str, ...], why: str) -> list[
 
 LIMITS: tuple[Limit, ...] = (
     # sampling: chat, completions and Responses alike
-    *_range("temperature", 0, 2, SAMPLING, "OpenAI's range"),
-    *_range("top_p", 0, 1, SAMPLING, "a probability mass"),
-    *_range("presence_penalty", -2, 2, SAMPLING, "OpenAI's range"),
-    *_range("frequency_penalty", -2, 2, SAMPLING, "OpenAI's range"),
-    *_range("logit_bias", -100, 100, SAMPLING, "each bias; OpenAI's range"),
+    *_range("temperature", 0.0, 2.0, SAMPLING, "OpenAI's range"),
+    *_range("top_p", 0.0, 1.0, SAMPLING, "a probability mass"),
+    *_range("presence_penalty", -2.0, 2.0, SAMPLING, "OpenAI's range"),
+    *_range("frequency_penalty", -2.0, 2.0, SAMPLING, "OpenAI's range"),
+    *_range("logit_bias", -100.0, 100.0, SAMPLING, "each bias; OpenAI's range"),
     Limit("stop", "max_items", 16, SAMPLING, "stop strings are matched on every token"),
     Limit("top_k", "min", -1, SAMPLING, "vLLM's: -1 or 0 is off"),
-    *_range("min_p", 0, 1, SAMPLING, "a probability"),
-    Limit("repetition_penalty", "above", 0, SAMPLING, "a divisor of the logits"),
-    Limit("repetition_penalty", "max", 10, SAMPLING, "beyond, every repeated token is ruled out"),
+    *_range("min_p", 0.0, 1.0, SAMPLING, "a probability"),
+    Limit("repetition_penalty", "above", 0.0, SAMPLING, "a divisor of the logits"),
+    Limit("repetition_penalty", "max", 10.0, SAMPLING, "beyond, every repeated token is ruled out"),
     Limit("min_tokens", "min", 0, SAMPLING, "a count"),
     Limit("min_tokens", "max", "max_tokens", SAMPLING, "no completion can be both"),
     Limit("cache_salt", "min_length", 1, SAMPLING, "an empty salt would share with everyone"),
