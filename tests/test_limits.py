@@ -248,3 +248,11 @@ def test_docs_show_the_table_of_the_module():
 def test_docs_examples_are_the_phrasings(args):
     message, code = limits.phrase(*args)
     assert message in DOCS.read_text() and f"`{code}`" in DOCS.read_text()
+
+
+def test_a_body_over_the_cap_is_413_naming_the_setting_and_its_value(http):
+    most = 32 * 1024 * 1024  # the session server's `server.max_body_bytes` (the default)
+    response = http.post(PATHS[CHAT], content=b" " * (most + 1), headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text[:500]
+    error = response.json()["error"]
+    assert error["message"] == f"The request body is larger than {most} bytes, the most this server takes (`server.max_body_bytes`)."

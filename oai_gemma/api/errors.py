@@ -152,7 +152,6 @@ _TYPE_WORDS = {
     "array": "an array", "null": "null", "bytes": "a base64 string",
 }
 _EXPECTED_GOT = re.compile(r"Expected `([^`]+)`, got `([^`]+)`")
-_EXPECTED_BOUND = re.compile(r"Expected `([^`]+)` (.+)")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`")
 _ENUM = re.compile(r"Invalid (?:enum )?value (.+)")
 _BYTE = re.compile(r"\(byte (\d+)\)")
@@ -165,18 +164,16 @@ def _kind(types: str) -> str:
 
 
 def openai_wording(message: str, param: str | None) -> str:
-    """msgspec's `Expected `int` >= 1 - at `$.max_tokens`` as OpenAI says it: `Invalid value for 'max_tokens':
-    expected an integer >= 1.`; a message that is not msgspec's comes back as it is."""
+    """msgspec's `Expected `int`, got `str` - at `$.n`` as OpenAI says it: `Invalid type for 'n': expected an
+    integer, but got a string instead.` (a bound is `validation_error`'s); a message not msgspec's comes back as it is."""
     text = message.split(" - at `")[0]
     name = f"'{param}'" if param else "the request body"
     if _MISSING.match(text.removeprefix("Object ")):
-        return f"Missing required parameter: '{param}'."
+        return missing(param)
     if found := _UNKNOWN_FIELD.fullmatch(text):
         return f"Unrecognized request argument supplied: {param or found.group(1)}"
     if found := _EXPECTED_GOT.fullmatch(text):
         return f"Invalid type for {name}: expected {_kind(found.group(1))}, but got {_kind(found.group(2))} instead."
-    if found := _EXPECTED_BOUND.fullmatch(text):
-        return f"Invalid value for {name}: expected {_kind(found.group(1))} {found.group(2)}."
     if found := _ENUM.fullmatch(text):
         return f"Invalid value for {name}: {found.group(1)} is not one of the supported values."
     if " - at `" in message:  # msgspec's, in no shape above ("Number out of range")
