@@ -17,8 +17,8 @@ from msgspec import Meta
 
 CHAT, COMPLETIONS, RESPONSES, TOKENIZE, DETOKENIZE = "chat", "completions", "responses", "tokenize", "detokenize"
 INPUT_ITEMS = "input_items"
-LORA = "load_lora_adapter"
 """`GET /v1/responses/{id}/input_items`"""
+LORA = "load_lora_adapter"
 SAMPLING = (CHAT, COMPLETIONS, RESPONSES)
 PROMPT_CHARS = "max_model_len x the longest token's characters"
 FITS = "a longer text cannot fit the context, whatever it says: refused before it is tokenized"
@@ -32,7 +32,9 @@ class Limit:
     param: str
     kind: str
     """`min`/`max` (a number, inclusive), `above` (a number, exclusive), `min_items`/`max_items` (an array's or an
-    object's entries), `min_length`/`max_length` (a string's characters), `pattern` (a string's shape)."""
+    object's entries), `min_length`/`max_length` (a string's characters), `pattern` (a string's shape); the
+    prompt's `max_chars` (its text, refused as `context_length_exceeded`); an image's `max_images` (per request),
+    `max_bytes`, `max_pixels`."""
     limit: int | float | str
     """A float for a decimal field, an int for an integer or a count."""
     endpoints: tuple[str, ...]
@@ -40,7 +42,8 @@ class Limit:
 
     @property
     def static(self) -> bool:
-        """Checked by the decoder (a constant), not by hand (a setting or another field)."""
+        """Known before the server starts (a number, a pattern): the decoder's `Meta`, or a hand check reading it
+        here; else a setting or another field, checked by hand once known."""
         return self.kind == "pattern" or not isinstance(self.limit, str)
 
 
