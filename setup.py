@@ -10,7 +10,7 @@ from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
-SOURCES_MODULE = ROOT / "oai_gemma" / "engine" / "model" / "native" / "sources.py"
+SOURCES_MODULE = ROOT / "oai_gemma" / "engine" / "ops" / "native" / "sources.py"
 VERSION_MODULE = ROOT / "oai_gemma" / "version.py"
 
 

@@ -1,6 +1,6 @@
 """Weight-only kernels on this CPU, on gemma-3-270m's linear shapes: what a decode step's matmuls cost with
 float32 / bf16 weights (oneDNN-packed, as the engine runs them today) and with int8 / int4 weights through
-PyTorch's own CPU kernels, fbgemm's dynamic int8 and the project's own AVX2 kernel (engine/native). Issue 13 asks
+PyTorch's own CPU kernels, fbgemm's dynamic int8 and the project's own AVX2 kernel (engine/ops/native). Issue 13 asks
 for this table before any kernel is chosen. `--step` times instead a whole decode step's 126 projections, each
 with its own weights, so they stream from memory as in the engine (the per-shape table reuses one weight, which
 the cache keeps).
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from oai_gemma.engine.model import native
-from oai_gemma.engine.model.native import native_unavailable
-from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear
+from oai_gemma.engine.ops import native
+from oai_gemma.engine.ops.native import native_unavailable
+from oai_gemma.engine.ops.quantized import DynamicInt8Linear, NativeInt8Linear
 
 # (name, out_features, in_features) of gemma-3-270m: 18 layers of q/k/v/o and gate/up/down, one lm_head
 SHAPES = [

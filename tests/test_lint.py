@@ -81,3 +81,28 @@ def test_the_package_imports_have_no_circle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def _engine_rooms_imported(room: str) -> dict[str, set[str]]:
+    """Per module of engine/`room`: the engine's other parts it imports (`oai_gemma.engine.X...` for X not `room`)."""
+    found = {}
+    for path in (PACKAGE / "engine" / room).rglob("*.py"):
+        other = {name for name in _imports(path) if name.startswith("oai_gemma.engine.")
+                 and name.split(".")[2] != room}
+        if other:
+            found[_module_of(path)] = other
+    return found
+
+
+def test_the_kernels_floor_imports_no_other_engine_room():
+    # issue 38: engine/ops (the linears, invariance, the native kernels) is the bottom floor; model/, lora/, cache/,
+    # config build on it, never the other way round (top-level utilities such as oai_gemma.cpu are fine)
+    assert (PACKAGE / "engine" / "ops" / "__init__.py").exists()
+    assert not _engine_rooms_imported("ops")
+
+
+def test_the_cache_imports_nothing_of_the_model():
+    # issue 38: cache/ learns the layers' kinds and the window from engine/shape.py, not from model/
+    cache = {module: {name for name in names if name.startswith("oai_gemma.engine.model")}
+             for module, names in _engine_rooms_imported("cache").items()}
+    assert not {module: names for module, names in cache.items() if names}

@@ -140,7 +140,7 @@ KERNELS = ["native", "native AVX2", "torch"]
 def use_kernel(monkeypatch, kernel: str) -> None:
     """Make the LoRA path `kernel` (KERNELS) the one this test's steps take: the native kernel where it runs here (its
     AVX2 variant forced), else torch's matmuls (as where no kernel can be compiled)."""
-    from oai_gemma.engine.model import native
+    from oai_gemma.engine.ops import native
 
     kernels = native.lora_kernels()
     if kernel != "torch" and kernels is None:
@@ -207,7 +207,7 @@ def test_the_native_kernel_takes_any_width_rank_and_row_order(dtype, kernel, mon
     it from the stack's weights (bf16: to a few roundings of 2^-9)."""
     from oai_gemma.engine.lora.apply import LoraStep, NativeRows
     from oai_gemma.engine.lora.stack import build_stack
-    from oai_gemma.engine.model import native
+    from oai_gemma.engine.ops import native
 
     use_kernel(monkeypatch, kernel)
     generator = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""engine/native's int8 kernel (woq_int8.c) through `NativeInt8Linear`: it computes x @ (w * scale)^T, a row's
+"""engine/ops/native's int8 kernel (woq_int8.c) through `NativeInt8Linear`: it computes x @ (w * scale)^T, a row's
 result does not depend on the rows beside it (its tiles, the single-row path and threads aside), the prefill
 path agrees, `auto` picks it only where the CPU computes in float32, and where it cannot be compiled the reason
 is said and the setting falls back."""
@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from oai_gemma.engine.config import ConfigError, resolve as resolve_config
-from oai_gemma.engine.model import native
-from oai_gemma.engine.model.native import sources
+from oai_gemma.engine.ops import native
+from oai_gemma.engine.ops.native import sources
 from oai_gemma.engine.model.loader import load
-from oai_gemma.engine.model.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear, linear_for, resolve
+from oai_gemma.engine.ops.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear, linear_for, resolve
 from oai_gemma.settings import ModelSettings, Settings
 
 pytestmark = pytest.mark.skipif(native.native_unavailable() is not None,

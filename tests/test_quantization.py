@@ -21,10 +21,10 @@ from PIL import Image
 from conftest import ServerProcess, user
 from oai_gemma.engine.config import EngineConfig, resolve
 from oai_gemma.engine.model.loader import load
-from oai_gemma.engine.model.linear import FrozenLinear
+from oai_gemma.engine.ops.linear import FrozenLinear
 from oai_gemma.engine.model.quality import perplexity
-from oai_gemma.engine.model.native import native_unavailable
-from oai_gemma.engine.model.quantized import DynamicInt8Linear, NativeInt8Linear, PerStepLinear
+from oai_gemma.engine.ops.native import native_unavailable
+from oai_gemma.engine.ops.quantized import DynamicInt8Linear, NativeInt8Linear, PerStepLinear
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import EngineSettings, ModelSettings, Settings
 
@@ -115,7 +115,7 @@ def test_per_step_uses_both_layouts_in_one_run_each_within_its_bounds(float32_pe
 @needs_native
 def test_in_float32_int8_runs_every_linear_through_the_native_kernel_within_its_bounds(float32_perplexity):
     # a CPU without bf16 computes in float32, where PyTorch's weight-only kernels are slower than packed float32:
-    # there int8 is the project's AVX2 kernel (engine/native), float32 activations, so int8's quality
+    # there int8 is the project's AVX2 kernel (engine/ops/native), float32 activations, so int8's quality
     none, _ = runner_for("none", "float32")
     runner, loaded = runner_for("int8", "float32", batch_invariant="on")
     assert all(isinstance(linear, NativeInt8Linear) for linear in (runner.weights[0].q, runner.weights[-1].down,
@@ -244,7 +244,7 @@ def test_images_are_served_under_float32_int8(tiny_vision_dir, tmp_path):
 @pytest.mark.parametrize("blocked", ["parent is a file", "temporary file is a directory"])
 def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_start(blocked, tmp_path, caplog):
     # a container's read-only root filesystem (Dockerfile): the quantized weights are not kept, the start goes on
-    from oai_gemma.engine.model.quantized import quantize_all
+    from oai_gemma.engine.ops.quantized import quantize_all
 
     cache_file = tmp_path / "quantized" / "w.safetensors"
     if blocked == "parent is a file":

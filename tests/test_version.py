@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from oai_gemma.engine.model import native
+from oai_gemma.engine.ops import native
 from oai_gemma.version import CHECKOUT, git_commit, version, version_line
 
 SHA = "0123456789abcdef0123456789abcdef01234567"

@@ -49,10 +49,10 @@ def package_files() -> set[str]:
 def test_the_wheel_carries_every_file_of_the_package_and_the_compiled_kernels(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert package_files() - names == set()
-    assert "oai_gemma/engine/model/native/lora_tiles.h" in names
-    from oai_gemma.engine.model.native.sources import FAMILIES, library_name
+    assert "oai_gemma/engine/ops/native/lora_tiles.h" in names
+    from oai_gemma.engine.ops.native.sources import FAMILIES, library_name
 
-    assert {f"oai_gemma/engine/model/native/prebuilt/{library_name(family)}" for family in FAMILIES} <= names
+    assert {f"oai_gemma/engine/ops/native/prebuilt/{library_name(family)}" for family in FAMILIES} <= names
     assert "-linux_" in wheel.name  # a compiled library: tagged for its platform, not as pure Python
 
 
@@ -64,11 +64,11 @@ def test_the_installed_wheel_serves_a_chat_and_a_streamed_chat_from_outside_the_
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", str(wheel)],
                    check=True, capture_output=True)
+    env = {"PYTHONPATH": ""}  # a developer's PYTHONPATH (a worktree) would shadow the installed wheel
+    clean = {k: v for k, v in os.environ.items() if k not in ("OAI_GEMMA_GIT_COMMIT", "PYTHONPATH")}
     where = subprocess.run([python, "-c", "import oai_gemma; print(oai_gemma.__file__)"], cwd=tmp_path, capture_output=True,
-                           text=True, check=True).stdout
+                           text=True, check=True, env=clean).stdout
     assert where.startswith(str(site)), where
-    env = {"PYTHONPATH": ""}
-    clean = {k: v for k, v in os.environ.items() if k != "OAI_GEMMA_GIT_COMMIT"}
     shown = subprocess.run([venv / "bin" / "oai-gemma", "--version"], cwd=tmp_path, capture_output=True, text=True, env=clean)
     assert shown.stdout.startswith(f"oai-gemma 0.1.0 (git {BUILT_FROM[:7]}, torch "), shown  # recorded when the wheel was built
     program = str(venv / "bin" / "oai-gemma")
@@ -80,5 +80,5 @@ def test_the_installed_wheel_serves_a_chat_and_a_streamed_chat_from_outside_the_
             model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True) if chunk.choices)
     assert answer.choices[0].message.content and streamed
     log = (tmp_path / "server.log").read_text()
-    assert f"native woq_int8 kernels: {site}/oai_gemma/engine/model/native/prebuilt/" in log  # the wheel's, not compiled here
+    assert f"native woq_int8 kernels: {site}/oai_gemma/engine/ops/native/prebuilt/" in log  # the wheel's, not compiled here
     assert os.fspath(ROOT) not in log.replace(os.fspath(ROOT.parent / ".cache"), "")

@@ -23,10 +23,10 @@ from ..cpu import compute_thread_count
 from ..settings import Settings
 from .cache.memory import blocks_within_budget
 from .lora.adapter import LoraModule, parse_module
-from .model import native
+from .ops import native
 from .shape import TextShape
 from .model.mapped import checkpoint_files
-from .model.quantized import FORMAT, NativeQ8Linear, linear_for, resolve as resolve_quantization
+from .ops.quantized import FORMAT, NativeQ8Linear, linear_for, resolve as resolve_quantization
 
 if TYPE_CHECKING:
     from .model.loader import LoadedModel
@@ -149,7 +149,7 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
 
 
 def _quantization(setting: str, dtype: torch.dtype, device: torch.device, native_dir: Path) -> str:
-    """`model.quantization` resolved. On a CPU the native kernel (engine/model/native) is built here, into the
+    """`model.quantization` resolved. On a CPU the native kernel (engine/ops/native) is built here, into the
     configured cache: float32's int8 and bf16's per-step run it; where it cannot be, `auto` says why and what it
     costs, and `int8` in float32 or `per-step` is a start-up error (PyTorch's own int8 kernels are slower than
     float32 there: no point to it)."""

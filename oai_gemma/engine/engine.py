@@ -26,7 +26,7 @@ from .core import EngineCore
 from .lora.registry import LoraRegistry
 from .sampling.detokenizer import TokenBytes
 from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
-from .model import native
+from .ops import native
 from .model.loader import LoadedModel
 from .observer import RequestObserver
 from .submission import Submission
@@ -214,7 +214,7 @@ class Engine:
 
     @functools.cached_property
     def kernel_isa(self) -> str:
-        """The native CPU kernels' instruction set (engine/model/native), once; `none` on a GPU, which runs none of them."""
+        """The native CPU kernels' instruction set (engine/ops/native), once; `none` on a GPU, which runs none of them."""
         return native.kernel_isa() if self.config.device == "cpu" else "none"
 
     def kv_cache_resident_bytes(self) -> int:

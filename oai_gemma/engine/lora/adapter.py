@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.linear import FrozenLinear
+from ..ops.linear import FrozenLinear
 from .stack import OWN, Stack, build_stack, compute_dtypes
 
 MODULES = ("q", "k", "v", "o", "gate", "up", "down")

@@ -45,7 +45,7 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
 
 
 class NativeRows:
-    """A part's rows for the native kernel (engine/model/native/lora.c `lora_project`'s `rows` array): their count,
+    """A part's rows for the native kernel (engine/ops/native/lora.c `lora_project`'s `rows` array): their count,
     each row's columns [start, end) of its stack's blocks (none for a base row), the rows grouped by adapter
     (`order`), the shrink's buffer, the model's dtype (of the activations and the stack alike), the ISA."""
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model import native
-from ..model.linear import FrozenLinear
+from ..ops import native
+from ..ops.linear import FrozenLinear
 
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 """The projections that take the same input in engine/model/gemma3.py's layer functions, in call order."""
@@ -32,7 +32,7 @@ MKL's small float32 matmuls cost a few us a call, a bf16 one through oneDNN 15-4
 from here bf16 (AMX) wins on the multiplications (the resident stack's are eight times its rows' own at eight
 adapters)."""
 NATIVE_ROWS = 64
-"""A CPU step's part of at most this many rows runs the native kernel (engine/model/native/lora.c), where it runs."""
+"""A CPU step's part of at most this many rows runs the native kernel (engine/ops/native/lora.c), where it runs."""
 
 
 def native_kernels(device: torch.device, dtype: torch.dtype):
@@ -77,7 +77,7 @@ class Group:
     """The same weights as they are ([len(expand) x width, in], the stack's dtype): the native kernel's (None where it
     does not run)."""
     native: dict[str, tuple[int, torch.Tensor]] | None = None
-    """Projection -> the native kernel's `weights` array for it (engine/model/native/lora.c `lora_project`) and its
+    """Projection -> the native kernel's `weights` array for it (engine/ops/native/lora.c `lora_project`) and its
     address."""
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .invariance import KEY_GRID, grouped_attention, pad_keys, round_up
+from ..ops.invariance import KEY_GRID, grouped_attention, pad_keys, round_up
 from ..cache.kv_cache import KVCache
 
 

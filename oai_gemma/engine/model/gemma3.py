@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import native
+from ..ops import native
 
 NATIVE_NORM_DTYPES = (torch.float32, torch.bfloat16)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -71,7 +71,7 @@ def norm_scale(weight: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma-3's RMSNorm (transformers' Gemma3RMSNorm): in float32, times `norm_scale(weight)`, cast back. On a CPU
-    one call of the native kernel (engine/model/native: eight torch ops' dispatch cost more than their arithmetic
+    one call of the native kernel (engine/ops/native: eight torch ops' dispatch cost more than their arithmetic
     at one row: 108 norms a decode step), else torch's ops."""
     if (x.device.type == "cpu" and x.dtype in NATIVE_NORM_DTYPES and x.is_contiguous() and x.shape[-1] % 8 == 0
             and scale.dtype == torch.float32 and scale.is_contiguous() and not torch.compiler.is_compiling()):  # a compiled layer fuses the ops itself, in one graph

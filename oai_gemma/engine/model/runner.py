@@ -22,13 +22,13 @@ import torch
 from .attention import DecodeKeys, decode_attention, decode_keys, prefill_attention
 from .buckets import bucket, buckets
 from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention, signed_sin
-from .invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
+from ..ops.invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import TextShape
 from ..config import ConfigError, EngineConfig
-from .linear import FrozenLinear, call_linear
+from ..ops.linear import FrozenLinear, call_linear
 from .mapped import copy_out_of_checkpoint, map_embedding
-from .quantized import PerStepLinear, quantize_all
+from ..ops.quantized import PerStepLinear, quantize_all
 from .static_decode import StaticDecode, flash_kernel
 from ..lora.apply import LoraStep, module_names
 from ..sequence import StepItem

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .buckets import bucket, span_buckets
-from .invariance import round_up
+from ..ops.invariance import round_up
 from .gemma3 import LayerWeights, post_attention, pre_attention, signed_sin
 
 log = logging.getLogger("oai_gemma.static_decode")

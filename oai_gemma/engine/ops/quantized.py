@@ -10,7 +10,7 @@ mix: every layer in int4 cost +41% perplexity (this model's GGUF keeps most tens
 alone in int4 with int8 projections +5.0%, so `int4` is that mix, as Q4_K_M keeps its sensitive tensors wider.
 
 A CPU without bf16 computes in float32, and there both weight-only kernels are slower than packed float32 at
-every size. There the project's own AVX2 kernel (engine/native, `NativeInt8Linear`: int8 weights widened to
+every size. There the project's own AVX2 kernel (engine/ops/native, `NativeInt8Linear`: int8 weights widened to
 float32 in registers, float32 activations, so int8's quality) streams a quarter of the bytes: the projections
 of a decode step at one row take 3.1 ms instead of 17.8 (docs/engine.md). fbgemm's int8 kernel
 (`torch.ops.quantized.linear_dynamic`: activations quantized per call to 8 bits, one scale for the call) is
@@ -117,7 +117,7 @@ class Int4Linear(QuantizedLinear):
 
 
 class NativeInt8Linear(QuantizedLinear):
-    """Symmetric int8 per output channel, float32 activations, through engine/native/woq_int8.c (AVX2): the
+    """Symmetric int8 per output channel, float32 activations, through engine/ops/native/woq_int8.c (AVX2): the
     weight stored as [N/8, K, 8], eight output channels side by side per input column."""
 
     FIELDS = ("packed", "scale")
