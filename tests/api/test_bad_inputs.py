@@ -93,15 +93,15 @@ CATALOGUE = [
     Bad("completions-negative-token-id", {"model": MODEL, "prompt": [-1], "max_tokens": 1}, path="/v1/completions",
         param="prompt[0]"),
     Bad("completions-token-id-10e30", {"model": MODEL, "prompt": [10**30], "max_tokens": 1}, path="/v1/completions",
-        param="prompt", code="invalid_token_id"),
+        param="prompt[0]", code="invalid_token_id"),
     Bad("completions-nested-100k", b'{"model": "%s", "prompt": ' % MODEL.encode() + nested(100_000) + b"}", path="/v1/completions"),
     # /tokenize: the same limit on a text that cannot fit the context, whatever it says
     Bad("tokenize-10MB-prompt", {"prompt": "word " * 2_000_000}, path="/tokenize", param="prompt", code="context_length_exceeded"),
     Bad("tokenize-10MB-messages", {"messages": user("word " * 2_000_000)}, path="/tokenize", param="messages",
         code="context_length_exceeded"),
     # ids outside every range
-    Bad("detokenize-id-10e30", {"tokens": [10**30]}, path="/detokenize", param="tokens", code="invalid_token_id"),
-    Bad("detokenize-negative-id", {"tokens": [-1]}, path="/detokenize", param="tokens", code="invalid_token_id"),
+    Bad("detokenize-id-10e30", {"tokens": [10**30]}, path="/detokenize", param="tokens[0]", code="invalid_token_id"),
+    Bad("detokenize-negative-id", {"tokens": [1, -1]}, path="/detokenize", param="tokens[1]", code="invalid_token_id"),
     # routes
     Bad("unknown-route", {}, status=404, path="/v1/nope"),
 ]

@@ -388,7 +388,7 @@ def test_client_disconnect_cancels_every_prompt_of_the_stream(http, server):
         ({"prompt": [[]]}, "prompt[0]"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [-1]}, "prompt[0]"),
-        ({"prompt": [99999999]}, "prompt"),
+        ({"prompt": [99999999]}, "prompt[0]"),
         ({"prompt": [2.5]}, "prompt[0]"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -1}, "max_tokens"),

@@ -120,7 +120,7 @@ def test_image_part_on_text_only_model_is_400_naming_the_part(http):
 def test_null_user_content_is_400_naming_the_message(http):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": None}]
     error = error_of(post(http, {"model": MODEL, "messages": messages}), 400)
-    assert error["param"] == "messages[1]"
+    assert (error["param"], error["code"]) == ("messages[1].content", "missing_required_parameter")
 
 
 def test_stream_options_without_stream_is_400(http):
@@ -139,9 +139,17 @@ def test_wrong_method_is_405_in_envelope(http):
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"max_tokens": 0}, "Invalid value for 'max_tokens': expected an integer >= 1."),
+    ({"max_tokens": 0}, "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
     ({"max_tokens": "many"}, "Invalid type for 'max_tokens': expected an integer or null, but got a string instead."),
-    ({"temperature": 3}, "Invalid value for 'temperature': expected a number <= 2.0."),
+    ({"temperature": 3}, "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 3 instead."),
+    ({"n": 200}, "Invalid 'n': integer above maximum value. Expected a value <= 128, but got 200 instead."),
+    ({"n": 40}, "Invalid 'n': integer above maximum value. Expected a value <= 32 (`engine.max_num_seqs`: a request's "
+                "choices run in one batch), but got 40 instead."),
+    ({"stop": ["x"] * 17}, "Invalid 'stop': array too long. Expected an array with maximum length 16, but got an array "
+                           "with length 17 instead."),
+    ({"messages": []}, "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead."),
+    ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": None}]},
+     "Missing required parameter: 'messages[1].content'."),
     ({"stop": 5}, "Invalid type for 'stop': expected a string, an array or null, but got an integer instead."),
     ({"model": None}, "Invalid type for 'model': expected a string, but got null instead."),
     ({"response_format": {"type": "yaml"}}, "Invalid value for 'response_format.type': 'yaml' is not one of the supported values."),

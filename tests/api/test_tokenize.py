@@ -84,8 +84,8 @@ def test_vllm_paths_only_at_the_root(http):
 def test_detokenize_id_outside_the_vocabulary_is_400_naming_tokens(http, bad):
     error = error_of(http.post("/detokenize", json={"model": MODEL, "tokens": [2, bad]}), 400)
     assert error["type"] == "invalid_request_error"
-    assert error["param"] == "tokens"
-    assert str(bad) in error["message"]
+    assert (error["param"], error["code"]) == ("tokens[1]", "invalid_token_id")
+    assert f"but got {bad} instead" in error["message"]
 
 
 @pytest.mark.parametrize("path, payload", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [2]})])

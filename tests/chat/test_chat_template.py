@@ -278,15 +278,17 @@ def test_message_not_an_object_is_refused():
 
 
 def test_user_null_content_is_refused():
-    assert refused([user("a"), assistant("b"), user(None)]).param == "messages[2]"
+    error = refused([user("a"), assistant("b"), user(None)])
+    assert (error.param, error.code) == ("messages[2].content", "missing_required_parameter")
+    assert error.message == "Missing required parameter: 'messages[2].content'."
 
 
 def test_user_missing_content_is_refused():
-    assert refused([{"role": "user"}]).param == "messages[0]"
+    assert refused([{"role": "user"}]).param == "messages[0].content"
 
 
 def test_system_null_content_is_refused():
-    assert refused([system(None), user("a")]).param == "messages[0]"
+    assert refused([system(None), user("a")]).param == "messages[0].content"
 
 
 def test_content_of_wrong_type_is_refused():
@@ -306,7 +308,7 @@ def test_assistant_tool_call_without_a_name_is_refused_naming_it():
 
 
 def test_tool_message_without_content_is_refused():
-    assert refused([user("q"), {"role": "tool", "tool_call_id": "c1"}]).param == "messages[1]"
+    assert refused([user("q"), {"role": "tool", "tool_call_id": "c1"}]).param == "messages[1].content"
 
 
 def test_tool_results_merge_into_one_user_turn_with_the_next_question():
