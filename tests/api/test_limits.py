@@ -21,7 +21,7 @@ from oai_gemma.chat.images import ImagePolicy, load_images
 from oai_gemma.chat.render import ImagePart
 from openai_schema import validate
 
-DOCS = Path(__file__).parent.parent / "docs" / "api.md"
+DOCS = Path(__file__).parents[2] / "docs" / "api.md"
 MAX_NUM_SEQS = 32  # the session server's `engine.max_num_seqs` (the default)
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses",
          TOKENIZE: "/tokenize", DETOKENIZE: "/detokenize"}
