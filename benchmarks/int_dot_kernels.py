@@ -5,6 +5,7 @@ streams its weight from memory as in a decode step; candidates alternate call by
 machine hits them alike. Reports the minimum and the median over the rounds.
 
     python benchmarks/int_dot_kernels.py --rows 1,4,8,16,32 [--shapes q,kv,o,gate,down,lm_head] [--rounds 20]
+    python benchmarks/int_dot_kernels.py --threads 1 --stream-mb 0 --rounds 40   # a busy machine: one thread, minima
 
 Run it on a quiet machine (`uptime`); on a busy one read the minima.
 """
@@ -44,7 +45,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,32")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch's thread count (0: as it is)")
+    parser.add_argument("--stream-mb", type=int, default=STREAM_BYTES >> 20,
+                        help="each candidate's copies of a weight exceed this (0: one copy, which the cache may keep)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_line()}")
     print("| shape (N x K) | rows | " + " | ".join(f"{c} min / median (ms)" for c in CANDIDATES) + " | q8 vs int8 | q4 vs int8 |")
@@ -52,7 +58,7 @@ def main() -> None:
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         n, k, _ = SHAPES[name]
-        copies = max(1, -(-STREAM_BYTES // (n * k)))
+        copies = max(1, -(-(args.stream_mb << 20) // (n * k)))
         weight = torch.randn(n, k) * 0.02
         linears = {}
         for c, cls in [*CANDIDATES.items(), *([("q8 (lm_head's NativeQ8Linear)", NativeQ8Linear)] if name == "lm_head" else [])]:
