@@ -39,14 +39,17 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
-    quantization: Literal["auto", "none", "int8", "int4", "per-step"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4"] = "auto"
     """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/quantized.py),
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.
     `per-step`: bf16 only, each linear kept twice, int8 for steps of few rows (native kernel) and packed bf16 for
     the others, chosen per step by its row count. `auto`: where the project's native kernel compiles, `int8` if
     the CPU computes in float32 (faster at every load there, +0.5% perplexity) and `per-step` if in bf16; else
-    `none`. docs/engine.md, "Weight-only quantized weights"."""
+    `none`. `q8`: every linear int8 x int8 (activations quantized per block of 32 in the kernel, integer dot
+    products: faster from a few rows on); `q4`: the projections in 4-bit blocks of 32 (GGUF's Q4_0, fewer bytes
+    per token) and the lm_head as `q8` (both need the native kernels). docs/engine.md, "Weight-only quantized
+    weights" and "Integer dot products"."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""
