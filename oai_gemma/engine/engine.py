@@ -2,16 +2,15 @@
 
 `Engine` is the facade the API holds (and the tests, the benchmark, a notebook): the event-loop side of
 submission (capacity, the places in flight, timeouts, the observer) and the few model facts a route needs
-(tokenizer, processor, vocabulary size, context length, grammars). The model itself runs on one thread
-owned by `EngineCore` (engine/core.py); requests and cancellations reach it through its inbox, and its
-events come back onto each request's asyncio queue.
+(tokenizer, processor, vocabulary size, context length, grammars); engine/factory.py builds it from the
+resolved configuration. The model itself runs on one thread owned by `EngineCore` (engine/core.py); requests and
+cancellations reach it through its inbox, and its events come back onto each request's asyncio queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import threading
 import time
@@ -19,9 +18,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
-from ..settings import Settings
 from ..version import provenance
-from .config import EngineConfig, resolve as resolve_config
+from .config import EngineConfig
 from .core import EngineCore
 from .lora.registry import LoraRegistry
 from .sampling.detokenizer import TokenBytes
@@ -104,13 +102,6 @@ class Engine:
             return sorted({seq.lora.name for seq in list(seqs) if seq.lora is not None})
 
         return {"running": names(scheduler.running), "waiting": names(scheduler.waiting), "max_lora": self.config.max_loras}
-
-    @classmethod
-    def from_settings(cls, loaded: LoadedModel, settings: Settings, own_weights: bool = False) -> Engine:
-        """The engine with the configuration `settings` resolve to on this model (logged once, as plain data)."""
-        config = resolve_config(settings, loaded)
-        log.info("engine config: %s", json.dumps(config.as_dict()))
-        return cls(loaded, config, own_weights)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 

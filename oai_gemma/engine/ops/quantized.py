@@ -18,7 +18,7 @@ faster still on the 262k-row lm_head from a few rows on, but its results depend 
 it costs +0.8% perplexity (+23% on the projections: Gemma's activations have outliers). So in float32 `int8`
 is the native kernel everywhere, and `int4` the native kernel on the projections with fbgemm's lm_head
 (`linear_for`); without the native kernel (no compiler, no AVX2) `int4` keeps packed float32 projections.
-The layers keep the interface of engine/linear.py's FrozenLinear (`__call__`, `packed`, `packed_bytes`).
+The layers keep the interface of engine/ops/linear.py's FrozenLinear (`__call__`, `packed`, `packed_bytes`).
 """
 
 from __future__ import annotations
@@ -250,17 +250,6 @@ REDUCE_RANGE = not torch.cpu._is_vnni_supported() or os.environ.get("FBGEMM_ENAB
 """fbgemm's kernels without VNNI (AVX2; or forced with FBGEMM_ENABLE_INSTRUCTIONS) sum pairs of u8 x s8 products
 in saturating int16: activations then take 7 bits, as PyTorch's dynamic quantization does there (measured: +2.0%
 perplexity on the lm_head instead of +0.8%)."""
-
-
-def resolve(quantization: str, dtype: torch.dtype, device: torch.device) -> str:
-    """`model.quantization` = `auto` where the native kernel runs on a CPU: `int8` where the CPU computes in float32
-    (faster at 1, 8 and 32 streams, +0.5% perplexity; docs/engine.md), `per-step` where it computes in bf16 (the
-    int8 copy for steps of few rows, packed bf16 for the others); else none (a GPU has no quantized path)."""
-    if quantization != "auto":
-        return quantization
-    if device.type != "cpu" or native_unavailable() is not None:
-        return "none"
-    return "int8" if dtype == torch.float32 else "per-step" if dtype == torch.bfloat16 else "none"
 
 
 def linear_for(quantization: str, name: str, dtype: torch.dtype):
