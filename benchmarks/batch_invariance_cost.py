@@ -22,7 +22,7 @@ from weight_only_kernels import timed  # this folder's: median ms after warm-up 
 
 
 def step_times(loaded, mode: str) -> dict[str, float]:
-    runner = ModelRunner(loaded.model, EngineConfig(max_num_seqs=32, max_model_len=2048, max_prefill_tokens=512, batch_invariant=mode))
+    runner = ModelRunner.of(loaded.model, EngineConfig(max_num_seqs=32, max_model_len=2048, max_prefill_tokens=512, batch_invariant=mode))
     assert runner.batch_invariant == (mode == "on")
     prompt = list(range(1000, 1512))
     times = {"prefill 512 tokens": timed(lambda: runner.forward([StepItem(runner.sequence_blocks(0), prompt, 0)], []), 5)}

@@ -127,8 +127,8 @@ def weight_bytes(runner) -> int:
     """Bytes a decode step streams: every decoder layer's weights and the lm_head (the embedding row gather is
     negligible; with tied embeddings the lm_head is that same matrix, counted once)."""
     seen, total = set(), 0
-    tensors = [p for layer in runner.text_model.layers for p in layer.parameters()]
-    tensors += [runner.lm_head.weight, runner.text_model.norm.weight]
+    tensors = [getattr(t, "weight", t) for w in runner.weights for t in w] + [runner.gemma.final_norm]
+    tensors += [runner.lm_head_linear.weight]
     for tensor in tensors:
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())

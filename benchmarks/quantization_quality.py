@@ -35,7 +35,7 @@ def measure(dtype: str, quantization: str) -> tuple[float, list[list[int]], int,
     settings = Settings(model=ModelSettings(dtype=dtype, quantization=quantization, max_model_len=4096),
                         engine=EngineSettings(max_num_seqs=32, max_prefill_tokens=256, batch_invariant="off"))
     loaded = load(settings.model)
-    runner = ModelRunner(loaded.model, resolve(settings, loaded), own_weights=True)
+    runner = ModelRunner.of(loaded.model, resolve(settings, loaded), own_weights=True)
     ppl = perplexity(runner, loaded.tokenizer.encode(TEXT.read_text()))
     prompts = [loaded.tokenizer.encode(render_chat([{"role": "user", "content": p}]).prompt, add_special_tokens=False) for p in PROMPTS]
     greedy = [greedy_tokens(runner, ids, 64) for ids in prompts]

@@ -125,7 +125,7 @@ def chunkings(rng: random.Random, count: int):
 @pytest.mark.parametrize("dtype, mode", [("float32", "auto"), ("bfloat16", "on")])
 def test_logits_are_bitwise_equal_however_the_prompt_is_chunked_and_whatever_decodes_beside(dtype, mode):
     rng = random.Random(0)
-    runner = ModelRunner(loaded_model(dtype).model, runner_config(mode))
+    runner = ModelRunner.of(loaded_model(dtype).model, runner_config(mode))
     assert runner.batch_invariant
     alone = logits_under(runner, [23], [0], rng)
     for splits, beside in chunkings(rng, 12):
@@ -135,7 +135,7 @@ def test_logits_are_bitwise_equal_however_the_prompt_is_chunked_and_whatever_dec
 def test_without_the_mode_the_same_compositions_differ():
     """The check above can fail: the engine's own kernels, mode off, change a prompt's last bits."""
     rng = random.Random(0)
-    runner = ModelRunner(loaded_model("float32").model, runner_config("off"))
+    runner = ModelRunner.of(loaded_model("float32").model, runner_config("off"))
     alone = logits_under(runner, [23], [0], rng)
     assert any(
         not all(torch.equal(a, b) for a, b in zip(logits_under(runner, splits, beside, rng), alone))

@@ -35,7 +35,7 @@ def model(loaded):
 
 
 def make_runner(model, static: bool) -> ModelRunner:
-    return ModelRunner(model, EngineConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_prefill_tokens=640 - SLOTS, static_decode=static))
+    return ModelRunner.of(model, EngineConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_prefill_tokens=640 - SLOTS, static_decode=static))
 
 
 @pytest.fixture(scope="module")

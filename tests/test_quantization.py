@@ -47,7 +47,7 @@ def runner_for(quantization: str, dtype: str = "bfloat16", cache: bool = True, b
     )
     loaded = load(settings.model)
     config = resolve(settings, loaded)
-    runner = ModelRunner(loaded.model, config if cache else replace(config, quantized_weights=None), own_weights=True)
+    runner = ModelRunner.of(loaded.model, config if cache else replace(config, quantized_weights=None), own_weights=True)
     return runner, loaded
 
 
@@ -75,41 +75,20 @@ def test_perplexity_and_resident_weights_stay_within_bounds(quantization, float3
 
 @needs_bf16
 @needs_native
-def test_per_step_uses_both_layouts_in_one_run_each_within_its_bounds(float32_perplexity, bf16_weight_bytes):
-    # bf16's default: every linear kept as int8 (native kernel) for steps of few rows and packed bf16 for the others
-    none, _ = runner_for("none")
+def test_per_step_keeps_one_int8_layout_within_its_bounds(float32_perplexity, bf16_weight_bytes):
+    # bf16's default: every linear int8 through the native kernel (bf16 in and out), whatever a step's row count, and
+    # no packed bf16 copy beside it (issue 37: one copy of each weight)
     runner, loaded = runner_for("per-step")
     per_step = [runner.lm_head_linear, *(p for w in runner.weights for p in w if isinstance(p, PerStepLinear))]
     assert len(per_step) == 1 + 7 * len(runner.weights), "the lm_head and every projection"
-    calls = {"few": 0, "many": 0}
-    for linear in per_step:
-        for layout in calls:
-            inner = getattr(linear, layout)
-            setattr(linear, layout, lambda x, *dtype, inner=inner, layout=layout: calls.__setitem__(layout, calls[layout] + 1) or inner(x, *dtype))
     ids = loaded.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
-    runner.forward([StepItem(runner.sequence_blocks(0), ids[:-1], 0)], [])  # 12 tokens: a 16-row bucket, bf16
-    last = [StepItem(runner.sequence_blocks(0), ids[-1:], len(ids) - 1)]
-    one = runner.forward([], last)  # one row: int8
-    others = [StepItem(runner.sequence_blocks(i, 64), [1234], 40) for i in range(100, 115)]  # past slot 0's blocks
-    runner.forward([], last + others)  # 16 rows: bf16
-    assert calls["few"] >= len(per_step) and calls["many"] >= len(per_step), f"both layouts in one run: {calls}"
-    for linear in per_step:
-        linear.pin()
-    pinned = runner.forward([], last)
-    assert one.dtype == torch.float32 and pinned.dtype == torch.bfloat16  # int8's logits stay float32
-    assert loaded.tokenizer.decode([int(one[0].argmax())]).strip() == "Berlin" == loaded.tokenizer.decode([int(pinned[0].argmax())]).strip()
-    assert (one[0] - pinned[0].float()).abs().max() < 1.5, "the two layouts' logits differ by int8's rounding only"
-
-    for linear in per_step:
-        linear.rows = 10**9  # every call through the int8 layout
+    runner.forward([StepItem(runner.sequence_blocks(0), ids[:-1], 0)], [])
+    one = runner.forward([], [StepItem(runner.sequence_blocks(0), ids[-1:], len(ids) - 1)])
+    assert one.dtype == torch.float32, "int8's logits stay float32"
+    assert loaded.tokenizer.decode([int(one[0].argmax())]).strip() == "Berlin"
     ratio = perplexity(runner, loaded.tokenizer.encode(TEXT)) / float32_perplexity
-    assert ratio <= BOUNDS["int8"], f"per-step's int8 layout: perplexity {ratio:.4f}x float32's"
-    for linear in per_step:
-        linear.pin()  # every call through packed bf16: `none`'s kernels (the embedding, read from the float32
-    prompt = [StepItem(runner.sequence_blocks(0), ids, 0)]  # checkpoint as under every quantized setting, differs)
-    ours, theirs = runner.forward(prompt, [])[0].float(), none.forward(prompt, [])[0].float()
-    assert int(ours.argmax()) == int(theirs.argmax()) and (ours - theirs).abs().max() < 1.5
-    assert runner.weight_bytes() <= 1.4 * bf16_weight_bytes, "the int8 copy adds a third of bf16's bytes"
+    assert ratio <= BOUNDS["int8"], f"per-step: perplexity {ratio:.4f}x float32's"
+    assert runner.weight_bytes() <= 0.55 * bf16_weight_bytes, "one int8 copy of each weight"
     assert runner.mapped_embedding
 
 
@@ -155,7 +134,7 @@ def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
 def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_supported():
     loaded = load(ModelSettings(dtype="float32"))
     with pytest.raises(ValueError, match="CPU path only"):
-        ModelRunner(loaded.model, EngineConfig(max_num_seqs=2, max_model_len=256, static_decode=True, quantization="int8"))
+        ModelRunner.of(loaded.model, EngineConfig(max_num_seqs=2, max_model_len=256, static_decode=True, quantization="int8"))
 
 
 @pytest.mark.parametrize("quantization, dtype, served, most_mb", [
@@ -245,15 +224,17 @@ def test_images_are_served_under_float32_int8(tiny_vision_dir, tmp_path):
 @pytest.mark.parametrize("blocked", ["parent is a file", "temporary file is a directory"])
 def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_start(blocked, tmp_path, caplog):
     # a container's read-only root filesystem (Dockerfile): the quantized weights are not kept, the start goes on
-    from oai_gemma.engine.ops.quantized import quantize_all
+    from oai_gemma.engine.model.layout import Layout, LinearCache
 
     cache_file = tmp_path / "quantized" / "w.safetensors"
     if blocked == "parent is a file":
         cache_file.parent.write_text("")
     else:
         cache_file.with_suffix(f".{os.getpid()}.tmp").mkdir(parents=True)
-    linears = quantize_all({"projection.0": torch.randn(64, 64, dtype=torch.bfloat16)}, "int8", cache_file)
-    assert set(linears) == {"projection.0"} and not cache_file.exists()
+    weight, cache = torch.randn(64, 64, dtype=torch.bfloat16), LinearCache(cache_file, ["projection.0"])
+    cache.keep("projection.0", Layout("int8", torch.bfloat16).make("projection.0", lambda lo, hi: weight[lo:hi], (64, 64)))
+    cache.save()
+    assert not cache_file.exists()
     assert "could not keep the quantized weights" in caplog.text
 
 

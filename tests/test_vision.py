@@ -304,7 +304,7 @@ def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(vision_l
     with torch.inference_mode():
         reference = loaded.model(**inputs).logits[0, -1, :vocab]
         causal_only = loaded.model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, -1, :vocab]
-    runner = ModelRunner(loaded.model, EngineConfig(max_num_seqs=1, max_model_len=1024, max_prefill_tokens=511, batch_invariant="off"))
+    runner = ModelRunner.of(loaded.model, EngineConfig(max_num_seqs=1, max_model_len=1024, max_prefill_tokens=511, batch_invariant="off"))
     spans = tuple(token_runs(ids, vocab))
     rows = torch.tensor([i for start, end in spans for i in range(start, end)])
     ours = runner.forward([StepItem(runner.sequence_blocks(0), ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]

@@ -48,7 +48,7 @@ class EngineCore:
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
         self.adapters = self._adapters(loaded, config)
         """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them."""
-        self.runner = ModelRunner(loaded.model, config, own_weights)
+        self.runner = ModelRunner.of(loaded, config, own_weights)
         self.runner.lora = self.adapters
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,

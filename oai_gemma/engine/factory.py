@@ -44,11 +44,12 @@ def load_engine(settings: Settings) -> Engine:
     log.info("%s", version_line())
     log.info("start-up: %s; /health answers 503 until ready", start_plan(settings.model))
     started = time.monotonic()
-    loaded = load(settings.model, lean=True)  # transformers' modules only where lean.py cannot build the model
+    loaded = load(settings.model, lean=True, stream=True)  # the text weights read later, one tensor at a time
     loaded_at = time.monotonic()
     machine = probe(settings, loaded)
     log.info("CPU kernels: torch %s, native %s", provenance()["cpu_capability"], machine.kernel_isa)
     engine = build_engine(loaded, resolve(settings, machine), own_weights=True)  # nothing else uses this model: one copy of its weights
+    loaded_peak = resident_bytes("VmHWM")
     built_at = time.monotonic()
     log.info("warm-up: running every step shape once, so no request pays for it")
     engine.warm_up()
@@ -65,8 +66,9 @@ def load_engine(settings: Settings) -> Engine:
     total, weights, kv = resident_bytes(), engine.weight_bytes, runner.cache.resident_bytes()
     log.info(
         "resident memory: %.0f MB (weights %.0f, KV cache %.0f of %.0f allocated, other %.0f: runtime, tokenizer, "
-        "grammar, activations); weights quantized: %s", total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB,
-        (total - weights - kv) / MB, runner.quantization,
+        "grammar, activations); weights quantized: %s; peak %.0f MB while loading, %.0f MB by the end of warm-up",
+        total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB, (total - weights - kv) / MB, runner.quantization,
+        loaded_peak / MB, resident_bytes("VmHWM") / MB,
     )
     return engine
 

@@ -27,6 +27,8 @@ class TextShape:
     query_pre_attn_scalar: float
     rope: dict[str, tuple[float, float]]
     """Per layer kind (SLIDING, FULL): (rope theta, linear scaling factor; 1.0 for none)."""
+    final_softcap: float | None = None
+    """The final logits' soft-capping (None: none, as in Gemma-3)."""
 
     @property
     def layers(self) -> int:
@@ -46,6 +48,7 @@ class TextShape:
             sliding_window=config.sliding_window, sliding=tuple(kind == SLIDING for kind in kinds),
             rms_eps=config.rms_norm_eps, query_pre_attn_scalar=config.query_pre_attn_scalar,
             rope={kind: _rope(config, kind) for kind in set(kinds)},
+            final_softcap=getattr(config, "final_logit_softcapping", None),
         )
 
 

@@ -31,7 +31,7 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
     for rows in runner.row_buckets:
         logits = runner.forward([], [StepItem(scratch, [0], 0) for _ in range(rows)], layers)
     for rows in runner.logits_buckets[len(runner.row_buckets) :]:  # draft rows beyond the batch's (speculative decoding)
-        runner.logits_of(torch.zeros(rows, runner.config.hidden_size, dtype=runner.dtype))
+        runner.logits_of(torch.zeros(rows, runner.text_shape.hidden, dtype=runner.dtype))
     runner.capture_decode_graphs()
     rows = [
         PlainRow(SamplingParams(max_tokens=1, temperature=0.0), RowRandom(0)),

@@ -23,12 +23,12 @@ def release_free_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def resident_bytes() -> int:
-    """This process's resident memory (VmRSS), 0 where /proc is not there."""
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory (VmRSS; `VmHWM`: its peak since it started), 0 where /proc is not there."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

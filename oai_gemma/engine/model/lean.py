@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..shape import FULL, SLIDING
 from .lean_config import model_config
 from .mapped import DTYPES, checkpoint_files, read_header
 
@@ -86,6 +87,14 @@ class Rotary(nn.Module):
                 inv_freq = inv_freq / config.rope_parameters[kind]["factor"]
             setattr(self, f"{kind}_inv_freq", nn.Buffer(inv_freq, persistent=False))
 
+    @classmethod
+    def of(cls, shape) -> Rotary:
+        """The tables of an engine/shape.py TextShape (its `rope`: theta and linear factor per layer kind)."""
+        parameters = {kind: {"rope_type": "linear" if factor != 1.0 else "default", "rope_theta": theta, "factor": factor}
+                      for kind, (theta, factor) in shape.rope.items()}
+        layer_types = [SLIDING if sliding else FULL for sliding in shape.sliding]
+        return cls(SimpleNamespace(head_dim=shape.head_dim, layer_types=layer_types, rope_parameters=parameters))
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
         inv_freq = getattr(self, f"{layer_type}_inv_freq")
         freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
@@ -128,6 +137,14 @@ def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module
     fill(model, read_checkpoint(Path(source)), source, dtype, getattr(config, "tie_word_embeddings", True))
     if model.lm_head.weight.is_meta:
         model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def shell(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
+    """A text-only model without its weights (`.config` only): the loader's `stream` path, whose text weights
+    engine/model/streamed.py reads from the checkpoint straight into their final layout."""
+    model = nn.Module()
+    model.config = config
     return model.eval()
 
 

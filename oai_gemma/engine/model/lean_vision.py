@@ -35,6 +35,9 @@ CHECKPOINT_NAMES = (
     (re.compile(r"^multi_modal_projector\."), "model.multi_modal_projector."),
 )
 
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
+"""The module names of the vision tower's and the projector's tensors."""
+
 
 def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
@@ -184,6 +187,19 @@ def build_multimodal(config: SimpleNamespace, source: str, dtype: torch.dtype) -
     fill(model, tensors, source, dtype, config.tie_word_embeddings)
     if model.lm_head.weight.is_meta:
         model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    return model.eval()
+
+
+def build_vision(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
+    """The multimodal model with its vision tower and projector filled and no text decoder (`language_model` empty,
+    no `lm_head`): the loader's `stream` path, whose text weights engine/model/streamed.py reads straight into their
+    final layout. The tower stays a module tree, as `build_multimodal` makes it."""
+    model = ForConditionalGeneration(config)
+    del model.lm_head
+    model.model.language_model = nn.Module()
+    tensors = {checkpoint_name(key): tensor for key, tensor in read_checkpoint(Path(source)).items()}
+    vision = {name: tensor for name, tensor in tensors.items() if name.startswith(VISION_PREFIXES)}
+    fill(model, vision, source, dtype, tied=False)
     return model.eval()
 
 

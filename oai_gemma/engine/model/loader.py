@@ -24,8 +24,8 @@ import torch
 from ...cpu import cpu_flags
 from ...progress import Phase
 from ...settings import EMBEDDED, ModelSettings
-from .lean import build as lean_model
-from .lean_vision import build_multimodal
+from .lean import build as lean_model, shell as lean_shell
+from .lean_vision import build_multimodal, build_vision
 from .lean_config import model_config as lean_model_config
 from .processor import Processor as LeanProcessor, can_preprocess
 from .tokenizer import load_tokenizer
@@ -137,6 +137,9 @@ class LoadedModel:
     dtype: torch.dtype
     source_dir: str
     eos_token_ids: tuple[int, ...]
+    checkpoint: Path | None = None
+    """Where the text weights are still to be read from (`load(stream=True)`): `model` then holds the config and the
+    vision tower only, and the runner reads the text weights into their final layout (engine/model/streamed.py)."""
 
     @property
     def text_config(self):
@@ -187,11 +190,12 @@ def _dispatch(model, device_map: str, dtype: torch.dtype):
     return dispatch_model(model, placement)
 
 
-def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
+def load(settings: ModelSettings, lean: bool = False, stream: bool = False) -> LoadedModel:
     """The model, tokenizer (and processor) of `settings`. `lean`: a checkpoint that engine/model/lean.py (and for a
     multimodal one lean_vision.py and processor.py) understands is built there, without importing transformers (the
     server's start-up: ~2.3 s less); anything else, and every caller that runs transformers' own forward (tests,
-    the bare benchmark), gets transformers' modules and processor."""
+    the bare benchmark), gets transformers' modules and processor. `stream` (with `lean`, the server's): the text
+    weights are not read here but by the runner, one tensor at a time into their final layout (`checkpoint`)."""
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
     source = resolve_source(settings)
@@ -207,13 +211,17 @@ def load(settings: ModelSettings, lean: bool = False) -> LoadedModel:
         tokenizer_source = str(embedded_model_dir(settings))  # every Gemma-3 size shares one tokenizer
     with ThreadPoolExecutor(1) as pool:
         tokenizer = pool.submit(load_tokenizer, tokenizer_source)
-        if isinstance(config, SimpleNamespace):
+        checkpoint = None
+        if isinstance(config, SimpleNamespace) and stream:
+            model = (build_vision if getattr(config, "vision_config", None) is not None else lean_shell)(config, source, dtype)
+            checkpoint = Path(source)
+        elif isinstance(config, SimpleNamespace):
             model = (build_multimodal if getattr(config, "vision_config", None) is not None else lean_model)(config, source, dtype)
         else:
             model = _load_weights(settings, source, config, multimodal, device, dtype)
         tokenizer = tokenizer.result()
     processor = _processor(source, tokenizer, lean=isinstance(config, SimpleNamespace)) if multimodal else None
-    return LoadedModel(model, tokenizer, processor, device, dtype, source, _eos_ids(tokenizer, source))
+    return LoadedModel(model, tokenizer, processor, device, dtype, source, _eos_ids(tokenizer, source), checkpoint)
 
 
 def _lean_config(settings: ModelSettings, source: str, device: torch.device) -> SimpleNamespace | None:

@@ -33,16 +33,23 @@ def map_embedding(text_model, lm_head, source_dir: str, any_dtype: bool = False)
     if found is None:
         return False
     path, start, dtype = found
-    with open(path, "rb") as file:
-        memory = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes would never reach the file
-    if hasattr(mmap, "MADV_RANDOM"):  # rows are looked up one token at a time: no readahead of 128 KiB per fault
-        memory.madvise(mmap.MADV_RANDOM)
-    mapped = torch.frombuffer(memory, dtype=dtype, count=weight.numel(), offset=start).view(weight.shape)
-    parameter = torch.nn.Parameter(mapped, requires_grad=False)
+    parameter = torch.nn.Parameter(map_tensor(path, start, dtype, list(weight.shape)), requires_grad=False)
     text_model.embed_tokens.weight = parameter
     lm_head.weight = parameter
     log.info("token embedding mapped from %s (read on demand, not copied)", path.name)
     return True
+
+
+def map_tensor(path: Path, start: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor at byte `start` of `path`, mapped (private, read on demand, rows looked up at random)."""
+    with open(path, "rb") as file:
+        memory = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes would never reach the file
+    if hasattr(mmap, "MADV_RANDOM"):  # rows are looked up one token at a time: no readahead of 128 KiB per fault
+        memory.madvise(mmap.MADV_RANDOM)
+    count = 1
+    for dim in shape:
+        count *= dim
+    return torch.frombuffer(memory, dtype=dtype, count=count, offset=start).view(shape)
 
 
 def _find(source: Path, weight: torch.Tensor, any_dtype: bool = False) -> tuple[Path, int, torch.dtype] | None:

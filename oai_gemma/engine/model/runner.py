@@ -1,7 +1,7 @@
 """The model runner: Gemma-3's forward pass over a mixed batch of prefill chunks and decode tokens.
 
-It reuses the transformers modules' weights (projections, norms, embeddings, rotary tables) but owns the
-attention and the KV cache, so sequences of different lengths decode together in one batch, join and
+It computes with the project's own container of the model's weights (engine/model/weights.py's Gemma3Weights, in
+their final layout: packed or quantized) described by engine/shape.py's shape, and owns the attention and the KV cache, so sequences of different lengths decode together in one batch, join and
 leave between steps, and sliding-window layers keep only their window (a ring buffer).
 A step is packed into tensors (`_pack`), run through the layers (`_layers`: engine/gemma3.py's layer around
 our attention) and turned into logits for the rows that sample (`_logits`), as nano-vllm's runner does.
@@ -11,24 +11,25 @@ all decode tokens.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .attention import DecodeKeys, decode_attention, decode_keys, prefill_attention
 from .buckets import bucket, buckets
-from .gemma3 import LayerWeights, check_supported, post_attention, pre_attention, signed_sin
+from .gemma3 import check_supported, post_attention, pre_attention, signed_sin
+from .layout import Layout
+from .lean import Rotary
+from .loader import LoadedModel
+from .streamed import from_safetensors
+from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
 from ..ops.invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
+from ..ops.linear import call_linear
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
-from ..shape import TextShape
+from ..shape import FULL, SLIDING, Gemma3Shape
 from ..config import ConfigError, EngineConfig
-from ..ops.linear import FrozenLinear, call_linear
-from .mapped import copy_out_of_checkpoint, map_embedding
-from ..ops.quantized import PerStepLinear, quantize_all
 from .static_decode import StaticDecode, flash_kernel
 from ..lora.apply import LoraStep, module_names
 from ..sequence import StepItem
@@ -57,77 +58,52 @@ class Batch:
         return self.prefills + self.decodes
 
 
-def _text_parts(model):
-    """(text decoder, lm_head) of a Gemma3ForCausalLM or Gemma3ForConditionalGeneration."""
-    inner = model.model
-    return getattr(inner, "language_model", inner), model.lm_head
-
-
 class ModelRunner:
-    """Built from the engine's configuration (engine/config.py): `static_decode` runs decode-only steps at static
-    shapes, CUDA graphs where possible (engine/static_decode.py), `compile` compiles its layer functions.
-    `own_weights`: the runner may take the model's layer projections: once re-laid out for oneDNN (a copy), the
-    module's originals are freed, so one copy stays in memory; the transformers model can then no longer run its
-    own forward (the server's case; tests that hold the engine against transformers keep it whole)."""
+    """Built from the model's weights (engine/model/weights.py's Gemma3Weights: `of` fills them from a loaded
+    checkpoint or a module tree) and the engine's configuration (engine/config.py): `static_decode` runs decode-only
+    steps at static shapes, CUDA graphs where possible (engine/static_decode.py), `compile` compiles its layer
+    functions. `model`: the module tree or the loader's shell the weights came from, kept for the vision tower and
+    the static decode path (which reads the tree's own tensors)."""
 
-    def __init__(self, model, config: EngineConfig, own_weights: bool = False):
+    def __init__(self, weights: Gemma3Weights, config: EngineConfig, model=None):
+        self.gemma = weights
         self.model = model
-        self.text_model, self.lm_head = _text_parts(model)
-        text_config = self.text_model.config
-        check_supported(text_config)
-        self.config = text_config
-        self.device = self.lm_head.weight.device
-        self.input_device = self.text_model.embed_tokens.weight.device
-        self.layer_devices = [layer.self_attn.q_proj.weight.device for layer in self.text_model.layers]
+        text = self.text_shape = weights.shape.text
+        self.device = weights.device
+        self.input_device = weights.embedding.device
+        self.layer_devices = [w.input_norm.device for w in weights.layers]
         """Each layer's device: several GPUs when the model was loaded with device_map="auto"."""
-        self.dtype = self.lm_head.weight.dtype
-        self.num_heads = text_config.num_attention_heads
-        self.kv_heads = text_config.num_key_value_heads
-        self.head_dim = text_config.head_dim
+        self.dtype = weights.dtype
+        self.num_heads, self.kv_heads, self.head_dim = text.heads, text.kv_heads, text.head_dim
         self.shape = (self.num_heads, self.kv_heads, self.head_dim)
-        self.eps = text_config.rms_norm_eps
-        self.scaling = text_config.query_pre_attn_scalar**-0.5
-        self.final_softcap = getattr(text_config, "final_logit_softcapping", None)
-        self.layer_types = list(text_config.layer_types)
+        self.eps = text.rms_eps
+        self.scaling = text.query_pre_attn_scalar**-0.5
+        self.final_softcap = text.final_softcap
+        self.layer_types = [SLIDING if sliding else FULL for sliding in text.sliding]
+        self.rotary = Rotary.of(text)
         self.max_len = max_len = config.max_model_len
-        num_slots, static, quantization = config.max_num_seqs, config.static_decode, config.quantization
+        num_slots, static = config.max_num_seqs, config.static_decode
         flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
         started = time.monotonic()
         num_blocks = config.kv_blocks or num_slots * -(-max_len // BLOCK_SIZE)  # 0: room for num_slots of max_len
-        self.cache = KVCache(TextShape.of(text_config), num_blocks, self.dtype, self.device, self.layer_devices)
-        allocated = time.monotonic()
-        self.mapped_embedding = False
-        """The token embedding is read from the checkpoint file on demand (engine/mapped.py), not held in memory."""
-        if own_weights and not static:  # all but what is re-laid out below: then the checkpoint's map can close
-            copy_out_of_checkpoint(model, {id(t) for t in self._projections()} | {id(self.lm_head.weight)})
-        make = self._quantized(quantization, config.quantized_weights, static) if quantization != "none" else FrozenLinear
-        self.weights = [LayerWeights.of(layer, make) for layer in self.text_model.layers]
-        """Each layer's weights, its projections pre-packed for oneDNN on a CPU (engine/linear.py), or quantized
-        (engine/quantized.py)."""
-        self.lm_head_linear = make(self.lm_head.weight)
-        self.quantization = quantization
-        if own_weights and not static:  # the static path reads the module weights (F.linear)
-            self._release_packed()
-            if self.lm_head_linear.packed is not None:
-                self.mapped_embedding = map_embedding(
-                    self.text_model, self.lm_head, getattr(model.config, "_name_or_path", ""), any_dtype=quantization != "none",
-                )
-            gc.collect()
-        self.timings = {"relayout": time.monotonic() - allocated, "KV cache": allocated - started}
-        """Seconds of the start-up phases this constructor runs (logged by engine/factory.py)."""
+        self.cache = KVCache(text, num_blocks, self.dtype, self.device, self.layer_devices)
+        self.weights = weights.layers
+        """Each layer's weights, its projections packed for oneDNN on a CPU (engine/ops/linear.py) or quantized."""
+        self.lm_head_linear = weights.lm_head
+        self.mapped_embedding = weights.mapped
+        """The token embedding is read from the checkpoint file on demand (engine/model/mapped.py), not held in memory."""
+        self.quantization = weights.quantization
+        self.timings = {"KV cache": time.monotonic() - started}
+        """Seconds of the start-up phases this constructor (and `of`) runs (logged by engine/factory.py)."""
         self.num_slots = num_slots
         """Most rows a step samples (the scheduler's batch size)."""
         self.row_buckets = buckets(num_slots)
         self.logits_buckets = buckets(config.max_logits_rows)
         """Logits rows of a step: the rows' and their drafts' (speculative decoding)."""
         self.token_buckets = buckets(config.max_tokens_per_step)
-        if config.batch_invariant == "on" and config.quantization == "per-step":  # one layout whatever a step's rows
-            for linear in [self.lm_head_linear, *(p for w in self.weights for p in w)]:
-                if isinstance(linear, PerStepLinear):
-                    linear.pin()
         measured = time.monotonic()
         self.invariance = self._measure_invariance(config.batch_invariant, static, config.max_tokens_per_step, num_slots)
-        """Batch-invariant mode (engine/invariance.py): tiled linears, grid-aligned padded attention; None: off."""
+        """Batch-invariant mode (engine/ops/invariance.py): tiled linears, grid-aligned padded attention; None: off."""
         self.batch_invariant = self.invariance is not None
         self.timings["invariance check"] = time.monotonic() - measured
         self.lora = None
@@ -136,6 +112,36 @@ class ModelRunner:
         self.static = None
         if static:
             self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=config.compile, flash=flash)
+
+    @classmethod
+    def of(cls, source, config: EngineConfig, own_weights: bool = False) -> ModelRunner:
+        """The runner of a LoadedModel (engine/model/loader.py), its weights read from its checkpoint one tensor at a
+        time where the loader left the text weights there (`checkpoint`), else from its module tree; or of a module
+        tree. `own_weights`: the runner may take the tree's projections (weights.py's `from_modules`)."""
+        loaded = source if isinstance(source, LoadedModel) else None
+        model = loaded.model if loaded is not None else source
+        streamed = loaded is not None and loaded.checkpoint is not None
+        text_config = (getattr(model.config, "text_config", None) or model.config) if streamed else text_parts(model)[0].config
+        check_supported(text_config)
+        if streamed:
+            device, dtype = loaded.device, loaded.dtype
+        else:
+            device, dtype = text_parts(model)[1].weight.device, text_parts(model)[1].weight.dtype
+        if config.quantization != "none" and (config.static_decode or device.type != "cpu"):
+            raise ConfigError(
+                f"model.quantization = {config.quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
+            )
+        layout, started = Layout(config.quantization, dtype), time.monotonic()
+        if streamed:
+            inner = getattr(model, "model", None)
+            weights = from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
+                                       getattr(text_config, "tie_word_embeddings", True), getattr(inner, "get_image_features", None) and inner)
+        else:
+            weights = from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
+        loaded_at = time.monotonic()
+        runner = cls(weights, config, model)
+        runner.timings = {"weights": loaded_at - started, **runner.timings}
+        return runner
 
     def _measure_invariance(self, setting: str, static: bool, most_tokens: int, most_rows: int) -> Invariance | None:
         """`on`: on, or a start-up error where this CPU's kernels cannot be made invariant; `auto`: on where that
@@ -146,10 +152,10 @@ class ModelRunner:
             if setting == "on":
                 raise ConfigError("engine.batch_invariant = \"on\" is implemented for the CPU path only; use auto or off")
             return None
-        w, hidden, most_tokens = self.weights[0], self.config.hidden_size, bucket(most_tokens, self.token_buckets)
+        w, hidden, most_tokens = self.weights[0], self.text_shape.hidden, bucket(most_tokens, self.token_buckets)
         tile = tile_rows({
             "q_proj": (w.q, hidden, most_tokens), "o_proj": (w.o, self.num_heads * self.head_dim, most_tokens),
-            "gate_proj": (w.gate, hidden, most_tokens), "down_proj": (w.down, self.config.intermediate_size, most_tokens),
+            "gate_proj": (w.gate, hidden, most_tokens), "down_proj": (w.down, self.text_shape.intermediate, most_tokens),
             "lm_head": (self.lm_head_linear, hidden, bucket(most_rows, self.row_buckets)),
         }, self.dtype, whole_only=setting == "auto")
         if tile is None and setting == "auto":
@@ -166,39 +172,6 @@ class ModelRunner:
         log.info("batch-invariant mode: linears in calls of at most %d rows, decode spans padded to %d", tile, step)
         return Invariance(tile, step)
 
-    def _quantized(self, quantization: str, cache_file: Path | None, static: bool):
-        """weight -> its quantized linear (`model.quantization`; CPU only), all quantized at once, or read back
-        from `cache_file`."""
-        if static or self.device.type != "cpu":
-            raise ConfigError(
-                f"model.quantization = {quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
-            )
-        weights = dict(zip((f"projection.{i}" for i in range(len(self._projections()))), self._projections()))
-        weights["lm_head"] = self.lm_head.weight
-        linears = quantize_all({name: w.detach() for name, w in weights.items()}, quantization, cache_file)
-        by_tensor = {id(weights[name]): linear for name, linear in linears.items()}
-        if quantization == "per-step":  # both layouts: the int8 copy beside the packed weight
-            lm_head = id(self.lm_head.weight)
-            return lambda weight: PerStepLinear(by_tensor[id(weight)], FrozenLinear(weight), cast=id(weight) != lm_head)
-        return lambda weight: by_tensor[id(weight)] if id(weight) in by_tensor else FrozenLinear(weight)
-
-    def _projections(self) -> list[torch.Tensor]:
-        return [
-            module.weight for layer in self.text_model.layers for module in (
-                layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj,
-            )
-        ]
-
-    def _release_packed(self) -> None:
-        """Free the module weight of every projection that has a packed copy (see `own_weights`)."""
-        for layer, w in zip(self.text_model.layers, self.weights):
-            a, m = layer.self_attn, layer.mlp
-            modules = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            for module, linear in zip(modules, (w.q, w.k, w.v, w.o, w.gate, w.up, w.down)):
-                if linear.packed is not None:
-                    module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-
     def sequence_blocks(self, index: int, length: int | None = None) -> list[int]:
         """Block table of the index-th of fixed runs of blocks, each long enough for `length` positions (default
         max_len; the default pool holds `num_slots` of those): for callers that drive the runner without a
@@ -209,22 +182,16 @@ class ModelRunner:
         return list(range(index * per_sequence, (index + 1) * per_sequence))
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight the runner and the model hold in memory (packed copies included)."""
-        mapped = self.text_model.embed_tokens.weight if self.mapped_embedding else None
-        return sum(t.numel() * t.element_size() for t in self.model.parameters() if t is not mapped) + sum(
-            linear.packed_bytes for w in [*self.weights, [self.lm_head_linear]] for linear in w if hasattr(linear, "packed_bytes")
-        )
+        """Bytes of every weight the runner holds in memory (Gemma3Weights' and the module tree's, counted once)."""
+        counted = {self.gemma.embedding.data_ptr()}
+        tree = [] if self.model is None else self.model.parameters()
+        held = sum(t.numel() * t.element_size() for t in tree if t.numel() and t.data_ptr() not in counted)
+        return self.gemma.nbytes() + held
 
     def decode_bytes(self) -> int:
-        """Bytes of the linears' weights one decode step of one row reads (the layout `per-step` uses there): the
-        most of what one stream's token must stream from memory (bench/floor.py)."""
-        def read(linear) -> int:
-            if isinstance(linear, PerStepLinear):
-                linear = linear.few if linear.rows > 1 else linear.many
-            weight = getattr(linear, "weight", None)
-            return linear.packed_bytes or (weight.numel() * weight.element_size() if weight is not None else 0)
-
-        return sum(read(linear) for w in [*self.weights, [self.lm_head_linear]] for linear in w if hasattr(linear, "packed_bytes"))
+        """Bytes of the linears' weights one decode step of one row reads: the most of what one stream's token must
+        stream from memory (bench/floor.py)."""
+        return sum(linear_bytes(linear) for linear in self.gemma.linears())
 
     def capture_decode_graphs(self) -> None:
         """Build (capture) every static decode bucket now: warm-up, before the server says it is ready."""
@@ -283,7 +250,7 @@ class ModelRunner:
 
     def _embed(self, batch: Batch) -> torch.Tensor:
         """Token embeddings, with the vision tower's output in place of each image soft token."""
-        hidden = self.text_model.embed_tokens(batch.ids).to(self.dtype)  # a mapped embedding may be stored wider
+        hidden = self.gemma.embed(batch.ids).to(self.dtype)  # a mapped embedding may be stored in another dtype
         offset = 0
         for it in batch.prefills:
             if it.image_embeds is not None:
@@ -296,7 +263,7 @@ class ModelRunner:
         """The decoder layers (those listed in `layers`, else all) over the packed step: last-layer hidden states
         [padded tokens, hidden]."""
         hidden = self._embed(batch)
-        rope = {t: self.text_model.rotary_emb(hidden, batch.positions[None], t) for t in set(self.layer_types)}
+        rope = {t: self.rotary(hidden, batch.positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], signed_sin(sin[0, :, None, :])) for t, (cos, sin) in rope.items()}
         decode, writes = batch.decode, batch.writes
         linear = step_linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
@@ -349,7 +316,7 @@ class ModelRunner:
             ends[id(it)] = offset
         rows = [row for it in order if it.want_logits for row in range(ends[id(it)] - it.num_logits, ends[id(it)])]
         if not rows:
-            return torch.empty(0, self.config.vocab_size)
+            return torch.empty(0, self.text_shape.vocab)
         most = self.logits_buckets[-1]
         parts = [self.logits_of(hidden[rows[lo : lo + most]]) for lo in range(0, len(rows), most)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -361,7 +328,7 @@ class ModelRunner:
         padded = bucket(wanted, self.logits_buckets)
         if padded > wanted:
             hidden = torch.cat((hidden, hidden[-1:].expand(padded - wanted, -1)))
-        normed = self.text_model.norm(hidden.to(self.device))
+        normed = self.gemma.norm(hidden.to(self.device))
         logits = (tiled(self.lm_head_linear, normed, self.invariance.tile) if self.invariance else self.lm_head_linear(normed))[:wanted]
         if self.final_softcap:
             logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
@@ -370,6 +337,6 @@ class ModelRunner:
     @torch.inference_mode()
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The vision tower and projector: [crops, 3, H, W] -> [crops * tokens_per_crop, hidden]."""
-        features = self.model.model.get_image_features(pixel_values.to(self.device, self.dtype))
+        features = self.gemma.vision.get_image_features(pixel_values.to(self.device, self.dtype))
         features = getattr(features, "pooler_output", features)
         return features.reshape(-1, features.shape[-1])

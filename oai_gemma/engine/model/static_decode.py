@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .buckets import bucket, span_buckets
 from ..ops.invariance import round_up
 from .gemma3 import LayerWeights, post_attention, pre_attention, signed_sin
+from .weights import text_parts
 
 log = logging.getLogger("oai_gemma.static_decode")
 
@@ -84,7 +85,7 @@ class StaticDecode:
 
     def __init__(self, runner, *, use_graphs: bool, compiled: bool, flash=None):
         self.runner = runner
-        self.weights = [LayerWeights.of(layer) for layer in runner.text_model.layers]
+        self.weights = [LayerWeights.of(layer) for layer in text_parts(runner.model)[0].layers]  # the tree's own tensors
         self.eps = runner.eps
         self.shape = runner.shape
         self.flash = flash
@@ -107,13 +108,13 @@ class StaticDecode:
             self.post = torch.compile(post_attention, fullgraph=True)
 
     def _rope_tables(self) -> dict:
-        """cos/sin of every position, per layer type and device, from the model's own rotary module: the step
+        """cos/sin of every position, per layer type and device, from the runner's rotary tables: the step
         gathers its rows by position on the device (the same values the dynamic path computes)."""
         r = self.runner
         tables = {}
         for layer_type in set(r.layer_types):
             probe = torch.empty(1, dtype=r.dtype, device=r.input_device)
-            cos, sin = r.text_model.rotary_emb(probe, torch.arange(r.max_len, device=r.input_device)[None], layer_type)
+            cos, sin = r.rotary(probe, torch.arange(r.max_len, device=r.input_device)[None], layer_type)
             for device in self.devices:
                 tables[layer_type, device] = (cos[0].to(device), signed_sin(sin[0]).to(device))
         return tables
@@ -124,7 +125,7 @@ class StaticDecode:
         """inputs [rows, 2 + blocks] (token id, position, block table) on the input device -> logits [rows, vocab]."""
         r = self.runner
         ids, pos, tables = inputs[:, 0], inputs[:, 1], inputs[:, 2 : 2 + span // self.block_size]
-        hidden = r.text_model.embed_tokens(ids)
+        hidden = r.gemma.embed(ids)
         per_device = {}
         for li, w in enumerate(self.weights):
             device = r.layer_devices[li]

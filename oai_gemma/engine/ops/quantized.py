@@ -26,13 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import native
-from ...progress import Phase
 from .native import native_unavailable, woq_int8_linear
 
 log = logging.getLogger("oai_gemma.engine")
@@ -48,6 +46,9 @@ KERNEL_ROWS = 128
 """Below this many rows `NativeInt8Linear` runs its kernel; from it on (a prefill chunk) the weight is dequantized
 for the call and oneDNN multiplies (measured, 2048 x 640 gate: 64 rows 0.85 vs 1.37 ms, 128 rows 2.19 vs 1.66 ms
 with AVX512's oneDNN; with AVX2's 2.05 vs 3.46 ms)."""
+DEQUANTIZE_BYTES = 16 << 20
+"""A prefill chunk dequantizes a weight in tiles of about this many bytes of float32 (the 1B's 262k-row lm_head whole
+would be 1.2 GB; a 6912 x 1152 projection is 32 MB)."""
 FORMAT = 2
 """The stored layout's version, part of the model cache's file name (2: float32 int8 as [N/8, K, 8])."""
 
@@ -79,14 +80,54 @@ class QuantizedLinear:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-class Int8Linear(QuantizedLinear):
+class RowsQuantized(QuantizedLinear):
+    """An int8-per-output-channel linear, made from the weight's rows a chunk at a time (`from_rows`): each channel is
+    quantized on its own, so the chunks give the whole weight's bits. `GROUP`: output channels its layout interleaves
+    (the chunks are multiples of it); `pack`: int8 rows -> their part of `packed`; `finish`: the stored scale."""
+
+    GROUP = 1
+
+    @staticmethod
+    def check(n: int, k: int) -> None:
+        pass
+
+    @staticmethod
+    def pack(q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    @staticmethod
+    def finish(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return scale
+
+    def __init__(self, weight: torch.Tensor):
+        linear = type(self).from_rows(tuple(weight.shape), lambda lo, hi: weight[lo:hi], weight.shape[0])
+        self.__dict__.update(linear.__dict__)
+
+    @classmethod
+    def from_rows(cls, shape: tuple[int, int], rows, chunk: int):
+        """From `rows(lo, hi)` (the weight's rows, in the model's dtype), `chunk` rows (a multiple of 16) at a time."""
+        n, k = shape
+        cls.check(n, k)
+        packed, scale, dtype = None, torch.empty(n), None
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            part = rows(lo, hi)
+            q, scale[lo:hi] = int8_per_channel(part)
+            q = cls.pack(q)
+            if packed is None:
+                packed, dtype = torch.empty((n // cls.GROUP, *q.shape[1:]), dtype=torch.int8), part.dtype
+            packed[lo // cls.GROUP : hi // cls.GROUP] = q
+        return cls.from_tensors(dict(zip(cls.FIELDS, (packed, cls.finish(scale, dtype)))))
+
+
+class Int8Linear(RowsQuantized):
     """Symmetric int8 per output channel."""
 
     FIELDS = ("packed", "scale")
 
-    def __init__(self, weight: torch.Tensor):
-        self.packed, scale = int8_per_channel(weight)
-        self.scale = scale.to(weight.dtype)
+    @staticmethod
+    def finish(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return scale.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= DEQUANTIZE_FROM_ROWS:  # a prefill chunk: the weight dequantized once beats the kernel
@@ -116,27 +157,45 @@ class Int4Linear(QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 
-class NativeInt8Linear(QuantizedLinear):
+class NativeInt8Linear(RowsQuantized):
     """Symmetric int8 per output channel, float32 activations, through engine/ops/native/woq_int8.c (AVX2): the
     weight stored as [N/8, K, 8], eight output channels side by side per input column."""
 
     FIELDS = ("packed", "scale")
+    GROUP = 8
 
-    def __init__(self, weight: torch.Tensor):
-        n, k = weight.shape
+    @staticmethod
+    def check(n: int, k: int) -> None:
         if n % 8:
             raise ValueError(f"the native int8 kernel needs output sizes divisible by 8; this layer has {n}")
-        q, self.scale = int8_per_channel(weight)
-        self.packed = q.view(n // 8, 8, k).transpose(1, 2).contiguous()
 
-    def dequantized(self) -> torch.Tensor:
-        groups, k, _ = self.packed.shape
-        return self.packed.transpose(1, 2).reshape(groups * 8, k).float() * self.scale[:, None]
+    @staticmethod
+    def pack(q: torch.Tensor) -> torch.Tensor:
+        n, k = q.shape
+        return q.view(n // 8, 8, k).transpose(1, 2)
+
+    def dequantized(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Output channels lo..hi (multiples of GROUP; all by default) in float32."""
+        hi = self.scale.numel() if hi is None else hi
+        return self.unpack(self.packed[lo // self.GROUP : hi // self.GROUP]).float() * self.scale[lo:hi, None]
+
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        groups, k, _ = packed.shape
+        return packed.transpose(1, 2).reshape(groups * 8, k)
+
+    def dequantized_call(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """A prefill chunk: dequantizing beats the kernel there, a tile of about DEQUANTIZE_BYTES of output channels
+        at a time (one copy of each weight: the float32 tile is the only other, issue 37)."""
+        x, n = x.float(), self.scale.numel()
+        step = max(self.GROUP, DEQUANTIZE_BYTES // (4 * x.shape[1]) // self.GROUP * self.GROUP)
+        parts = [F.linear(x, self.dequantized(lo, min(n, lo + step))).to(out_dtype) for lo in range(0, n, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x [M, K] float32 or bf16 (widened in the kernel) -> [M, N] in `out_dtype` (float32 or bf16)."""
-        if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized once beats the kernel
-            return F.linear(x.float(), self.dequantized()).to(out_dtype)
+        if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized beats the kernel
+            return self.dequantized_call(x, out_dtype)
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
@@ -153,20 +212,26 @@ class NativeQ8Linear(NativeInt8Linear):
     (issue 27; measured in docs/engine.md, quality in its table). The projections keep float32 activations: their
     inputs have outliers that 8 bits do not hold (fbgemm's per-call scale: +23% perplexity there)."""
 
-    def __init__(self, weight: torch.Tensor):
-        n, k = weight.shape
+    GROUP = 16
+
+    @staticmethod
+    def check(n: int, k: int) -> None:
         if n % 16 or k % 32:
             raise ValueError(f"the int8 x int8 kernel needs N % 16 == 0 and K % 32 == 0; this layer is {n} x {k}")
-        q, self.scale = int8_per_channel(weight)
-        self.packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
-    def dequantized(self) -> torch.Tensor:
-        groups, quads, _, _ = self.packed.shape
-        return self.packed.permute(0, 2, 1, 3).reshape(groups * 16, quads * 4).float() * self.scale[:, None]
+    @staticmethod
+    def pack(q: torch.Tensor) -> torch.Tensor:
+        n, k = q.shape
+        return q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)
+
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        groups, quads, _, _ = packed.shape
+        return packed.permute(0, 2, 1, 3).reshape(groups * 16, quads * 4)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if x.shape[0] >= KERNEL_ROWS:
-            return F.linear(x.float(), self.dequantized()).to(out_dtype)
+            return self.dequantized_call(x, out_dtype)
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
@@ -176,50 +241,39 @@ class NativeQ8Linear(NativeInt8Linear):
         return y
 
 
-PER_STEP_ROWS = {"AVX512": 8, "AVX2": 4}
-"""`per-step`: calls of fewer rows than this (by the native kernel's instruction set) go through the int8 kernel,
-the others through packed bf16 (busy-machine medians, 2026-12-05, benchmarks/weight_only_kernels.py --step
---lm-head: the 262k-row lm_head at 1 / 4 / 8 rows 19.4 / 23.9 / 32.1 ms with the AVX512 variant, 22.4 / 27.8 /
-43.9 with AVX2's, 39.5 / 36.1 / 33.5 packed bf16 with AMX; docs/engine.md)."""
-
-
 class PerStepLinear:
-    """One weight in two layouts, the one used chosen per call by its row count (`model.quantization =
-    per-step`): a step of few rows reads every weight once, so the int8 copy (a quarter of float32's bytes,
-    native kernel) is faster; a step of many rows computes, and oneDNN's packed bf16 (AMX) is. Each call's
-    rows go through one layout, so a row's result depends on how many rows share its step (batch-invariant
-    mode pins the packed layout: `pin`). The int8 result is float32 for the lm_head (the sampler widens
-    logits anyway), the model's dtype for the projections."""
+    """`model.quantization = per-step` (bf16 CPUs): the int8 weight (native kernel) in the model's dtype, its one
+    layout (issue 37: one copy of each weight). It used to sit beside a packed bf16 copy for steps of many rows
+    (oneDNN AMX); now a step below `KERNEL_ROWS` rows runs the kernel (bf16 in and out in the kernel itself) and a
+    prefill chunk dequantizes the weight for the call, as `int8` does. The int8 result is float32 for the lm_head
+    (the sampler widens logits anyway), the model's dtype for the projections. Every row's result is its own
+    (no second layout chosen by the step's row count), so batch-invariant mode has nothing to pin."""
 
-    def __init__(self, few: NativeInt8Linear, many, cast: bool):
-        self.few, self.many, self.cast = few, many, cast
-        self.rows = PER_STEP_ROWS["AVX512" if native.cpu_has_avx512() else "AVX2"]
+    def __init__(self, few: NativeInt8Linear, cast: bool):
+        self.few, self.cast = few, cast
 
     def pin(self) -> None:
-        """Every call through the packed layout (batch-invariant mode)."""
-        self.rows = 0
+        """Nothing to pin: one layout (kept for batch-invariant mode's callers)."""
 
     @property
     def packed(self):
-        return self.many.packed
+        return self.few.packed
 
     @property
     def packed_bytes(self) -> int:
-        return self.few.packed_bytes + self.many.packed_bytes
+        return self.few.packed_bytes
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.few.tensors()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.rows:
-            return self.many(x)
-        return self.few(x, x.dtype if self.cast else torch.float32)  # bf16 in and out in the kernel itself
+        return self.few(x, x.dtype if self.cast else torch.float32)
 
 
-class DynamicInt8Linear(QuantizedLinear):
+class DynamicInt8Linear(RowsQuantized):
     """Symmetric int8 per output channel through fbgemm, activations quantized per call (float32 only)."""
 
     FIELDS = ("weight", "scale")
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.scale = int8_per_channel(weight)
 
     @property
     def packed(self):
@@ -266,34 +320,3 @@ def linear_for(quantization: str, name: str, dtype: torch.dtype):
     if quantization == "int4" and name == "lm_head":
         return Int4Linear
     return Int8Linear
-
-
-def quantize_all(weights: dict[str, torch.Tensor], quantization: str, cache_file: Path | None) -> dict[str, object]:
-    """{name: weight} -> {name: quantized linear}, for every weight that `linear_for` quantizes. Quantizing the
-    262k-row lm_head to int4 takes ~5 s, so the result is kept in `cache_file` (safetensors) and read back on later
-    starts, as the GGUF conversion is."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
-
-    classes = {name: linear_for(quantization, name, weight.dtype) for name, weight in weights.items()}
-    weights = {name: weight for name, weight in weights.items() if classes[name] is not None}
-    if cache_file is not None and cache_file.exists():
-        stored = load_file(str(cache_file))
-        grouped: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in stored.items():
-            name, part = key.rsplit(".", 1)
-            grouped.setdefault(name, {})[part] = tensor.clone()  # aligned: the kernels crash on the file's offsets
-        if set(grouped) == set(weights):
-            return {name: classes[name].from_tensors(grouped[name]) for name in weights}
-    with Phase(log, f"quantizing the weights to {quantization} (once: kept in the model cache)") as phase:
-        linears = {name: classes[name](weight) for name, weight in phase.track(weights.items(), len(weights))}
-    if cache_file is not None:
-        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        stored = {f"{name}.{part}": t.contiguous() for name, linear in linears.items() for part, t in linear.tensors().items()}
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            save_file(stored, str(partial))
-            partial.replace(cache_file)  # atomic: a concurrent start reads a whole file or none
-        except (OSError, SafetensorError) as exc:  # a read-only cache (a container's read-only root): every start quantizes
-            log.warning("could not keep the quantized weights in %s (%s): each start quantizes them again", cache_file, exc)
-    return linears
