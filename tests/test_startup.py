@@ -71,7 +71,8 @@ def test_the_engine_configuration_is_logged_once_and_served_with_every_auto_deci
     config = info["engine_config"]
     assert config["dtype"] == "float32" and config["quantization"] == "none" and config["max_model_len"] == MAX_MODEL_LEN
     assert config["kv_blocks"] > 0 and config["threads"] > 0 and config["native_dir"].endswith("native")
-    assert isinstance(info["batch_invariant"], bool)  # `auto`, as the runner's start-up check found it
+    assert isinstance(info["batch_invariant"], bool)  # `auto`, as the start-up check on the weights found it
+    assert config["batch_invariant"] == ("on" if info["batch_invariant"] else "off")  # decided before the engine was built
     assert httpx.get(server.url + "/health").json()["engine_config"] == config
     logged = re.findall(r"engine config: (.*)", server.log_path.read_text())
     assert len(logged) == 1 and json.loads(logged[0]) == config

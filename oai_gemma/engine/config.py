@@ -106,8 +106,10 @@ class EngineConfig:
     compile: bool = False
     """torch.compile the static decode's layer functions."""
     batch_invariant: str = "auto"
-    """`engine.batch_invariant`: `off`, `on`, or `auto` (on where the runner's start-up check on its own weights
-    finds it cheap; what it found is `ModelRunner.batch_invariant`). Off the CPU path `resolve` makes it `off`."""
+    """`engine.batch_invariant`: `off`, `on`, or `auto` (on where the start-up check on the weights finds it cheap:
+    engine/model/runner.py's `measure_invariance`, which engine/factory.py runs on the weights before the runner is
+    built, leaving `on` or `off` here; an engine built by hand with `auto` has `ModelRunner.of` decide). Off the CPU
+    path `resolve` makes it `off`."""
     max_num_seqs: int = 32
     """Batch rows: sequences decoded together, also the most choices (`n`) one request may ask for."""
     max_model_len: int = 8192

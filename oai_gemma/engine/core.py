@@ -38,7 +38,9 @@ log = logging.getLogger("oai_gemma.engine")
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, own_weights: bool = False):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, own_weights: bool = False, runner: ModelRunner | None = None):
+        """`runner`: built already (engine/factory.py: from weights and a batch-invariant mode decided first); else
+        built here (`ModelRunner.of`)."""
         self.tokenizer = loaded.tokenizer
         model_config = loaded.model.config
         self.image_token_id = getattr(model_config, "image_token_id", None) or getattr(model_config, "image_token_index", None)
@@ -48,7 +50,7 @@ class EngineCore:
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
         self.adapters = self._adapters(loaded, config)
         """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them."""
-        self.runner = ModelRunner.of(loaded, config, own_weights)
+        self.runner = runner or ModelRunner.of(loaded, config, own_weights)
         self.runner.lora = self.adapters
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,

@@ -26,6 +26,7 @@ from .sampling.detokenizer import TokenBytes
 from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
 from .ops import native
 from .model.loader import LoadedModel
+from .model.runner import ModelRunner
 from .observer import RequestObserver
 from .submission import Submission
 from .types import GenerationRequest
@@ -43,11 +44,12 @@ class EngineBusyError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), own_weights: bool = False):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), own_weights: bool = False,
+                 runner: ModelRunner | None = None):
         """`config`: resolved once (engine/config.py), handed down whole. `own_weights`: the engine may free the
-        model's weights it keeps its own copy of (see ModelRunner)."""
+        model's weights it keeps its own copy of (see ModelRunner). `runner`: built already (engine/factory.py)."""
         self.config = config
-        self.core = EngineCore(loaded, config, own_weights)
+        self.core = EngineCore(loaded, config, own_weights, runner)
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
         """The multimodal processor (image crops), or None for a text-only model."""

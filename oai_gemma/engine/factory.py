@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from .config import EngineConfig, Machine, resolve
 from .engine import Engine
 from .model.loader import LoadedModel, load, start_plan
 from .model.mapped import checkpoint_files
+from .model.runner import ModelRunner, load_weights, measure_invariance
 from .ops import native
 from .ops.quantized import FORMAT, NativeQ8Linear, linear_for
 from .shape import TextShape
@@ -98,9 +100,18 @@ def configure(settings: Settings, loaded: LoadedModel) -> EngineConfig:
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig, own_weights: bool = False) -> Engine:
-    """The engine built from a resolved configuration, which is logged once, as plain data."""
+    """The engine built from a resolved configuration: the weights in their final layout first, batch-invariant
+    mode measured on them (`auto` decided: the configuration logged once, as plain data, says `on` or `off`), then
+    the runner fed both, then the engine around it."""
+    started = time.monotonic()
+    weights = load_weights(loaded, config, own_weights)
+    measured = time.monotonic()
+    invariance = measure_invariance(weights, config)
+    config = replace(config, batch_invariant="on" if invariance is not None else "off")
     log.info("engine config: %s", json.dumps(config.as_dict()))
-    return Engine(loaded, config, own_weights)
+    runner = ModelRunner(weights, config, loaded.model, invariance)
+    runner.timings = {"weights": measured - started, **runner.timings, "invariance check": time.monotonic() - measured}
+    return Engine(loaded, config, own_weights, runner)
 
 
 def weights_name(source_dir: str) -> str:
