@@ -200,7 +200,7 @@ class Engine:
 
     def server_info(self) -> dict[str, object]:
         """What `/health` and `/v1/server_info` show: what runs (version, git commit, torch, the kernels' ISA), the
-        configuration as resolved (what each `auto` became) and the weights as built (`batch_invariant`: the mode as the runner's start-up check found it)."""
+        configuration as resolved (what each `auto` became) and the weights as built (`batch_invariant`: the mode as the start-up check on the weights found it)."""
         adapters = {"lora_adapters": self.adapters.describe()} if self.adapters is not None else {}
         return {**provenance(), "kernel_isa": self.kernel_isa, "engine_config": self.config.as_dict(), **self.weights_report(),
                 **adapters}

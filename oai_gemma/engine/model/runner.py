@@ -1,9 +1,10 @@
 """The model runner: Gemma-3's forward pass over a mixed batch of prefill chunks and decode tokens.
 
 It computes with the project's own container of the model's weights (engine/model/weights.py's Gemma3Weights, in
-their final layout: packed or quantized) described by engine/shape.py's shape, and owns the attention and the KV cache, so sequences of different lengths decode together in one batch, join and
-leave between steps, and sliding-window layers keep only their window (a ring buffer).
-A step is packed into tensors (`_pack`), run through the layers (`_layers`: engine/gemma3.py's layer around
+their final layout: packed or quantized) described by engine/shape.py's shape, and owns the attention and the KV
+cache, so sequences of different lengths decode together in one batch, join and leave between steps, and
+sliding-window layers keep only their window (a ring buffer).
+A step is packed into tensors (`_pack`), run through the layers (`_layers`: engine/model/gemma3.py's layer around
 our attention) and turned into logits for the rows that sample (`_logits`), as nano-vllm's runner does.
 Linear layers run once over all tokens of the step; attention runs per prefill chunk and batched for
 all decode tokens.
@@ -59,11 +60,12 @@ class Batch:
 
 
 class ModelRunner:
-    """Built from the model's weights (engine/model/weights.py's Gemma3Weights: `of` fills them from a loaded
-    checkpoint or a module tree) and the engine's configuration (engine/config.py): `static_decode` runs decode-only
-    steps at static shapes, CUDA graphs where possible (engine/static_decode.py), `compile` compiles its layer
-    functions. `model`: the module tree or the loader's shell the weights came from, kept for the vision tower and
-    the static decode path (which reads the tree's own tensors)."""
+    """Built from the model's weights (engine/model/weights.py's Gemma3Weights: `load_weights` fills them from a
+    loaded checkpoint or a module tree), the batch-invariant mode measured on them (`measure_invariance`) and the
+    engine's configuration (engine/config.py): `static_decode` runs decode-only steps at static shapes, CUDA graphs
+    where possible (engine/model/static_decode.py), `compile` compiles its layer functions. `model`: the module tree
+    or the loader's shell the weights came from, kept for the vision tower and the static decode path (which reads
+    the tree's own tensors)."""
 
     def __init__(self, weights: Gemma3Weights, config: EngineConfig, model=None, invariance: Invariance | None = None):
         self.gemma = weights
