@@ -13,7 +13,7 @@ from conftest import MAX_MODEL_LEN
 from oai_gemma.engine.cache.kv_cache import KVCache
 from oai_gemma.engine.shape import FULL, TextShape
 
-PHASES = re.compile(r"start-up phases: load ([\d.]+) s, relayout ([\d.]+) s, KV cache ([\d.]+) s, invariance check ([\d.]+) s, warm-up ([\d.]+) s, grammar compiler ([\d.]+) s")
+PHASES = re.compile(r"start-up phases: load ([\d.]+) s, weights ([\d.]+) s, KV cache ([\d.]+) s, invariance check ([\d.]+) s, warm-up ([\d.]+) s, grammar compiler ([\d.]+) s")
 MEMORY = re.compile(r"resident memory: (\d+) MB \(weights (\d+), KV cache (\d+) of (\d+) allocated, other (-?\d+)")
 
 
