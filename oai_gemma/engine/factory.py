@@ -29,6 +29,7 @@ from .cache.kv_cache import BLOCK_SIZE, KVCache
 from .cache.memory import release_free_memory, resident_bytes
 from .config import EngineConfig, Machine, resolve
 from .engine import Engine
+from .model.gguf_file import GGUFError
 from .model.loader import LoadedModel, load, start_plan
 from .model.mapped import checkpoint_files
 from .model.runner import ModelRunner, load_weights, measure_invariance
@@ -142,6 +143,8 @@ def explain_load_failure(error: BaseException, source: str) -> str:
         return (f"out of memory while loading the model ({text}): free memory, lower --kv-cache-gib or --max-num-seqs, "
                 "or serve a smaller or quantized model (--quantization int8)")
     where = "the embedded model" if source == EMBEDDED else source
+    if isinstance(error, GGUFError):
+        return f"cannot convert {where}: {text}"
     if isinstance(error, (OSError, ValueError, KeyError, SafetensorError)):
         return (f"cannot load the model from {where}: {type(error).__name__}: {text}; --model takes a Gemma-3 "
                 "checkpoint directory (config.json, *.safetensors, tokenizer.json)")
