@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from oai_gemma.engine.ops.quantized import NativeInt8Linear, NativeQ8Linear, Q4Linear, Q8Linear
+from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear
+from oai_gemma.engine.ops.quantized import NativeInt8Linear, NativeQ8Linear
 
 # name: (out_features, in_features, calls in one decode step of gemma-3-1b: 26 layers)
 SHAPES = {

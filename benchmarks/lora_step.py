@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from oai_gemma.bench.lora import make_adapter
-from oai_gemma.engine.config import resolve
+from oai_gemma.engine.factory import configure as resolve
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.lora.adapter import LoraModule
 from oai_gemma.engine.model.loader import embedded_model_dir, load

@@ -20,7 +20,7 @@ import torch
 
 from oai_gemma.bench.prompts import PROMPTS
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import resolve
+from oai_gemma.engine.factory import configure as resolve
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.quality import agreement, greedy_tokens, perplexity
 from oai_gemma.engine.model.runner import ModelRunner, StepItem

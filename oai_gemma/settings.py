@@ -40,7 +40,7 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
     quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4"] = "auto"
-    """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/quantized.py),
+    """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/ops/quantized.py),
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.
     `per-step`: bf16 only, each linear kept twice, int8 for steps of few rows (native kernel) and packed bf16 for
@@ -92,7 +92,7 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     spins without end."""
     batch_invariant: Literal["auto", "on", "off"] = "auto"
     """Greedy and seeded outputs identical whatever runs beside a request, however its prompt was chunked
-    (engine/invariance.py; CPU only). `auto`: on where this CPU's kernels pass the start-up check; `on`: a start-up
+    (engine/ops/invariance.py; CPU only). `auto`: on where this CPU's kernels pass the start-up check; `on`: a start-up
     error where they do not; `off`: the shapes' own kernels (a prefix-cache hit then also reuses generated tokens)."""
     speculative: Literal["auto", "off", "ngram"] = "auto"
     """Speculative decoding: draft tokens from prompt lookup (the output copying the prompt) and from a request's

@@ -1,41 +1,96 @@
 """The engine's configuration: every setting it runs with, each `auto` decided, in one frozen object.
 
-`resolve(settings, loaded)` is the one place that turns the settings tree (and the loaded model's facts: device,
-dtype, shapes) into an `EngineConfig`; `Engine`, `EngineCore` and `ModelRunner` are built from that object and
-each reads the fields it needs. It is logged once at start-up and served by `/health` and `/v1/server_info`, so a
-user sees what `auto` became. New capabilities (speculative decoding, adapters) add their fields here, not new
-arguments down three constructors. Settings this machine cannot honour (an explicit `int8` without the native
-kernel, batch-invariant `on` off the CPU path) raise `ConfigError` here, before the engine is built.
+`resolve(settings, machine)` is the one place that turns the settings tree and what start-up found on this machine
+and in the loaded model (`Machine`: device, dtype, the model's shape, whether the native kernel runs; filled by
+engine/factory.py's `probe`, the one step that builds or measures anything) into an `EngineConfig`; `Engine`,
+`EngineCore` and `ModelRunner` are built from that object and each reads the fields it needs. It is logged once at
+start-up and served by `/health` and `/v1/server_info`, so a user sees what `auto` became. New capabilities
+(speculative decoding, adapters) add their fields here, not new arguments down three constructors. Settings this
+machine cannot honour (an explicit `int8` without the native kernel, batch-invariant `on` off the CPU path, a KV
+budget that cannot hold one sequence) raise `ConfigError` here, before the engine is built.
+
+Pure: it imports nothing of the engine's rooms (ops/, cache/, lora/, model/; tests/test_lint.py), compiles and
+measures nothing, and reads no file: the rooms import it, never the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from ..cpu import compute_thread_count
 from ..settings import Settings
-from .cache.memory import blocks_within_budget
-from .lora.adapter import LoraModule, parse_module
-from .ops import native
-from .shape import TextShape
-from .model.mapped import checkpoint_files
-from .ops.quantized import FORMAT, NativeQ8Linear, linear_for, resolve as resolve_quantization
 
 if TYPE_CHECKING:
-    from .model.loader import LoadedModel
+    from .shape import TextShape
 
 log = logging.getLogger("oai_gemma.engine")
 
 
 class ConfigError(ValueError):
     """A setting this machine cannot honour: a start-up error (the server exits non-zero)."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapter to serve: its name (a request's `model`), its PEFT directory, the base it was made for."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_module(spec: str) -> LoraModule:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`; ValueError otherwise."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            value = json.loads(spec)
+            module = LoraModule(str(value["name"]), str(value["path"]), value.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"bad --lora-modules entry {spec!r}: a JSON object needs \"name\" and \"path\" ({exc})") from None
+    else:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"bad --lora-modules entry {spec!r}: expected name=path or a JSON object")
+        module = LoraModule(name.strip(), path.strip())
+    if not module.name or not module.path:
+        raise ValueError(f"bad --lora-modules entry {spec!r}: the name and the path must not be empty")
+    return module
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What start-up found on this machine and in the loaded model (engine/factory.py's `probe`, its one step that
+    builds or measures anything), as plain facts for `resolve`."""
+
+    shape: TextShape
+    """The text model's dimensions: the KV budget's arithmetic."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_bytes_per_token: int = 0
+    """Every layer's K and V of one position in the KV cache's dtype (engine/cache/kv_cache.py)."""
+    kv_block_size: int = 16
+    image_tokens: int = 0
+    """Tokens of one image (multimodal models), 0 for a text-only model."""
+    native_missing: str | None = None
+    """Why the native int8 kernel (engine/ops/native) cannot run here, built into `native_dir`; None: it runs."""
+    native_dir: Path | None = None
+    int_dot_missing: str | None = None
+    """Why the integer dot-product kernels (`model.quantization` q8, q4) cannot run here; None: they run."""
+    kernel_isa: str = "none"
+    """The native kernels' instruction set (`avx512-vnni`, `avx512`, `avx2`, `none`)."""
+    threads: int = 0
+    """Torch compute threads of the engine thread."""
+    weights_name: str = "model"
+    """The checkpoint as a quantized-weights file names it (its path, its weight files' sizes and times: a checkpoint
+    written again in place is quantized again)."""
+    quantized_layouts: dict[str, str] = field(default_factory=dict)
+    """Per `model.quantization` value, the stored layout's tag (torch's version, the format, the lm_head's kind):
+    part of the file's name, so a layout that changed is quantized again."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +108,10 @@ class EngineConfig:
     compile: bool = False
     """torch.compile the static decode's layer functions."""
     batch_invariant: str = "auto"
-    """`engine.batch_invariant`: `off`, `on`, or `auto` (on where the runner's start-up check on its own weights
-    finds it cheap; what it found is `ModelRunner.batch_invariant`). Off the CPU path `resolve` makes it `off`."""
+    """`engine.batch_invariant`: `off`, `on`, or `auto` (on where the start-up check on the weights finds it cheap:
+    engine/model/runner.py's `measure_invariance`, which engine/factory.py runs on the weights before the runner is
+    built, leaving `on` or `off` here; an engine built by hand with `auto` has `ModelRunner.of` decide). Off the CPU
+    path `resolve` makes it `off`."""
     max_num_seqs: int = 32
     """Batch rows: sequences decoded together, also the most choices (`n`) one request may ask for."""
     max_model_len: int = 8192
@@ -116,30 +173,27 @@ class EngineConfig:
         return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
 
 
-def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
-    """Settings + the loaded model's facts -> the engine's configuration, every `auto` decided; raises
+def resolve(settings: Settings, machine: Machine) -> EngineConfig:
+    """Settings + what start-up found (`Machine`) -> the engine's configuration, every `auto` decided; raises
     ConfigError for a setting this machine cannot honour."""
     model, engine = settings.model, settings.engine
-    device, dtype = loaded.device, loaded.dtype
-    static = device.type == "cuda"
+    static = machine.device.startswith("cuda")
     cache_dir = model.cache_path
-    native_dir = cache_dir / "native"
-    quantization = _quantization(model.quantization, dtype, device, native_dir)
-    config = getattr(loaded.model, "config", None)
+    quantization = _quantization(model.quantization, machine)
     return EngineConfig(
-        device=str(device), dtype=str(dtype).removeprefix("torch."), quantization=quantization,
-        quantized_weights=None if quantization == "none" or model.load_format == "dummy" else _quantized_file(
-            cache_dir, loaded.source_dir, quantization, dtype
+        device=machine.device, dtype=machine.dtype, quantization=quantization,
+        quantized_weights=None if quantization == "none" or model.load_format == "dummy" else (
+            cache_dir / "quantized" / f"{machine.weights_name}-{quantization}-{machine.dtype}-{machine.quantized_layouts[quantization]}.safetensors"
         ),
         static_decode=static, compile=model.compile == "on" or (model.compile == "auto" and static),
-        batch_invariant=_batch_invariant(engine.batch_invariant, device),
+        batch_invariant=_batch_invariant(engine.batch_invariant, machine.device),
         max_num_seqs=engine.max_num_seqs, max_model_len=model.max_model_len, max_prefill_tokens=engine.max_prefill_tokens,
-        image_tokens=getattr(config, "mm_tokens_per_image", 0) or 0,
-        kv_blocks=blocks_within_budget(TextShape.of(loaded.text_config), dtype, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
+        image_tokens=machine.image_tokens,
+        kv_blocks=kv_blocks(machine, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
         prefix_caching=engine.prefix_caching, max_waiting=engine.max_waiting,
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
         max_backlog=settings.server.max_stream_backlog,
-        threads=compute_thread_count(), cache_dir=cache_dir, native_dir=native_dir,
+        threads=machine.threads, cache_dir=cache_dir, native_dir=machine.native_dir,
         **_lora(settings, static),
         speculative="off" if engine.speculative == "off" or (engine.speculative == "auto" and static) else "ngram",
         speculative_k=engine.speculative_k, speculative_budget=engine.speculative_budget,
@@ -148,31 +202,55 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
     )
 
 
-def _quantization(setting: str, dtype: torch.dtype, device: torch.device, native_dir: Path) -> str:
-    """`model.quantization` resolved. On a CPU the native kernel (engine/ops/native) is built here, into the
-    configured cache: float32's int8 and bf16's per-step run it; where it cannot be, `auto` says why and what it
-    costs, and `int8` in float32 or `per-step` is a start-up error (PyTorch's own int8 kernels are slower than
-    float32 there: no point to it)."""
-    why = native.build(native_dir) if device.type == "cpu" else None
-    dot_why = (why or native.int_dot_unavailable()) if device.type == "cpu" and setting in ("q8", "q4") else None
+def _quantization(setting: str, machine: Machine) -> str:
+    """`model.quantization` resolved. On a CPU float32's int8 and bf16's per-step run the native kernel; where it
+    cannot (`machine.native_missing`), `auto` says why and what it costs, and `int8` in float32 or `per-step` is a
+    start-up error (PyTorch's own int8 kernels are slower than float32 there: no point to it). `auto` where the
+    kernel runs on a CPU: `int8` in float32 (faster at 1, 8 and 32 streams, +0.5% perplexity; docs/engine.md),
+    `per-step` in bf16 (the int8 copy for steps of few rows, packed bf16 for the others); else none (a GPU has no
+    quantized path)."""
+    why, dtype = machine.native_missing if machine.device == "cpu" else None, machine.dtype
+    dot_why = machine.int_dot_missing if machine.device == "cpu" and setting in ("q8", "q4") else None
     if dot_why:
         raise ConfigError(f"model.quantization = \"{setting}\" needs the native integer dot-product kernels, which "
                           f"cannot run here: {dot_why}. Use quantization auto, int8 or none, or fix the cause.")
-    if why and (setting == "per-step" or (setting == "int8" and dtype == torch.float32)):
+    if why and (setting == "per-step" or (setting == "int8" and dtype == "float32")):
         raise ConfigError(
             f"model.quantization = \"{setting}\" needs the native int8 kernel, which cannot run here: {why}. "
             "Use quantization auto or none, or fix the cause."
         )
-    if why and setting == "auto" and dtype == torch.bfloat16:
+    if why and setting == "auto" and dtype == "bfloat16":
         log.warning("model.quantization = auto resolves to none: per-step needs the native int8 kernel, which cannot "
                     "run here (%s); one stream then reads bf16 weights, twice int8's bytes", why)
-    elif why and setting == "auto" and dtype == torch.float32:
+    elif why and setting == "auto" and dtype == "float32":
         log.warning(
             "model.quantization = auto resolves to none: the native int8 kernel cannot run here (%s). Decode then "
             "streams float32 weights, 4x the bytes: the projections of a one-row decode step took 17.8 ms instead "
             "of 3.1 (docs/engine.md, \"Weight-only quantized weights\")", why,
         )
-    return resolve_quantization(setting, dtype, device)
+    if setting != "auto":
+        return setting
+    if machine.device != "cpu" or machine.native_missing is not None:
+        return "none"
+    return {"float32": "int8", "bfloat16": "per-step"}.get(dtype, "none")
+
+
+def kv_blocks(machine: Machine, max_num_seqs: int, max_model_len: int, kv_cache_gib: float) -> int:
+    """KV blocks in `kv_cache_gib` (0: what a ring-buffer cache of max_num_seqs sequences of max_model_len would
+    take, where sliding layers keep only their window: the budget this engine had before it was paged). They
+    must hold at least one sequence of max_model_len (the default budget is raised to that)."""
+    per_token, size, shape = machine.kv_bytes_per_token, machine.kv_block_size, machine.shape
+    least = -(-max_model_len // size)
+    per_layer = per_token // shape.layers
+    ring = sum(per_layer * (min(shape.sliding_window, max_model_len) if sliding else max_model_len) for sliding in shape.sliding)
+    budget = kv_cache_gib * 2**30 or max(max_num_seqs * ring, least * size * per_token)
+    blocks = int(budget // (per_token * size))
+    if blocks < least:
+        raise ConfigError(
+            f"kv_cache_gib={kv_cache_gib} cannot hold one sequence of max_model_len={max_model_len} "
+            f"({least * size * per_token / 2**30:.3f} GiB); raise it or lower max_model_len"
+        )
+    return blocks
 
 
 def _lora(settings: Settings, static: bool) -> dict[str, object]:
@@ -195,29 +273,10 @@ def _lora(settings: Settings, static: bool) -> dict[str, object]:
             "lora_runtime_loading": lora.runtime_loading}
 
 
-def _batch_invariant(setting: str, device: torch.device) -> str:
+def _batch_invariant(setting: str, device: str) -> str:
     """Batch-invariant mode is implemented for the CPU path only."""
-    if device.type == "cpu" or setting == "off":
+    if device == "cpu" or setting == "off":
         return setting
     if setting == "on":
         raise ConfigError("engine.batch_invariant = \"on\" is implemented for the CPU path only; use auto or off")
     return "off"
-
-
-def _quantized_file(cache_dir: Path, source_dir: str, quantization: str, dtype: torch.dtype) -> Path:
-    """Quantized weights kept between starts, named by the model (its path, and its weight files' sizes and times: a
-    checkpoint written again in place is quantized again), the setting, the dtype, torch's version (its int4 layout
-    is torch's own) and the stored layout's version."""
-    model = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source_dir).resolve()).strip("/"))
-    model += f"-{_files_stamp(Path(source_dir))}"
-    name = f"{model}-{quantization}-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}-f{FORMAT}{'q8' if linear_for(quantization, 'lm_head', dtype) is NativeQ8Linear else ''}.safetensors"
-    return cache_dir / "quantized" / name
-
-
-def _files_stamp(source: Path) -> str:
-    """A short digest of the checkpoint's weight files' sizes and modification times ("unread" where they cannot be)."""
-    try:
-        stats = [(path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in checkpoint_files(source)]
-    except (OSError, ValueError):
-        return "unread"
-    return hashlib.sha256(repr(stats).encode()).hexdigest()[:12]

@@ -2,7 +2,7 @@
 
 Each step: take every queued request and cancellation (the inbox), admit waiting requests into free KV
 slots, run one forward pass over every running sequence's next token plus prefill chunks of new prompts,
-sample all rows at once, turn the tokens into events (engine/postprocess.py) and hand them to the event
+sample all rows at once, turn the tokens into events (sampling/postprocess.py) and hand them to the event
 loop with one `loop.call_soon_threadsafe`. No thread per request, no polling, no lock around the model.
 """
 
@@ -25,7 +25,7 @@ from .cache.memory import release_free_memory
 from .config import ConfigError, EngineConfig
 from .lora.adapter import AdapterError
 from .lora.registry import LoraRegistry, start_registry
-from .sampling.postprocess import Events, Limits, finish, postprocess
+from .sampling.postprocess import Events, Limits, last_events, postprocess
 from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
 from .scheduler import Scheduler
@@ -38,7 +38,9 @@ log = logging.getLogger("oai_gemma.engine")
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, own_weights: bool = False):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, own_weights: bool = False, runner: ModelRunner | None = None):
+        """`runner`: built already (engine/factory.py: from weights and a batch-invariant mode decided first); else
+        built here (`ModelRunner.of`)."""
         self.tokenizer = loaded.tokenizer
         model_config = loaded.model.config
         self.image_token_id = getattr(model_config, "image_token_id", None) or getattr(model_config, "image_token_index", None)
@@ -48,7 +50,7 @@ class EngineCore:
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
         self.adapters = self._adapters(loaded, config)
         """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them."""
-        self.runner = ModelRunner.of(loaded, config, own_weights)
+        self.runner = runner or ModelRunner.of(loaded, config, own_weights)
         self.runner.lora = self.adapters
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,
@@ -148,7 +150,7 @@ class EngineCore:
                     self._fail_all(payload, "aborted")
                 else:
                     for seq in self.scheduler.find(payload):  # its consumer is gone (that is why it cancelled): no event to send
-                        finish(self.scheduler, seq, "cancelled", [])
+                        self._end(seq, "cancelled", [])
                 message = self._inbox.get_nowait()
         except queue.Empty:
             return
@@ -189,7 +191,7 @@ class EngineCore:
                 error = f"image processing failed: {exc}"
         if error:
             events: Events = []
-            finish(self.scheduler, seq, "error", events, error=error)
+            self._end(seq, "error", events, error=error)
             self._deliver(events)
             return
         for child in seq.parent.pending if seq.parent else ():  # one that prefills on its own after all needs these
@@ -239,12 +241,15 @@ class EngineCore:
             # failed has no better suspect than all of it
             events: Events = []
             for seq in step.prefill_owners or step.decode_owners:
-                finish(self.scheduler, seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
+                self._end(seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
             self._deliver(events)
             return
         self.scheduler.advance(step)
         self.steps += 1
-        self._deliver(postprocess(self.scheduler, self.limits, sampled, runs, time.perf_counter()))
+        events, finished = postprocess(self.limits, sampled, runs, time.perf_counter())
+        for seq in finished:  # the core tells the scheduler: sampling/ does not know it
+            self.scheduler.finish(seq)
+        self._deliver(events)
         self.step_seconds += time.perf_counter() - started
 
     def _prompt_logprobs(self, step: Step) -> None:
@@ -284,14 +289,14 @@ class EngineCore:
     def _fail_all(self, reason: str, finish_reason: str = "error") -> None:
         events: Events = []
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            finish(self.scheduler, seq, finish_reason, events, error=reason)
+            self._end(seq, finish_reason, events, error=reason)
         self._deliver(events)
 
     def _fail_unstarted(self) -> None:
         """End the sequences the scheduler could not start (their adapter could not be read again from disk)."""
         events: Events = []
         for seq, reason in self.scheduler.failed:
-            finish(self.scheduler, seq, "error", events, error=reason)
+            self._end(seq, "error", events, error=reason)
         self.scheduler.failed.clear()
         self._deliver(events)
 
@@ -305,6 +310,13 @@ class EngineCore:
                 now = time.perf_counter()
                 events += [(sink, TokenEvent(request.request_id, None, "", now, "error", i, error=reason)) for i in range(request.n)]
         self._deliver(events)
+
+    def _end(self, seq: Sequence, reason: str, events: Events, error: str | None = None, cache_valid: bool = True) -> None:
+        """End a sequence outside the token path (cancelled, failed, aborted), and its request's choices that never
+        started: their slots freed, their last events added to `events`."""
+        for ended, event in last_events(seq, reason, error):
+            self.scheduler.finish(ended, cache_valid)
+            events.append((ended.sink, event))
 
     def _deliver(self, events: Events) -> None:
         if events and self._loop is not None and not self._loop.is_closed():

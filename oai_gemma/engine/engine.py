@@ -2,16 +2,15 @@
 
 `Engine` is the facade the API holds (and the tests, the benchmark, a notebook): the event-loop side of
 submission (capacity, the places in flight, timeouts, the observer) and the few model facts a route needs
-(tokenizer, processor, vocabulary size, context length, grammars). The model itself runs on one thread
-owned by `EngineCore` (engine/core.py); requests and cancellations reach it through its inbox, and its
-events come back onto each request's asyncio queue.
+(tokenizer, processor, vocabulary size, context length, grammars); engine/factory.py builds it from the
+resolved configuration. The model itself runs on one thread owned by `EngineCore` (engine/core.py); requests and
+cancellations reach it through its inbox, and its events come back onto each request's asyncio queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import threading
 import time
@@ -19,15 +18,15 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
-from ..settings import Settings
 from ..version import provenance
-from .config import EngineConfig, resolve as resolve_config
+from .config import EngineConfig
 from .core import EngineCore
 from .lora.registry import LoraRegistry
 from .sampling.detokenizer import TokenBytes
 from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
 from .ops import native
 from .model.loader import LoadedModel
+from .model.runner import ModelRunner
 from .observer import RequestObserver
 from .submission import Submission
 from .types import GenerationRequest
@@ -45,11 +44,12 @@ class EngineBusyError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), own_weights: bool = False):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), own_weights: bool = False,
+                 runner: ModelRunner | None = None):
         """`config`: resolved once (engine/config.py), handed down whole. `own_weights`: the engine may free the
-        model's weights it keeps its own copy of (see ModelRunner)."""
+        model's weights it keeps its own copy of (see ModelRunner). `runner`: built already (engine/factory.py)."""
         self.config = config
-        self.core = EngineCore(loaded, config, own_weights)
+        self.core = EngineCore(loaded, config, own_weights, runner)
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
         """The multimodal processor (image crops), or None for a text-only model."""
@@ -104,13 +104,6 @@ class Engine:
             return sorted({seq.lora.name for seq in list(seqs) if seq.lora is not None})
 
         return {"running": names(scheduler.running), "waiting": names(scheduler.waiting), "max_lora": self.config.max_loras}
-
-    @classmethod
-    def from_settings(cls, loaded: LoadedModel, settings: Settings, own_weights: bool = False) -> Engine:
-        """The engine with the configuration `settings` resolve to on this model (logged once, as plain data)."""
-        config = resolve_config(settings, loaded)
-        log.info("engine config: %s", json.dumps(config.as_dict()))
-        return cls(loaded, config, own_weights)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -207,7 +200,7 @@ class Engine:
 
     def server_info(self) -> dict[str, object]:
         """What `/health` and `/v1/server_info` show: what runs (version, git commit, torch, the kernels' ISA), the
-        configuration as resolved (what each `auto` became) and the weights as built (`batch_invariant`: the mode as the runner's start-up check found it)."""
+        configuration as resolved (what each `auto` became) and the weights as built (`batch_invariant`: the mode as the start-up check on the weights found it)."""
         adapters = {"lora_adapters": self.adapters.describe()} if self.adapters is not None else {}
         return {**provenance(), "kernel_isa": self.kernel_isa, "engine_config": self.config.as_dict(), **self.weights_report(),
                 **adapters}

@@ -1,23 +1,42 @@
-"""`load_engine(settings)`: the model loaded, the engine built from the settings and warmed up, ready to start.
+"""`load_engine(settings)`: the model loaded, the machine probed, the configuration resolved, the engine built from
+it and warmed up, ready to start.
 
-It logs the start-up phases (load, relayout, KV cache, invariance check, warm-up) and the resident memory by
-part, so that a regression in either shows in the first lines of a server's log.
+Start-up in steps, as vLLM v1's engine factory and nano-vllm's `LLMEngine`: `load` (model/loader.py), `probe`
+(the one step that builds or measures anything on this machine: the native kernel compiled or found, its ISA, the
+model's KV bytes, the checkpoint's name for quantized weights), `resolve` (engine/config.py: pure, every `auto`
+decided from the settings and what `probe` found), then `Engine` built from the resolved configuration. It logs
+the start-up phases (load, relayout, KV cache, invariance check, warm-up) and the resident memory by part, so that
+a regression in either shows in the first lines of a server's log.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import logging
 import time
+from dataclasses import replace
+from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
+from ..cpu import compute_thread_count
 from ..settings import EMBEDDED, Settings
 from ..version import provenance, version_line
+from .cache.kv_cache import BLOCK_SIZE, KVCache
+from .cache.memory import release_free_memory, resident_bytes
+from .config import EngineConfig, Machine, resolve
 from .engine import Engine
 from .model.gguf_file import GGUFError
-from .model.loader import load, start_plan
-from .cache.memory import release_free_memory, resident_bytes
+from .model.loader import LoadedModel, load, start_plan
+from .model.mapped import checkpoint_files
+from .model.runner import ModelRunner, load_weights, measure_invariance
+from .ops import native
+from .ops.choice import linear_for
+from .ops.quantized import FORMAT, NativeQ8Linear
+from .shape import TextShape
 
 log = logging.getLogger("oai_gemma.engine")
 
@@ -31,9 +50,10 @@ def load_engine(settings: Settings) -> Engine:
     started = time.monotonic()
     loaded = load(settings.model, lean=True, stream=True)  # the text weights read later, one tensor at a time
     loaded_at = time.monotonic()
-    engine = Engine.from_settings(loaded, settings, own_weights=True)  # nothing else uses this model: one copy of its weights
+    machine = probe(settings, loaded)
+    log.info("CPU kernels: torch %s, native %s", provenance()["cpu_capability"], machine.kernel_isa)
+    engine = build_engine(loaded, resolve(settings, machine), own_weights=True)  # nothing else uses this model: one copy of its weights
     loaded_peak = resident_bytes("VmHWM")
-    log.info("CPU kernels: torch %s, native %s", provenance()["cpu_capability"], engine.kernel_isa)
     built_at = time.monotonic()
     log.info("warm-up: running every step shape once, so no request pays for it")
     engine.warm_up()
@@ -55,6 +75,66 @@ def load_engine(settings: Settings) -> Engine:
         loaded_peak / MB, resident_bytes("VmHWM") / MB,
     )
     return engine
+
+
+def probe(settings: Settings, loaded: LoadedModel) -> Machine:
+    """What `resolve` needs to know of this machine and the loaded model, found once: on a CPU the native kernel is
+    built (compiled once into the configured model cache's `native`, engine/ops/native) or the reason it cannot
+    be; the KV cache's bytes per position; the checkpoint's name for its quantized weights."""
+    device, dtype = loaded.device, loaded.dtype
+    native_dir = settings.model.cache_path / "native"
+    missing = native.build(native_dir) if device.type == "cpu" else None
+    shape = TextShape.of(loaded.text_config)
+    return Machine(
+        shape=shape, device=str(device), dtype=str(dtype).removeprefix("torch."),
+        kv_bytes_per_token=KVCache.bytes_per_token(shape, dtype), kv_block_size=BLOCK_SIZE,
+        image_tokens=getattr(getattr(loaded.model, "config", None), "mm_tokens_per_image", 0) or 0,
+        native_missing=missing, native_dir=native_dir,
+        int_dot_missing=(missing or native.int_dot_unavailable()) if device.type == "cpu" else None,
+        kernel_isa=native.kernel_isa() if device.type == "cpu" else "none", threads=compute_thread_count(),
+        weights_name=weights_name(loaded.source_dir),
+        quantized_layouts={q: _layout(q, dtype) for q in ("int8", "int4", "per-step", "q8", "q4")},
+    )
+
+
+def configure(settings: Settings, loaded: LoadedModel) -> EngineConfig:
+    """The configuration `settings` resolve to on this machine and model: `resolve(settings, probe(...))`."""
+    return resolve(settings, probe(settings, loaded))
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig, own_weights: bool = False) -> Engine:
+    """The engine built from a resolved configuration: the weights in their final layout first, batch-invariant
+    mode measured on them (`auto` decided: the configuration logged once, as plain data, says `on` or `off`), then
+    the runner fed both, then the engine around it."""
+    started = time.monotonic()
+    weights = load_weights(loaded, config, own_weights)
+    measured = time.monotonic()
+    invariance = measure_invariance(weights, config)
+    config = replace(config, batch_invariant="on" if invariance is not None else "off")
+    log.info("engine config: %s", json.dumps(config.as_dict()))
+    runner = ModelRunner(weights, config, loaded.model, invariance)
+    runner.timings = {"weights": measured - started, **runner.timings, "invariance check": time.monotonic() - measured}
+    return Engine(loaded, config, own_weights, runner)
+
+
+def weights_name(source_dir: str) -> str:
+    """The checkpoint as its quantized weights' file is named: its path, and a short digest of its weight files'
+    sizes and modification times ("unread" where they cannot be), so a checkpoint written again in place is
+    quantized again."""
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source_dir).resolve()).strip("/"))
+    try:
+        stats = [(path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in checkpoint_files(Path(source_dir))]
+        stamp = hashlib.sha256(repr(stats).encode()).hexdigest()[:12]
+    except (OSError, ValueError):
+        stamp = "unread"
+    return f"{name}-{stamp}"
+
+
+def _layout(quantization: str, dtype: torch.dtype) -> str:
+    """The stored layout of quantized weights: torch's version (its int4 layout is torch's own), the format's
+    version, and whether the lm_head is the native q8 kind (which depends on the kernel running here)."""
+    q8 = "q8" if linear_for(quantization, "lm_head", dtype) is NativeQ8Linear else ""
+    return f"torch{torch.__version__}-f{FORMAT}{q8}"
 
 
 def explain_load_failure(error: BaseException, source: str) -> str:

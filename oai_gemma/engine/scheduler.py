@@ -3,7 +3,7 @@
 Between any two steps waiting requests are admitted while there is a batch row and KV memory for them; their
 prompts are prefilled in chunks under a per-step token budget, in the same step as every running sequence's
 decode token, so a long prompt never stalls running streams for more than one chunk. An admitted prompt starts
-from the longest prefix any earlier or running request has written into the KV cache (engine/block_pool.py).
+from the longest prefix any earlier or running request has written into the KV cache (engine/cache/block_pool.py).
 """
 
 from __future__ import annotations

@@ -127,8 +127,8 @@ class ParentRequest:
     then share its prompt's full KV blocks (a copy of its last, partial one) and sample from its last logits row
     (`Scheduler.fork`, `EngineCore._fork`); one that finds no free row then waits and starts like any request,
     from the prompt's blocks in the prefix cache. Should the first end before that (cancelled, failed), the
-    pending ones end with it (postprocess.finish). Every child's events go to the request's one sink, tagged
-    with its `index`: the submission gathers them."""
+    pending ones end with it (`EngineCore._end`, `postprocess.last_events`). Every child's events go to the
+    request's one sink, tagged with its `index`: the submission gathers them."""
 
     children: list[Sequence]
     pending: list[Sequence]

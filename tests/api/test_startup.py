@@ -13,7 +13,7 @@ from conftest import MAX_MODEL_LEN
 from oai_gemma.engine.cache.kv_cache import KVCache
 from oai_gemma.engine.shape import FULL, TextShape
 
-PHASES = re.compile(r"start-up phases: load ([\d.]+) s, relayout ([\d.]+) s, KV cache ([\d.]+) s, invariance check ([\d.]+) s, warm-up ([\d.]+) s, grammar compiler ([\d.]+) s")
+PHASES = re.compile(r"start-up phases: load ([\d.]+) s, weights ([\d.]+) s, KV cache ([\d.]+) s, invariance check ([\d.]+) s, warm-up ([\d.]+) s, grammar compiler ([\d.]+) s")
 MEMORY = re.compile(r"resident memory: (\d+) MB \(weights (\d+), KV cache (\d+) of (\d+) allocated, other (-?\d+)")
 
 
@@ -64,7 +64,8 @@ def test_the_engine_configuration_is_logged_once_and_served_with_every_auto_deci
     config = info["engine_config"]
     assert config["dtype"] == "float32" and config["quantization"] == "none" and config["max_model_len"] == MAX_MODEL_LEN
     assert config["kv_blocks"] > 0 and config["threads"] > 0 and config["native_dir"].endswith("native")
-    assert isinstance(info["batch_invariant"], bool)  # `auto`, as the runner's start-up check found it
+    assert isinstance(info["batch_invariant"], bool)  # `auto`, as the start-up check on the weights found it
+    assert config["batch_invariant"] == ("on" if info["batch_invariant"] else "off")  # decided before the engine was built
     assert httpx.get(server.url + "/health").json()["engine_config"] == config
     logged = re.findall(r"engine config: (.*)", server.log_path.read_text())
     assert len(logged) == 1 and json.loads(logged[0]) == config

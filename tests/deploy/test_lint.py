@@ -95,8 +95,8 @@ def _engine_rooms_imported(room: str) -> dict[str, set[str]]:
 
 
 def test_the_kernels_floor_imports_no_other_engine_room():
-    # issue 38: engine/ops (the linears, invariance, the native kernels) is the bottom floor; model/, lora/, cache/,
-    # config build on it, never the other way round (top-level utilities such as oai_gemma.cpu are fine)
+    # issue 38: engine/ops (the linears, invariance, the native kernels) is the kernels floor; model/, lora/ and the
+    # factory build on it, never the other way round (top-level utilities such as oai_gemma.cpu are fine)
     assert (PACKAGE / "engine" / "ops" / "__init__.py").exists()
     assert not _engine_rooms_imported("ops")
 
@@ -106,3 +106,115 @@ def test_the_cache_imports_nothing_of_the_model():
     cache = {module: {name for name in names if name.startswith("oai_gemma.engine.model")}
              for module, names in _engine_rooms_imported("cache").items()}
     assert not {module: names for module, names in cache.items() if names}
+
+
+# ---- issue 38: the engine's rooms, floor by floor -------------------------------------------------------------
+
+FLOORS = [
+    {"types", "shape", "config"},  # plain data: what crosses the boundary, the model's shape, the configuration
+    {"ops", "sequence", "observer"},  # the kernels; a sequence as it runs; the metrics hook
+    {"cache", "lora", "submission"},  # the KV blocks; the adapters; one admission's event stream
+    {"model", "speculative"},  # the forward pass (it adds the adapters' updates); the drafts and their verifier
+    {"sampling"},  # logits -> tokens -> events (Predicted Outputs' counts from speculative/)
+    {"scheduler"},  # which sequences run next, over the cache's blocks and the adapters' slots
+    {"core", "warmup"},  # the engine thread's step loop; every step shape once before ready
+    {"engine"},  # the facade
+    {"factory"},  # load, probe the machine, resolve the configuration, build
+]
+"""The engine's rooms (a sub-package of oai_gemma/engine, or one of its top-level modules) from the ground up: a room
+imports only rooms on floors below its own, never one beside it or above (docs/engine.md, "Shape", draws these)."""
+
+
+def _room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["oai_gemma", "engine"] else None
+
+
+def engine_rooms() -> dict[str, set[str]]:
+    """Each room of the engine -> the other rooms it imports (at run time: `if TYPE_CHECKING:` imports left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in (PACKAGE / "engine").rglob("*.py"):
+        room = _room_of(_module_of(path))
+        if room is not None:
+            graph.setdefault(room, set()).update(
+                other for name in _imports(path) if (other := _room_of(name)) not in (None, room)
+            )
+    return graph
+
+
+def test_every_engine_room_has_its_floor():
+    assert set(engine_rooms()) == set().union(*FLOORS), "a room without a floor, or a floor naming no room"
+
+
+def test_no_import_inside_the_engine_runs_back_up_or_sideways():
+    floor = {room: n for n, rooms in enumerate(FLOORS) for room in rooms}
+    wrong = sorted(f"{room} (floor {floor[room]}) -> {other} (floor {floor[other]})"
+                   for room, others in engine_rooms().items() for other in others if floor[other] >= floor[room])
+    assert not wrong, wrong
+
+
+def test_the_engine_rooms_import_each_other_in_no_loop():
+    graph, done = engine_rooms(), set()
+
+    def visit(room: str, path: list[str]) -> None:
+        if room in path:
+            raise AssertionError("rooms in a loop: " + " -> ".join([*path[path.index(room):], room]))
+        if room not in done:
+            for other in sorted(graph.get(room, ())):
+                visit(other, [*path, room])
+            done.add(room)
+
+    for room in sorted(graph):
+        visit(room, [])
+
+
+def test_the_lora_room_stands_on_the_kernels_and_the_configuration_alone():
+    # issue 38: lora/ above ops/, beside model/: the runner (model/) adds the adapters' updates, never the other way
+    assert engine_rooms()["lora"] <= {"ops", "config"}
+
+
+def test_the_configuration_imports_no_room_of_the_engine():
+    # issue 38: config.py is pure: engine/factory.py probes the machine (compiles, measures) and hands `resolve` the facts
+    assert not engine_rooms()["config"]
+
+
+def test_the_rooms_drawn_in_docs_engine_md_are_the_codes():
+    # docs/engine.md draws each room's arrows, floor by floor, between two markers; `python tests/test_lint.py` prints it
+    text = (ROOT / "docs" / "engine.md").read_text()
+    drawn = text.split("<!-- rooms: begin -->", 1)[1].split("<!-- rooms: end -->", 1)[0]
+    assert drawn.strip("\n`") == rooms_drawing().strip("\n"), "docs/engine.md's rooms differ from the code: " + rooms_drawing()
+
+
+def rooms_drawing() -> str:
+    """The rooms floor by floor, top down, each with the rooms it imports (highest floor first)."""
+    graph = engine_rooms()
+    floor = {room: n for n, rooms in enumerate(FLOORS) for room in rooms}
+    lines = []
+    for n in range(len(FLOORS) - 1, -1, -1):
+        for i, room in enumerate(sorted(FLOORS[n])):
+            others = sorted(graph.get(room, ()), key=lambda other: (-floor[other], other))
+            lines.append(f"{f'floor {n}' if i == 0 else '':8} {room:12} -> {', '.join(others) or '(no other room)'}")
+    return "\n".join(lines)
+
+
+MAX_FUNCTION_LINES = 50
+
+
+def test_no_file_of_the_engine_is_over_400_lines_its_rooms_included():
+    long = {str(p.relative_to(ROOT)): n for p in (PACKAGE / "engine").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_no_function_of_the_engine_is_over_50_lines():
+    # issue 38: a function of the engine is read in one screen (its docstring counted)
+    import ast
+
+    long = {f"{p.relative_to(ROOT)}:{node.lineno} {node.name}": node.end_lineno - node.lineno + 1
+            for p in (PACKAGE / "engine").rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES}
+    assert not long, long
+
+
+if __name__ == "__main__":  # the rooms as docs/engine.md draws them
+    print(rooms_drawing())

@@ -47,7 +47,7 @@ def test_threads_default_to_the_cpus_the_process_may_use_and_the_runtimes_wait_p
 
 def test_only_compute_threads_compute_with_the_configured_threads():
     # a second OpenMP pool (any other thread computing with 2+ threads) makes the engine's workers sleep between
-    # a step's parallel regions: measured 38.6 vs 22.6 ms a decode step (engine/cpu.py)
+    # a step's parallel regions: measured 38.6 vs 22.6 ms a decode step (oai_gemma/cpu.py)
     assert configured({"engine": {"threads": 3, "cpu_wait": "active"}}) == {
         "threads": 3, "torch": 1, "compute": 3, "later": 1, "omp": "ACTIVE", "kmp": None,
     }

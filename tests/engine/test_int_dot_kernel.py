@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from oai_gemma.engine.ops import native
-from oai_gemma.engine.ops.quantized import KERNEL_ROWS, Q4Linear, Q8Linear, linear_for, q4_blocks
+from oai_gemma.engine.ops.choice import linear_for
+from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear, q4_blocks
+from oai_gemma.engine.ops.quantized import KERNEL_ROWS
 
 pytestmark = pytest.mark.skipif(native.int_dot_unavailable() is not None,
                                 reason=f"the integer dot-product kernels cannot run here: {native.int_dot_unavailable()}")

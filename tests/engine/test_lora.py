@@ -15,14 +15,14 @@ from safetensors.torch import save_file
 
 from lora_adapters import SPECS, greedy_choices, make_adapter, merged_model
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, LoraModule, parse_module
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.lora.adapter import AdapterError, LoraModule, module_shapes, parse_module, read_adapter
+from oai_gemma.engine.lora.adapter import AdapterError, module_shapes, read_adapter
 from oai_gemma.engine.lora.registry import LoraRegistry
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.sequence import StepItem
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
-from oai_gemma.settings import ModelSettings
+from oai_gemma.settings import ModelSettings, Settings
 
 pytestmark = pytest.mark.slow
 
@@ -371,13 +371,13 @@ def test_an_adapter_on_a_quantized_bf16_base_moves_the_logits_as_pefts(setup, re
     """bf16 with int8 projections (its quantized weights from the model cache when a server made them): the adapter,
     kept unquantized, moves the logits as PEFT's merged float32 model moves them from the base (to bf16's and int8's
     rounding: cosine > 0.9 of the two moves)."""
-    from oai_gemma.engine.config import _quantized_file
+    from oai_gemma.engine.factory import configure
 
     loaded, engine32, paths = setup
     quantized = load(ModelSettings(dtype="bfloat16"))
     config = EngineConfig(
         dtype="bfloat16", quantization="int8", max_num_seqs=2, max_model_len=256, batch_invariant="off",
-        quantized_weights=_quantized_file(ModelSettings().cache_path, quantized.source_dir, "int8", torch.bfloat16),
+        quantized_weights=configure(Settings(model=ModelSettings(dtype="bfloat16", quantization="int8")), quantized).quantized_weights,
         lora_modules=(LoraModule("all8", str(paths["all8"])),),
     )
     engine = Engine(quantized, config, own_weights=True)

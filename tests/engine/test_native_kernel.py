@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oai_gemma.engine.config import ConfigError, resolve as resolve_config
+from oai_gemma.engine.config import ConfigError, Machine, _quantization
+from oai_gemma.engine.factory import configure as resolve_config
 from oai_gemma.engine.ops import native
 from oai_gemma.engine.ops.native import sources
 from oai_gemma.engine.model.loader import load
-from oai_gemma.engine.ops.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear, linear_for, resolve
+from oai_gemma.engine.ops.choice import linear_for
+from oai_gemma.engine.ops.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear
 from oai_gemma.settings import ModelSettings, Settings
 
 pytestmark = pytest.mark.skipif(native.native_unavailable() is not None,
@@ -100,6 +102,12 @@ def test_it_stores_and_reads_back_as_the_same_layer():
 def test_output_sizes_not_divisible_by_eight_are_refused():
     with pytest.raises(ValueError, match="divisible by 8"):
         NativeInt8Linear(torch.randn(12, 64))
+
+
+def resolve(setting: str, dtype: torch.dtype, device: torch.device) -> str:
+    """`model.quantization` as engine/config.py resolves it with what engine/factory.py's `probe` finds here."""
+    missing = native.native_unavailable() if device.type == "cpu" else None
+    return _quantization(setting, Machine(shape=None, device=device.type, dtype=str(dtype).removeprefix("torch."), native_missing=missing))
 
 
 def test_auto_quantizes_to_int8_where_the_cpu_computes_in_float32_and_per_step_in_bf16():

@@ -19,7 +19,8 @@ import torch
 from PIL import Image
 
 from conftest import ServerProcess, user
-from oai_gemma.engine.config import EngineConfig, resolve
+from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.factory import configure as resolve
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.ops.linear import FrozenLinear
 from oai_gemma.engine.model.quality import perplexity
@@ -250,11 +251,11 @@ def test_a_checkpoint_written_again_in_place_gets_new_quantized_weights(tmp_path
     from an older checkpoint's quantized copy."""
     import os
 
-    from oai_gemma.engine.config import _quantized_file
+    from oai_gemma.engine.factory import weights_name
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"0" * 64)
-    before = _quantized_file(tmp_path / "cache", str(tmp_path), "int8", torch.float32)
-    assert before == _quantized_file(tmp_path / "cache", str(tmp_path), "int8", torch.float32)
+    before = weights_name(str(tmp_path))
+    assert before == weights_name(str(tmp_path))
     os.utime(weights, ns=(1, 1))
-    assert _quantized_file(tmp_path / "cache", str(tmp_path), "int8", torch.float32) != before
+    assert weights_name(str(tmp_path)) != before

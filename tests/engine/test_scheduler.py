@@ -7,7 +7,7 @@ import torch
 
 from oai_gemma.engine.cache.block_pool import BlockPool
 from oai_gemma.engine.cache.prefix_hash import CacheSpace, block_hashes
-from oai_gemma.engine.sampling.postprocess import finish
+from oai_gemma.engine.sampling.postprocess import last_events
 from oai_gemma.engine.scheduler import Scheduler
 from oai_gemma.engine.sequence import ParentRequest, Sequence
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -400,7 +400,8 @@ def test_choices_that_never_started_end_with_the_first():
     made = iter([seq([1, 2, 3, 4, 5, 6], "n3", index=i) for i in range(3)])
     first = ParentRequest.fan_out(replace(seq([1], "n3").request, n=3), lambda index: next(made))
     scheduler.add(first)
-    events: list = []
-    finish(scheduler, first, "cancelled", events)
-    assert [(e.index, e.finish_reason) for _, e in events] == [(0, "cancelled"), (1, "cancelled"), (2, "cancelled")]
+    ended = last_events(first, "cancelled")  # what EngineCore._end does: every one's last event, every slot freed
+    for sequence, _ in ended:
+        scheduler.finish(sequence)
+    assert [(e.index, e.finish_reason) for _, e in ended] == [(0, "cancelled"), (1, "cancelled"), (2, "cancelled")]
     assert first.parent.pending == [] and not scheduler.has_work()

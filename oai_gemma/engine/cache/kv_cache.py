@@ -3,7 +3,7 @@
 Every layer's K and V is one tensor [blocks, block_size, kv_heads, head_dim]; a sequence's position p lives in
 block `table[p // block_size]` at row `p % block_size` of every layer, sliding-window layers included (they read
 only the last `window` positions, so a prefix shared by many requests gives each the exact attention a full
-computation gives, whatever its length). Blocks are handed out and shared by engine/block_pool.py.
+computation gives, whatever its length). Blocks are handed out and shared by engine/cache/block_pool.py.
 
 On a CPU the pool is one private anonymous memory map: allocating it is instant, and the OS backs a page with
 memory only when a block is first written (reading a page never written maps the shared zero page), so the

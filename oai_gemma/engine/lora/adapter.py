@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters: where they are (`LoraModule`, vLLM's `--lora-modules` syntax), read and checked against the
+"""PEFT LoRA adapters: where they are (engine/config.py's `LoraModule`, vLLM's `--lora-modules` syntax), read and checked against the
 base model (`read_adapter`), and made ready for the runner (`pack`).
 
 A PEFT directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, rank/alpha patterns) and
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import LoraModule  # noqa: F401 (an entry of `--lora-modules`: plain configuration, parsed by config.py)
 from ..ops.linear import FrozenLinear
 from .stack import OWN, Stack, build_stack, compute_dtypes
 
@@ -39,34 +40,6 @@ class AdapterError(ValueError):
         self.name, self.reason = name, reason
 
 
-@dataclass(frozen=True)
-class LoraModule:
-    """One adapter to serve: its name (a request's `model`), its PEFT directory, the base it was made for."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def parse_module(spec: str) -> LoraModule:
-    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`; ValueError otherwise."""
-    spec = spec.strip()
-    if spec.startswith("{"):
-        try:
-            value = json.loads(spec)
-            module = LoraModule(str(value["name"]), str(value["path"]), value.get("base_model_name"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"bad --lora-modules entry {spec!r}: a JSON object needs \"name\" and \"path\" ({exc})") from None
-    else:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            raise ValueError(f"bad --lora-modules entry {spec!r}: expected name=path or a JSON object")
-        module = LoraModule(name.strip(), path.strip())
-    if not module.name or not module.path:
-        raise ValueError(f"bad --lora-modules entry {spec!r}: the name and the path must not be empty")
-    return module
-
-
 @dataclass
 class AdapterWeights:
     """An adapter read and checked: per layer, per module, (A [r, in], B [out, r] already times its scale)."""
@@ -82,7 +55,7 @@ class AdapterWeights:
 @dataclass
 class AdapterLinears:
     """An adapter made ready for the runner: per layer, per module, (A, B) as the runner's linears in its dtype
-    (engine/linear.py: batch-invariant mode calls them as the base's), and stacked on their own per compute dtype
+    (engine/ops/linear.py: batch-invariant mode calls them as the base's), and stacked on their own per compute dtype
     (`stacks`: the other modes' path, engine/lora/apply.py and stack.py), of which `tensors` (each projection's A
     and B) builds the resident adapters' stack."""
 

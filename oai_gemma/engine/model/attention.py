@@ -57,7 +57,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Attention of one chunk (positions start..start+n-1, its K/V already written) of the sequence whose blocks
     are `table` over its past and itself; image blocks attend to themselves both ways. `invariant`: keys from a
-    position on the grid, padded (engine/invariance.py), so a row's result ignores the chunking."""
+    position on the grid, padded (engine/ops/invariance.py), so a row's result ignores the chunking."""
     n = q.shape[0]
     end = start + n
     qpos = torch.arange(start, end, device=q.device)

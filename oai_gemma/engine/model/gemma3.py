@@ -4,7 +4,7 @@ A layer is attention between two plain functions of tensors: `pre_attention` (no
 q/k norms, rope) and `post_attention` (output projection, residuals, gated-GELU MLP). The weights are
 arguments, not module state, so `torch.compile` compiles each function once for every layer (static decode),
 and the projections go through `linear`: `F.linear` over plain tensors by default, or a call of the
-CPU's pre-packed oneDNN weights (`engine/linear.py`, `call_linear`) in the dynamic runner.
+CPU's pre-packed oneDNN weights (`engine/ops/linear.py`, `call_linear`) in the dynamic runner.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from ..ops.linear import FrozenLinear
-from ..ops.quantized import PerStepLinear, linear_for
+from ..ops.choice import linear_for
+from ..ops.quantized import PerStepLinear
 from .mapped import read_header
 
 log = logging.getLogger("oai_gemma.engine")

@@ -1,7 +1,7 @@
 """The token embedding read from the checkpoint file on demand, instead of a second copy in memory.
 
 Gemma-3 ties its lm_head to the token embedding. On a CPU the runner keeps the lm_head re-laid out for oneDNN
-(engine/linear.py: 2.4x faster at batch 8 in float32), an opaque copy that cannot serve embedding lookups; the
+(engine/ops/linear.py: 2.4x faster at batch 8 in float32), an opaque copy that cannot serve embedding lookups; the
 plain matrix (671 MB in float32 for the 270m) would then stay in memory only to look up a few rows per step.
 Mapped from the safetensors file, those rows are read from the page cache as they are needed.
 """

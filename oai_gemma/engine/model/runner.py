@@ -1,9 +1,10 @@
 """The model runner: Gemma-3's forward pass over a mixed batch of prefill chunks and decode tokens.
 
 It computes with the project's own container of the model's weights (engine/model/weights.py's Gemma3Weights, in
-their final layout: packed or quantized) described by engine/shape.py's shape, and owns the attention and the KV cache, so sequences of different lengths decode together in one batch, join and
-leave between steps, and sliding-window layers keep only their window (a ring buffer).
-A step is packed into tensors (`_pack`), run through the layers (`_layers`: engine/gemma3.py's layer around
+their final layout: packed or quantized) described by engine/shape.py's shape, and owns the attention and the KV
+cache, so sequences of different lengths decode together in one batch, join and leave between steps, and
+sliding-window layers keep only their window (a ring buffer).
+A step is packed into tensors (`_pack`), run through the layers (`_layers`: engine/model/gemma3.py's layer around
 our attention) and turned into logits for the rows that sample (`_logits`), as nano-vllm's runner does.
 Linear layers run once over all tokens of the step; attention runs per prefill chunk and batched for
 all decode tokens.
@@ -59,13 +60,14 @@ class Batch:
 
 
 class ModelRunner:
-    """Built from the model's weights (engine/model/weights.py's Gemma3Weights: `of` fills them from a loaded
-    checkpoint or a module tree) and the engine's configuration (engine/config.py): `static_decode` runs decode-only
-    steps at static shapes, CUDA graphs where possible (engine/static_decode.py), `compile` compiles its layer
-    functions. `model`: the module tree or the loader's shell the weights came from, kept for the vision tower and
-    the static decode path (which reads the tree's own tensors)."""
+    """Built from the model's weights (engine/model/weights.py's Gemma3Weights: `load_weights` fills them from a
+    loaded checkpoint or a module tree), the batch-invariant mode measured on them (`measure_invariance`) and the
+    engine's configuration (engine/config.py): `static_decode` runs decode-only steps at static shapes, CUDA graphs
+    where possible (engine/model/static_decode.py), `compile` compiles its layer functions. `model`: the module tree
+    or the loader's shell the weights came from, kept for the vision tower and the static decode path (which reads
+    the tree's own tensors)."""
 
-    def __init__(self, weights: Gemma3Weights, config: EngineConfig, model=None):
+    def __init__(self, weights: Gemma3Weights, config: EngineConfig, model=None, invariance: Invariance | None = None):
         self.gemma = weights
         self.model = model
         text = self.text_shape = weights.shape.text
@@ -101,11 +103,10 @@ class ModelRunner:
         self.logits_buckets = buckets(config.max_logits_rows)
         """Logits rows of a step: the rows' and their drafts' (speculative decoding)."""
         self.token_buckets = buckets(config.max_tokens_per_step)
-        measured = time.monotonic()
-        self.invariance = self._measure_invariance(config.batch_invariant, static, config.max_tokens_per_step, num_slots)
-        """Batch-invariant mode (engine/ops/invariance.py): tiled linears, grid-aligned padded attention; None: off."""
-        self.batch_invariant = self.invariance is not None
-        self.timings["invariance check"] = time.monotonic() - measured
+        self.invariance = invariance
+        """Batch-invariant mode (engine/ops/invariance.py): tiled linears, grid-aligned padded attention; None: off.
+        Decided before the runner is built (`measure_invariance`, by engine/factory.py or `of`)."""
+        self.batch_invariant = invariance is not None
         self.lora = None
         """The LoRA adapters' registry (engine/lora/registry.py) when adapters are served: its slots' weights."""
         self.lora_names = module_names(self.weights)
@@ -115,62 +116,15 @@ class ModelRunner:
 
     @classmethod
     def of(cls, source, config: EngineConfig, own_weights: bool = False) -> ModelRunner:
-        """The runner of a LoadedModel (engine/model/loader.py), its weights read from its checkpoint one tensor at a
-        time where the loader left the text weights there (`checkpoint`), else from its module tree; or of a module
-        tree. `own_weights`: the runner may take the tree's projections (weights.py's `from_modules`)."""
-        loaded = source if isinstance(source, LoadedModel) else None
-        model = loaded.model if loaded is not None else source
-        streamed = loaded is not None and loaded.checkpoint is not None
-        text_config = (getattr(model.config, "text_config", None) or model.config) if streamed else text_parts(model)[0].config
-        check_supported(text_config)
-        if streamed:
-            device, dtype = loaded.device, loaded.dtype
-        else:
-            device, dtype = text_parts(model)[1].weight.device, text_parts(model)[1].weight.dtype
-        if config.quantization != "none" and (config.static_decode or device.type != "cpu"):
-            raise ConfigError(
-                f"model.quantization = {config.quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
-            )
-        layout, started = Layout(config.quantization, dtype), time.monotonic()
-        if streamed:
-            inner = getattr(model, "model", None)
-            weights = from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
-                                       getattr(text_config, "tie_word_embeddings", True), getattr(inner, "get_image_features", None) and inner)
-        else:
-            weights = from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
-        loaded_at = time.monotonic()
-        runner = cls(weights, config, model)
-        runner.timings = {"weights": loaded_at - started, **runner.timings}
+        """The runner of a LoadedModel or a module tree (`load_weights`), batch-invariant mode measured on its weights
+        first (`measure_invariance`): what engine/factory.py does step by step for the server."""
+        started = time.monotonic()
+        weights = load_weights(source, config, own_weights)
+        measured = time.monotonic()
+        invariance = measure_invariance(weights, config)
+        runner = cls(weights, config, source.model if isinstance(source, LoadedModel) else source, invariance)
+        runner.timings = {"weights": measured - started, **runner.timings, "invariance check": time.monotonic() - measured}
         return runner
-
-    def _measure_invariance(self, setting: str, static: bool, most_tokens: int, most_rows: int) -> Invariance | None:
-        """`on`: on, or a start-up error where this CPU's kernels cannot be made invariant; `auto`: on where that
-        is cheap, i.e. where the linears need no tiling (float32 here; bf16 tiles make prefill 1.5x slower)."""
-        if setting == "off":
-            return None
-        if static or self.device.type != "cpu":
-            if setting == "on":
-                raise ConfigError("engine.batch_invariant = \"on\" is implemented for the CPU path only; use auto or off")
-            return None
-        w, hidden, most_tokens = self.weights[0], self.text_shape.hidden, bucket(most_tokens, self.token_buckets)
-        tile = tile_rows({
-            "q_proj": (w.q, hidden, most_tokens), "o_proj": (w.o, self.num_heads * self.head_dim, most_tokens),
-            "gate_proj": (w.gate, hidden, most_tokens), "down_proj": (w.down, self.text_shape.intermediate, most_tokens),
-            "lm_head": (self.lm_head_linear, hidden, bucket(most_rows, self.row_buckets)),
-        }, self.dtype, whole_only=setting == "auto")
-        if tile is None and setting == "auto":
-            log.info("batch-invariant mode off (auto): this CPU's linears need row tiles, which slow prefill; "
-                     "on with --batch-invariant on")
-            return None
-        step = span_step(*self.shape, self.dtype)
-        if tile is None or step is None:
-            if setting == "on":
-                raise ConfigError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")
-            log.warning("batch-invariant mode off: this CPU's kernels are not batch-invariant (linears: %s, attention: %s)",
-                        "ok" if tile else "differ", "ok" if step else "differ")
-            return None
-        log.info("batch-invariant mode: linears in calls of at most %d rows, decode spans padded to %d", tile, step)
-        return Invariance(tile, step)
 
     def sequence_blocks(self, index: int, length: int | None = None) -> list[int]:
         """Block table of the index-th of fixed runs of blocks, each long enough for `length` positions (default
@@ -340,3 +294,57 @@ class ModelRunner:
         features = self.gemma.vision.get_image_features(pixel_values.to(self.device, self.dtype))
         features = getattr(features, "pooler_output", features)
         return features.reshape(-1, features.shape[-1])
+
+
+def load_weights(source, config: EngineConfig, own_weights: bool = False) -> Gemma3Weights:
+    """The weights of a LoadedModel (engine/model/loader.py) in their final layout, read from its checkpoint one tensor
+    at a time where the loader left the text weights there (`checkpoint`), else from its module tree; or of a module
+    tree. `own_weights`: they may take the tree's projections (weights.py's `from_modules`)."""
+    loaded = source if isinstance(source, LoadedModel) else None
+    model = loaded.model if loaded is not None else source
+    streamed = loaded is not None and loaded.checkpoint is not None
+    text_config = (getattr(model.config, "text_config", None) or model.config) if streamed else text_parts(model)[0].config
+    check_supported(text_config)
+    if streamed:
+        device, dtype = loaded.device, loaded.dtype
+    else:
+        device, dtype = text_parts(model)[1].weight.device, text_parts(model)[1].weight.dtype
+    if config.quantization != "none" and (config.static_decode or device.type != "cpu"):
+        raise ConfigError(
+            f"model.quantization = {config.quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
+        )
+    layout = Layout(config.quantization, dtype)
+    if streamed:
+        inner = getattr(model, "model", None)
+        return from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
+                                getattr(text_config, "tie_word_embeddings", True), getattr(inner, "get_image_features", None) and inner)
+    return from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
+
+
+def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> Invariance | None:
+    """Batch-invariant mode, decided on the weights before the runner is built. `on`: on, or a start-up error where
+    this CPU's kernels cannot be made invariant; `auto`: on where that is cheap, i.e. where the linears need no
+    tiling (float32 here; bf16 tiles make prefill 1.5x slower). Off the CPU path it is off (engine/config.py makes
+    `on` there a start-up error)."""
+    setting, text = config.batch_invariant, weights.shape.text
+    if setting == "off" or config.static_decode or weights.device.type != "cpu":
+        return None
+    w, most_tokens = weights.layers[0], bucket(config.max_tokens_per_step, buckets(config.max_tokens_per_step))
+    tile = tile_rows({
+        "q_proj": (w.q, text.hidden, most_tokens), "o_proj": (w.o, text.heads * text.head_dim, most_tokens),
+        "gate_proj": (w.gate, text.hidden, most_tokens), "down_proj": (w.down, text.intermediate, most_tokens),
+        "lm_head": (weights.lm_head, text.hidden, bucket(config.max_num_seqs, buckets(config.max_num_seqs))),
+    }, weights.dtype, whole_only=setting == "auto")
+    if tile is None and setting == "auto":
+        log.info("batch-invariant mode off (auto): this CPU's linears need row tiles, which slow prefill; "
+                 "on with --batch-invariant on")
+        return None
+    step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype)
+    if tile is None or step is None:
+        if setting == "on":
+            raise ConfigError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")
+        log.warning("batch-invariant mode off: this CPU's kernels are not batch-invariant (linears: %s, attention: %s)",
+                    "ok" if tile else "differ", "ok" if step else "differ")
+        return None
+    log.info("batch-invariant mode: linears in calls of at most %d rows, decode spans padded to %d", tile, step)
+    return Invariance(tile, step)

@@ -6,10 +6,10 @@ replay. A graph replays fixed memory at fixed shapes, so everything a step varie
 buffer (token ids, positions, block tables); the attention mask is computed on the device from the positions
 (no host sync); padded rows write their K/V into the scratch block that no sequence owns.
 
-Each row's blocks up to a bucketed span are gathered from the paged cache (engine/kv_cache.py), so a short
+Each row's blocks up to a bucketed span are gathered from the paged cache (engine/cache/kv_cache.py), so a short
 context does not pay for `max_len`; attention over them is flash-attn's `flash_attn_with_kvcache` when it is
 installed (up to `cache_seqlens`, sliding layers through `window_size`), else SDPA with a mask. The projections, norms and MLP of a layer are
-two plain functions of tensors (engine/gemma3.py's `pre_attention`, `post_attention`): `torch.compile` compiles each once for
+two plain functions of tensors (engine/model/gemma3.py's `pre_attention`, `post_attention`): `torch.compile` compiles each once for
 every layer (the weights are arguments, not constants), instead of one huge graph per shape.
 
 On CPU, or with layers on several GPUs (a graph is captured on one device), the same static-shape

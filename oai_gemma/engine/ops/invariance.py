@@ -50,7 +50,7 @@ def tiled(linear, x: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
 
 
 class TiledLinear:
-    """`linear` for engine/gemma3.py's layer functions in this mode: calls of at most `tile` rows."""
+    """`linear` for engine/model/gemma3.py's layer functions in this mode: calls of at most `tile` rows."""
 
     def __init__(self, tile: int):
         self.tile = tile

@@ -45,5 +45,5 @@ class FrozenLinear:
 
 
 def call_linear(x: torch.Tensor, linear: FrozenLinear) -> torch.Tensor:
-    """`linear` for engine/gemma3.py's layer functions when the projections are FrozenLinears."""
+    """`linear` for engine/model/gemma3.py's layer functions when the projections are FrozenLinears."""
     return linear(x)

@@ -2,7 +2,8 @@
 
 One function, as nano-vllm's `postprocess`: append the token, turn it into text (incremental detokenizer,
 stop strings), advance the grammar, check the end conditions (stop token, stop string, complete document,
-max_tokens, context), and free the slot of every sequence that finished.
+max_tokens, context), and say which sequences finished: the engine core has the scheduler free their slots
+(sampling/ knows nothing of the scheduler, as in vLLM v1, where the core hands the output to the scheduler).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from ..scheduler import Scheduler
 from ..sequence import Sequence
 from ..speculative.prediction import prediction_counts
 from ..types import TokenEvent, completion_room
@@ -26,20 +26,21 @@ class Limits:
     max_model_len: int
 
 
-def postprocess(scheduler: Scheduler, limits: Limits, sampled: list[Sequence], runs, now: float) -> Events:
-    """The events of one step's tokens: `runs[i]` holds sequence `sampled[i]`'s (token, logprob entry, accepted
-    draft) in order, several when drafts were accepted (engine/speculative/verify.py); a sequence's tokens after
-    the one that ends it are dropped. Finished sequences leave."""
+def postprocess(limits: Limits, sampled: list[Sequence], runs, now: float) -> tuple[Events, list[Sequence]]:
+    """(The events of one step's tokens, the sequences they finished): `runs[i]` holds sequence `sampled[i]`'s
+    (token, logprob entry, accepted draft) in order, several when drafts were accepted (speculative/verify.py); a
+    sequence's tokens after the one that ends it are dropped. The caller frees the finished sequences' slots."""
     events: Events = []
+    finished: list[Sequence] = []
     for seq, run in zip(sampled, runs):
         for token, entry, drafted in run:
             event = _event(limits, seq, token, entry, now)
             event.drafted = drafted
             events.append((seq.sink, event))
             if event.finish_reason:
-                scheduler.finish(seq)
+                finished.append(seq)
                 break
-    return events
+    return events, finished
 
 
 def _event(limits: Limits, seq: Sequence, token: int, entry, now: float) -> TokenEvent:
@@ -103,10 +104,11 @@ def make_event(seq: Sequence, token, text: str, now: float, finish, error: str |
     )
 
 
-def finish(scheduler: Scheduler, seq: Sequence, reason: str, events: Events, error: str | None = None, cache_valid: bool = True) -> None:
-    """End a sequence outside the token path (cancelled, failed, aborted): its last event, its slot freed."""
-    scheduler.finish(seq, cache_valid)
-    events.append((seq.sink, make_event(seq, None, "", time.perf_counter(), reason, error)))
-    # choices of its request that never started (ParentRequest.pending) end with the one they waited for
+def last_events(seq: Sequence, reason: str, error: str | None = None) -> list[tuple[Sequence, TokenEvent]]:
+    """A sequence ended outside the token path (cancelled, failed, aborted): its last event, then those of its
+    request's choices that never started (ParentRequest.pending), which end with the one they waited for. The
+    caller frees each sequence's slot and delivers each event."""
+    ended = [(seq, make_event(seq, None, "", time.perf_counter(), reason, error))]
     for child in seq.parent.take_pending() if seq.parent is not None else ():
-        finish(scheduler, child, reason, events, error)
+        ended += last_events(child, reason, error)
+    return ended

@@ -1,6 +1,6 @@
 """The native kernels' sources (one library per family), flags and how they are compiled, with nothing imported but the standard library:
 the wheel's build (setup.py) compiles them with this module, loaded by path before torch or the package exist,
-and the run-time build (`native/__init__.py`) compiles them the same way where the wheel carries no library."""
+and the run-time build (`ops/native/__init__.py`) compiles them the same way where the wheel carries no library."""
 
 from __future__ import annotations
 
