@@ -60,6 +60,8 @@ class EngineConfig:
     max_model_len: int = 8192
     max_prefill_tokens: int = 512
     image_tokens: int = 0
+    vision_step_seconds: float = 0.0
+    """An image encode's time budget per engine step (engine/encoding.py); 0: auto."""
     """Tokens of one image (multimodal models): a prefill chunk is never cut inside one, so it may be this long."""
     kv_blocks: int = 0
     """KV cache blocks (16 tokens each); 0: room for max_num_seqs sequences of max_model_len."""
@@ -135,6 +137,7 @@ def resolve(settings: Settings, loaded: LoadedModel) -> EngineConfig:
         batch_invariant=_batch_invariant(engine.batch_invariant, device),
         max_num_seqs=engine.max_num_seqs, max_model_len=model.max_model_len, max_prefill_tokens=engine.max_prefill_tokens,
         image_tokens=getattr(config, "mm_tokens_per_image", 0) or 0,
+        vision_step_seconds=engine.vision_step_ms / 1e3,
         kv_blocks=blocks_within_budget(TextShape.of(loaded.text_config), dtype, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
         prefix_caching=engine.prefix_caching, max_waiting=engine.max_waiting,
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
