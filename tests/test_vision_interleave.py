@@ -33,7 +33,7 @@ TEXT = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a tho
 @pytest.fixture(scope="module")
 def slow_vision(tiny_vision_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "slow-vision-server.log"
-    env = {"OAI_GEMMA_ENGINE__VISION_STEP_MS": "1"}
+    env = {"OAI_GEMMA_ENGINE__VISION_STEP_MS": "1", "OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": "0"}
     with ServerProcess("--model", str(tiny_vision_dir), "--served-model-name", MODEL, env=env, log=log) as proc:
         yield proc
 
