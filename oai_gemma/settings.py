@@ -22,7 +22,10 @@ EMBEDDED = "embedded"
 
 class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     source: str = EMBEDDED
-    """`embedded` (gemma-3-270m from PyPI), a local directory, or a hub id such as `google/gemma-3-4b-it`."""
+    """`embedded` (gemma-3-270m from PyPI), a local directory, a Gemma-3 GGUF file (`model.gguf`, converted once into
+    the model cache), or a hub id such as `google/gemma-3-4b-it`."""
+    mmproj: str = ""
+    """A GGUF `source`'s vision tower: llama.cpp's mmproj file (`mmproj-model-f16.gguf`) of the same model."""
     served_name: str = ""
     """The model id clients send and `/v1/models` lists; empty means derived from `source`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -236,21 +239,37 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
             return self.model.served_name
         if self.model.source == EMBEDDED:
             return "gemma-3-270m"
+        if self.model.source.endswith(".gguf"):
+            return Path(self.model.source).stem
         return Path(self.model.source.rstrip("/")).name if os.path.isdir(self.model.source) else self.model.source
 
 
-def model_source_problem(source: str) -> str | None:
-    """Why `model.source` cannot be loaded, where that shows without loading it: a source written as a path (not a
-    Hugging Face id, `org/name`) that is not there, or a directory with no config.json. None otherwise."""
-    if source == EMBEDDED:
-        return None
+def model_source_problem(source: str, mmproj: str = "") -> str | None:
+    """Why `model.source` (and `model.mmproj`) cannot be loaded, where that shows without loading it: a source
+    written as a path (not a Hugging Face id, `org/name`) that is not there, a directory with no config.json, a
+    file that is no Gemma-3 GGUF by its first bytes, an mmproj without a GGUF model. None otherwise."""
+    if mmproj and not source.endswith(".gguf"):
+        return (f"--mmproj goes with a GGUF --model (llama.cpp's model file and its mmproj); {source} carries its "
+                "vision tower, if it has one, in its own checkpoint")
+    for path, role in ((source, "model"), (mmproj, "mmproj")):
+        problem = _file_problem(path, role, source) if path and path != EMBEDDED else None
+        if problem:
+            return problem
+    return None
+
+
+def _file_problem(source: str, role: str, model: str) -> str | None:
     path = Path(source).expanduser()
     if not path.exists():
         looks_like_a_path = source.startswith(("/", "./", "../", "~")) or source.endswith((".gguf", ".safetensors"))
         kind = "file" if source.endswith((".gguf", ".safetensors")) else "directory"
-        return f"no model {kind} at {source}" if looks_like_a_path else None
+        return f"no {role} {kind} at {source}" if looks_like_a_path else None
     if path.is_dir() and not (path / "config.json").exists():
         return f"{source} has no config.json: --model takes a Gemma-3 checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    if path.is_file() and (source.endswith(".gguf") or role == "mmproj"):
+        from .engine.model.gguf_file import source_problem
+
+        return source_problem(str(path), role, model if role == "mmproj" else "")
     return None
 
 

@@ -123,3 +123,57 @@ def test_with_exit_on_engine_failure_off_a_failed_load_keeps_answering_503_with_
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- GGUF files (issue 37 item 5) ------------------------------------------------------------------------------
+
+def _gguf(path, arch: str = "gemma3", hidden: int = 64, projection: int | None = None):
+    """A small GGUF of `arch`: a few of the converter's metadata keys and one tensor (an mmproj with `projection`)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    if projection is None:
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(1)
+        writer.add_tensor("token_embd.weight", np.zeros((256, hidden), np.float32))
+    else:
+        writer.add_clip_projector_type("gemma3")
+        writer.add_vision_projection_dim(projection)
+        writer.add_tensor("v.post_ln.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_file_that_is_not_a_gguf_is_named_before_anything_loads(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a model")
+    assert f"{fake} is not a GGUF file" in failed_start("--model", str(fake))
+
+
+def test_a_gguf_of_another_architecture_is_named(tmp_path):
+    llama = _gguf(tmp_path / "llama.gguf", arch="llama")
+    line = failed_start("--model", str(llama))
+    assert "architecture 'llama'" in line and "Gemma-3 GGUF" in line
+
+
+def test_a_truncated_gguf_exits_saying_so(tmp_path):
+    path = _gguf(tmp_path / "cut.gguf")
+    path.write_bytes(path.read_bytes()[:-20_000])
+    line = failed_start("--model", str(path), env={"OAI_GEMMA_MODEL__CACHE_DIR": str(tmp_path / "cache")})
+    assert f"cannot convert {path}" in line and "cut short" in line
+
+
+def test_an_mmproj_for_another_models_width_is_named_before_anything_loads(tmp_path):
+    model = _gguf(tmp_path / "text.gguf", hidden=64)
+    mmproj = _gguf(tmp_path / "mmproj.gguf", arch="clip", projection=2560)
+    line = failed_start("--model", str(model), "--mmproj", str(mmproj))  # told by the files' first bytes
+    assert "projects images to width 2560" in line and "hidden size is 64" in line
+
+
+def test_an_mmproj_given_with_a_checkpoint_directory_is_refused(tmp_path, embedded_dir):
+    mmproj = _gguf(tmp_path / "mmproj.gguf", arch="clip", projection=640)
+    assert "--mmproj goes with a GGUF --model" in failed_start("--model", str(embedded_dir), "--mmproj", str(mmproj))

@@ -59,13 +59,6 @@ def test_a_phase_reports_its_progress_every_few_seconds_with_percent_and_time_le
     assert len(progress) >= 2 and all(re.fullmatch(r"converting: \d+% \(\d+/20\), about \d+ s left", line) for line in progress)
 
 
-def test_the_gguf_conversion_can_count_its_tensors():
-    """loader._convert_embedded counts the tensors through the name transformers' GGUF loader iterates them with."""
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    assert callable(gguf_utils.tqdm)
-
-
 def test_the_engine_configuration_is_logged_once_and_served_with_every_auto_decided(server):
     info = httpx.get(server.url + "/v1/server_info").json()
     config = info["engine_config"]
