@@ -17,11 +17,8 @@ def pixels(crops: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(crops, 3, 896, 896, generator=torch.Generator().manual_seed(seed))
 
 
-def encode(model, pixel_values, rows=None) -> VisionEncode:
-    job = VisionEncode(model.model.vision_tower, model.model.multi_modal_projector, pixel_values)
-    if rows is not None:
-        job.rows = rows
-    return job
+def encode(model, pixel_values, rows=0) -> VisionEncode:
+    return VisionEncode(model.model.vision_tower, model.model.multi_modal_projector, pixel_values, rows)
 
 
 @pytest.mark.parametrize("crops", [1, 2])

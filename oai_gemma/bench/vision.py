@@ -103,8 +103,7 @@ def _kernel(q, x: torch.Tensor) -> torch.Tensor:
 def time_layers(holder: nn.Module, layers: int, pixels: torch.Tensor, rows: int = 0) -> dict:
     """Seconds for `layers` encoder layers unit by unit and one-call, and the slowest unit's seconds."""
     tower = holder.vision_tower
-    job = VisionEncode(tower, holder.multi_modal_projector, pixels)
-    job.rows = rows or job.rows
+    job = VisionEncode(tower, holder.multi_modal_projector, pixels, rows)
     with torch.inference_mode():
         hidden = tower.embeddings(pixels).contiguous()
         began = last = time.perf_counter()

@@ -49,10 +49,11 @@ class VisionEncode:
     `features` is the result ([crops * tokens per crop, text hidden], as `ModelRunner.image_features`) once
     `done`."""
 
-    def __init__(self, tower, projector, pixel_values: torch.Tensor):
+    def __init__(self, tower, projector, pixel_values: torch.Tensor, rows: int = 0):
+        """`rows`: rows a unit (default `unit_rows` of the tower's shape)."""
         v = tower.config
         self.tower, self.projector, self.pixels = tower, projector, pixel_values
-        self.rows = unit_rows((v.image_size // v.patch_size) ** 2, v.hidden_size, v.intermediate_size)
+        self.rows = rows or unit_rows((v.image_size // v.patch_size) ** 2, v.hidden_size, v.intermediate_size)
         self.units_done = 0
         self.seconds = 0.0
         """Wall time spent in its units so far (the vision tower's time, however it was spread over steps)."""
