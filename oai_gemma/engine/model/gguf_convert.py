@@ -8,7 +8,7 @@ for ids the GGUF's vocabulary lacks (`<image_soft_token>`) added as zeros. Gemma
 llama.cpp's Llama class permutes). Quantized tensors are dequantized (any type `gguf.quants` reads) into
 `quantized_dtype`; F32/F16/BF16 ones keep their type. The safetensors file is written as it goes, a few MB of rows
 at a time, so converting a 4B takes memory for one chunk, not for the model (transformers' GGUF loading holds every
-tensor in float32: 16 GB). tests/test_gguf.py checks the names against GGUFs written as the converter writes them
+tensor in float32: 16 GB). tests/engine/test_gguf.py checks the names against GGUFs written as the converter writes them
 (verified against llama.cpp's own converter output, see its docstring).
 """
 
