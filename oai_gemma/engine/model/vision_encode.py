@@ -12,7 +12,7 @@ token. `VisionEncode` runs the same math a unit at a time:
 
 Each unit is the same torch op on a slice of the rows the one-call encode runs on all of them; on this CPU's
 kernels (GEMM, scaled_dot_product_attention) a row's result does not depend on the rows around it, so the output
-is bitwise the one-call encode's (tests/test_vision_encode.py holds it to that). The slice size is fixed by the
+is bitwise the one-call encode's (tests/engine/test_vision_encode.py holds it to that). The slice size is fixed by the
 tower's shape (about `UNIT_FLOPS` a unit), never by timing, so however the engine spreads the units over steps
 the result is the same.
 """
