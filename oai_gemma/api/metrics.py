@@ -13,7 +13,7 @@ from collections.abc import Callable
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 
 from ..engine.observer import RequestObserver
 from ..engine.types import GenerationRequest, TokenEvent
@@ -182,3 +182,9 @@ class _StatsCollector:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], stats.get(key, 0))
             yield gauge
+        vision = SummaryMetricFamily(
+            "oai_gemma:vision_encode_seconds", "The vision tower's time per encoded image set (however many steps it spanned).",
+            labels=["model_name"],
+        )
+        vision.add_metric([self.model_name], stats.get("vision_encodes", 0), stats.get("vision_seconds", 0.0))
+        yield vision

@@ -123,6 +123,8 @@ HEALTH = {
         "prefix_cache_usage": {"type": "number", "minimum": 0, "maximum": 1},
         "steps": {"type": "integer", "minimum": 0},
         "step_seconds": {"type": "number", "minimum": 0},
+        "vision_encodes": {"type": "integer", "minimum": 0},
+        "vision_seconds": {"type": "number", "minimum": 0},
         "kv_cache_resident_bytes": {"type": "integer", "minimum": 0},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "decode_bytes": {"type": "integer", "minimum": 0},

@@ -143,6 +143,12 @@ def _command_line() -> str:
 async def _sweep(base_url: str, model: str, args: argparse.Namespace, label: str, adapters: list[str] | None = None) -> dict:
     """`adapters`: the LoRA adapters requests are spread over (bench/lora.py), warmed up one request each."""
     server: dict = {"base_url": base_url, "model": model, "levels": []}
+    if args.prompts == "image":  # one image, and a text stream during its encode (bench/image.py)
+        from .image import report, run_image
+
+        server["image"] = await run_image(base_url, model, args.max_tokens, args.request_timeout)
+        print(report(label, server["image"]), file=sys.stderr, flush=True)
+        return server
     route = lora_route(label, adapters) if adapters else None
     if args.ignore_eos:
         route = ignoring_eos(route)

@@ -201,5 +201,7 @@ PROMPT_SETS = {
             "(`response_format` json_schema)",
     "edit": f"{len(EDITS)} real functions (this project's own) asked back with one name changed: the answer copies "
             "the prompt (with --prediction, the original function is sent as Predicted Outputs)",
+    "image": "one 896x896 image and a short question: TTFT, the vision tower's time, and a text stream's ITL during "
+             "the image's encode against alone (bench/image.py; no concurrency sweep)",
 }
 """The `--prompts` choices and how the report describes them."""

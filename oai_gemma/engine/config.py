@@ -117,6 +117,8 @@ class EngineConfig:
     max_model_len: int = 8192
     max_prefill_tokens: int = 512
     image_tokens: int = 0
+    vision_step_seconds: float = 0.0
+    """An image encode's time budget per engine step (engine/encoding.py); 0: auto."""
     """Tokens of one image (multimodal models): a prefill chunk is never cut inside one, so it may be this long."""
     kv_blocks: int = 0
     """KV cache blocks (16 tokens each); 0: room for max_num_seqs sequences of max_model_len."""
@@ -190,6 +192,7 @@ def resolve(settings: Settings, machine: Machine) -> EngineConfig:
         max_num_seqs=engine.max_num_seqs, max_model_len=model.max_model_len, max_prefill_tokens=engine.max_prefill_tokens,
         image_tokens=machine.image_tokens,
         kv_blocks=kv_blocks(machine, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
+        vision_step_seconds=engine.vision_step_ms / 1e3,
         prefix_caching=engine.prefix_caching, max_waiting=engine.max_waiting,
         request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
         max_backlog=settings.server.max_stream_backlog,

@@ -23,6 +23,7 @@ from .model.loader import LoadedModel
 from .cache.block_pool import BlockPool
 from .cache.memory import release_free_memory
 from .config import ConfigError, EngineConfig
+from .encoding import Encoding
 from .lora.adapter import AdapterError
 from .lora.registry import LoraRegistry, start_registry
 from .sampling.postprocess import Events, Limits, last_events, postprocess
@@ -62,6 +63,9 @@ class EngineCore:
             adapters=self.adapters,
             speculator=self.speculator if self.speculator.on else None,
         )
+        self.encoding = Encoding(getattr(self.runner.model, "model", None), self.runner.device, self.runner.dtype,
+                                 getattr(config, "vision_step_seconds", 0.0))
+        """Requests whose images are being encoded, a slice a step (engine/encoding.py)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -114,8 +118,9 @@ class EngineCore:
         sequences hold (0..1); `prefix_cache_usage`: the share only cached prefixes hold."""
         pool = self.scheduler.pool
         return {
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), "steps": self.steps,
-            "step_seconds": self.step_seconds,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting) + len(self.encoding),
+            "steps": self.steps, "step_seconds": self.step_seconds,
+            "vision_encodes": self.encoding.encodes, "vision_seconds": self.encoding.seconds,
             "kv_cache_usage": 1 - pool.available / pool.num_blocks, "prefix_cache_usage": len(pool.cached) / pool.num_blocks,
             **self.speculator.stats(),
         }
@@ -126,16 +131,19 @@ class EngineCore:
         try:
             with torch.inference_mode():
                 while not self._stopping:
-                    if not self.scheduler.has_work():
+                    if not self._busy():
                         release_free_memory()
-                    self._take_inbox(block=not self.scheduler.has_work())
-                    if self.scheduler.has_work():
+                    self._take_inbox(block=not self._busy())
+                    if self._busy():
                         self._step()
         except BaseException as exc:  # the loop itself broke: fail everyone, report dead
             self.dead_reason = f"engine loop died: {exc!r}"
             log.exception("engine loop died")
             self._fail_all(self.dead_reason)
             self._fail_inbox(self.dead_reason)
+
+    def _busy(self) -> bool:
+        return self.scheduler.has_work() or bool(self.encoding)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -149,7 +157,8 @@ class EngineCore:
                 elif kind == "abort_all":
                     self._fail_all(payload, "aborted")
                 else:
-                    for seq in self.scheduler.find(payload):  # its consumer is gone (that is why it cancelled): no event to send
+                    # its consumer is gone (that is why it cancelled): no event to send; an encode only it waited for is dropped
+                    for seq in self.scheduler.find(payload) + self.encoding.cancel(payload):
                         self._end(seq, "cancelled", [])
                 message = self._inbox.get_nowait()
         except queue.Empty:
@@ -185,18 +194,31 @@ class EngineCore:
             error = f"prompt of {len(prompt)} tokens does not fit the context"
         elif request.pixel_values is not None:
             try:
-                self._attach_images(seq)
+                self._mark_images(seq)
             except Exception as exc:  # a bad image fails its own request only
-                log.exception("vision tower failed")
                 error = f"image processing failed: {exc}"
         if error:
             events: Events = []
             self._end(seq, "error", events, error=error)
             self._deliver(events)
-            return
-        for child in seq.parent.pending if seq.parent else ():  # one that prefills on its own after all needs these
-            child.cache_keys, child.image_spans, child.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
-        self.scheduler.add(seq)
+        elif request.pixel_values is not None:
+            self.encoding.submit(seq)  # scheduled once its features are ready (`_encode`)
+        else:
+            self.scheduler.add(seq)
+
+    def _encode(self) -> None:
+        """A slice of the oldest image encode; the sequences whose features are ready go to the scheduler."""
+        ready, failed = self.encoding.run(busy=self.scheduler.has_work())
+        for seq, features in ready:
+            seq.image_embeds = features
+            for child in seq.parent.pending if seq.parent else ():  # one that prefills on its own after all needs these
+                child.cache_keys, child.image_spans, child.image_embeds = seq.cache_keys, seq.image_spans, seq.image_embeds
+            self.scheduler.add(seq)
+        if failed:
+            events: Events = []
+            for seq, error in failed:
+                self._end(seq, "error", events, error=error)
+            self._deliver(events)
 
     def _lora(self, request: GenerationRequest):
         """(The registration of the adapter the request names, or None; an error when it is not served.)"""
@@ -205,18 +227,21 @@ class EngineCore:
         lora = self.adapters.lookup(request.adapter) if self.adapters is not None else None
         return lora, None if lora is not None else f"the LoRA adapter '{request.adapter}' is not loaded"
 
-    def _attach_images(self, seq: Sequence) -> None:
-        """Run the vision tower once at admission; mark each image block for the mask and the prefix cache."""
+    def _mark_images(self, seq: Sequence) -> None:
+        """Mark each image block for the mask and the prefix cache (the vision tower runs later, in slices)."""
         spans = token_runs(seq.prompt_ids, self.image_token_id)
         keys = seq.request.crop_keys
         if len(spans) != len(keys):
             raise ValueError(f"{len(spans)} image blocks in the prompt but {len(keys)} crops")
         seq.image_spans = tuple(spans)
-        seq.image_embeds = self.runner.image_features(seq.request.pixel_values)
         for (start, end), key in zip(spans, keys):
             seq.cache_keys[start:end] = [-1 - key % 2**62] * (end - start)
 
     def _step(self) -> None:
+        if self.encoding:
+            self._encode()
+            if not self.scheduler.has_work():
+                return
         started = time.perf_counter()
         step = self.scheduler.schedule(started)
         if self.scheduler.failed:
@@ -251,6 +276,7 @@ class EngineCore:
             self.scheduler.finish(seq)
         self._deliver(events)
         self.step_seconds += time.perf_counter() - started
+        self.encoding.last_step = time.perf_counter() - started
 
     def _prompt_logprobs(self, step: Step) -> None:
         """Add each flagged prefill chunk's prompt logprobs to its sequence: the hidden state at position p
@@ -288,7 +314,7 @@ class EngineCore:
 
     def _fail_all(self, reason: str, finish_reason: str = "error") -> None:
         events: Events = []
-        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+        for seq in (*self.scheduler.running, *self.scheduler.waiting, *self.encoding.take_all()):
             self._end(seq, finish_reason, events, error=reason)
         self._deliver(events)
 

@@ -115,7 +115,7 @@ FLOORS = [
     {"ops", "sequence", "observer"},  # the kernels; a sequence as it runs; the metrics hook
     {"cache", "lora", "submission"},  # the KV blocks; the adapters; one admission's event stream
     {"model", "speculative"},  # the forward pass (it adds the adapters' updates); the drafts and their verifier
-    {"sampling"},  # logits -> tokens -> events (Predicted Outputs' counts from speculative/)
+    {"sampling", "encoding"},  # logits -> tokens -> events (Predicted Outputs' counts from speculative/); image encodes in slices
     {"scheduler"},  # which sequences run next, over the cache's blocks and the adapters' slots
     {"core", "warmup"},  # the engine thread's step loop; every step shape once before ready
     {"engine"},  # the facade
@@ -179,7 +179,7 @@ def test_the_configuration_imports_no_room_of_the_engine():
 
 
 def test_the_rooms_drawn_in_docs_engine_md_are_the_codes():
-    # docs/engine.md draws each room's arrows, floor by floor, between two markers; `python tests/test_lint.py` prints it
+    # docs/engine.md draws each room's arrows, floor by floor, between two markers; `python tests/deploy/test_lint.py` prints it
     text = (ROOT / "docs" / "engine.md").read_text()
     drawn = text.split("<!-- rooms: begin -->", 1)[1].split("<!-- rooms: end -->", 1)[0]
     assert drawn.strip("\n`") == rooms_drawing().strip("\n"), "docs/engine.md's rooms differ from the code: " + rooms_drawing()

@@ -1,0 +1,126 @@
+"""`--prompts image`: one 896x896 image and a short question (issue 37, item 4), against any OpenAI-compatible
+server (ours, or llama-server started with `--mmproj`).
+
+Reports, per server:
+  one_image   the image request's TTFT (send to first content token, streamed), its prompt tokens, and from ours'
+              /health the vision tower's time (`vision_seconds`, summed over the steps it spanned) and so the
+              prefill's share (TTFT - vision time: queueing and preprocessing included)
+  itl         a text stream's inter-token times alone, then with the image request sent once it has 5 tokens:
+              the ITLs that fell between the image's arrival and its first token (p50, p99, their ratio to alone)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+
+import httpx
+
+QUESTION = "Describe this image in one sentence."
+TEXT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def image_data_url(size: int = 896) -> str:
+    """A fixed, detailed 896x896 PNG (a colour gradient with rings): the same bytes every run."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    rings = (np.sin(40 * np.hypot(x - 0.5, y - 0.5)) + 1) / 2
+    pixels = np.stack((x, y, rings), axis=-1) * 255
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8), "RGB").save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _image_body(model: str, max_tokens: int) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": image_data_url()}}, {"type": "text", "text": QUESTION}]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _text_body(model: str, max_tokens: int) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": TEXT}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, times: list[float], usage: dict | None = None) -> None:
+    """Append the arrival time of every content chunk to `times`; the final usage into `usage`."""
+    import json
+
+    async with client.stream("POST", "/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if any((choice.get("delta") or {}).get("content") for choice in chunk.get("choices") or ()):
+                times.append(time.monotonic())
+            if usage is not None and chunk.get("usage"):
+                usage.update(chunk["usage"])
+
+
+def _health(base_url: str) -> dict:
+    try:
+        return httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3, 1)
+
+
+async def one_image(client: httpx.AsyncClient, base_url: str, model: str) -> dict:
+    before = _health(base_url)
+    times, usage = [], {}
+    sent = time.monotonic()
+    await _stream(client, _image_body(model, 16), times, usage)
+    after = _health(base_url)
+    ttft = times[0] - sent if times else None
+    vision = after.get("vision_seconds", 0) - before.get("vision_seconds", 0) if "vision_seconds" in after else None
+    return {"ttft_s": round(ttft, 3) if ttft else None, "vision_s": round(vision, 3) if vision is not None else None,
+            "prefill_s": round(ttft - vision, 3) if ttft and vision is not None else None,
+            "prompt_tokens": usage.get("prompt_tokens"), "e2e_s": round(time.monotonic() - sent, 3)}
+
+
+async def itl_during_image(client: httpx.AsyncClient, model: str, max_tokens: int) -> dict:
+    alone: list[float] = []
+    await _stream(client, _text_body(model, max_tokens), alone)
+    times: list[float] = []
+    text = asyncio.create_task(_stream(client, _text_body(model, max_tokens), times))
+    while len(times) < 5 and not text.done():
+        await asyncio.sleep(0.005)
+    sent = time.monotonic()
+    image_times: list[float] = []
+    await _stream(client, _image_body(model, 4), image_times)
+    await text
+    first = image_times[0] if image_times else time.monotonic()
+    gaps_alone = [b - a for a, b in zip(alone, alone[1:])]
+    during = [b - a for a, b in zip(times, times[1:]) if b > sent and a < first]
+    p99_alone, p99_during = _pct(gaps_alone, 0.99), _pct(during, 0.99)
+    return {"alone_p50_ms": _pct(gaps_alone, 0.5), "alone_p99_ms": p99_alone, "during_p50_ms": _pct(during, 0.5),
+            "during_p99_ms": p99_during, "during_tokens": len(during),
+            "p99_ratio": round(p99_during / p99_alone, 2) if p99_alone and p99_during else None,
+            "image_ttft_s": round(first - sent, 3)}
+
+
+async def run_image(base_url: str, model: str, max_tokens: int, timeout: float) -> dict:
+    """Both measurements against the server at `base_url` (its /v1 root)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
+        await one_image(client, base_url, model)  # warm-up: the first image pays for one-off work
+        return {"one_image": await one_image(client, base_url, model),
+                "itl": await itl_during_image(client, model, max_tokens)}
+
+
+def report(name: str, result: dict) -> str:
+    one, itl = result["one_image"], result["itl"]
+    return (f"[{name}] one 896x896 image: TTFT {one['ttft_s']} s (vision tower {one['vision_s']} s, prefill "
+            f"{one['prefill_s']} s, {one['prompt_tokens']} prompt tokens); text ITL p50/p99 alone "
+            f"{itl['alone_p50_ms']}/{itl['alone_p99_ms']} ms, during the image's encode {itl['during_p50_ms']}/"
+            f"{itl['during_p99_ms']} ms over {itl['during_tokens']} tokens (p99 x{itl['p99_ratio']})")

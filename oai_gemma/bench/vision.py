@@ -1,0 +1,151 @@
+"""The vision tower alone, from a multimodal checkpoint: its layouts timed at the resumable encode's grain.
+
+    python -m oai_gemma.bench.vision ~/.cache/oai-gemma-bench/gemma-3-4b-random [--layers 1] [--full]
+
+Loads only `vision_tower` and `multi_modal_projector` (no text model: a 4B's float32 text weights and a second
+copy do not fit a 24 GB machine), then for each layout of the tower's linears times `--layers` encoder layers of one
+896x896 crop run unit by unit (engine/model/vision_encode.py) and one-call, and prints the tower's time
+extrapolated to all layers, a unit's time and the weights' memory. `--full`: one whole encode in the first
+layout too (the figure to set against llama-server's image encode).
+
+Layouts: `f32` (F.linear on the checkpoint's weights in float32: what the server runs), `f32-packed` (oneDNN's
+re-laid-out weight, engine/ops/linear.py), `int8` (engine/ops/quantized.py's NativeInt8Linear as the runner
+calls it: its AVX2 kernel below KERNEL_ROWS rows, the weight dequantized per call from there),
+`int8-kernel` (the kernel at every row count), `bf16` (weights and activations in bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine.model.lean import fill, read_checkpoint
+from ..engine.model.lean_config import model_config
+from ..engine.model.lean_vision import BiasedLinear, Projector, VisionTower, checkpoint_name
+from ..engine.model.vision_encode import VisionEncode
+
+LAYOUTS = ("f32", "f32-packed", "int8", "int8-kernel", "bf16")
+
+
+def load_tower(source: str) -> nn.Module:
+    """An nn.Module with `vision_tower` and `multi_modal_projector`, float32, from `source`'s checkpoint."""
+    config, why = model_config(source)
+    if config is None or getattr(config, "vision_config", None) is None:
+        raise SystemExit(f"{source}: not a multimodal Gemma-3 checkpoint ({why})")
+    holder = nn.Module()
+    holder.vision_tower, holder.multi_modal_projector = VisionTower(config.vision_config), Projector(config)
+    wanted = ("model.vision_tower.", "model.multi_modal_projector.")
+    tensors = {}
+    for key, tensor in read_checkpoint(Path(source)).items():
+        name = checkpoint_name(key)
+        if name.startswith(wanted):
+            tensors[name.removeprefix("model.")] = tensor
+    fill(holder, tensors, source, torch.float32, tied=False)
+    return holder.eval()
+
+
+class _Swapped(nn.Module):
+    def __init__(self, call, bias: torch.Tensor, nbytes: int):
+        super().__init__()
+        self.call, self.bias, self.nbytes = call, bias, nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.call(x.reshape(-1, x.shape[-1])).float() + self.bias
+        return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def relayout(holder: nn.Module, layout: str) -> int:
+    """Every BiasedLinear of the tower in `layout`, in place; the bytes of the linears' weights now."""
+    from ..engine.ops import quantized
+    from ..engine.ops.linear import FrozenLinear
+
+    total = 0
+    for name, module in list(holder.vision_tower.named_modules()):
+        if not isinstance(module, BiasedLinear):
+            continue
+        weight, bias = module.weight.detach(), module.bias.detach()
+        if layout == "f32":
+            swapped, nbytes = module, weight.numel() * 4
+        elif layout == "f32-packed":
+            frozen = FrozenLinear(weight)
+            swapped, nbytes = _Swapped(frozen, bias, frozen.packed_bytes or weight.numel() * 4), 0
+        elif layout == "bf16":
+            w = weight.bfloat16()
+            swapped = _Swapped(lambda x, w=w: F.linear(x.bfloat16(), w), bias, w.numel() * 2)
+        else:
+            q = quantized.NativeInt8Linear(weight)
+            call = q if layout == "int8" else (lambda x, q=q: _kernel(q, x))
+            swapped = _Swapped(call, bias, q.packed.numel() + q.scale.numel() * 4)
+        nbytes = nbytes if layout in ("f32", "f32-packed") and nbytes else swapped.nbytes
+        total += nbytes
+        if swapped is not module:
+            owner, _, leaf = name.rpartition(".")
+            setattr(holder.vision_tower.get_submodule(owner), leaf, swapped)
+    return total
+
+
+def _kernel(q, x: torch.Tensor) -> torch.Tensor:
+    from ..engine.ops import quantized
+
+    saved, quantized.KERNEL_ROWS = quantized.KERNEL_ROWS, 1 << 30
+    try:
+        return q(x.float())
+    finally:
+        quantized.KERNEL_ROWS = saved
+
+
+def time_layers(holder: nn.Module, layers: int, pixels: torch.Tensor, rows: int = 0) -> dict:
+    """Seconds for `layers` encoder layers unit by unit and one-call, and the slowest unit's seconds."""
+    tower = holder.vision_tower
+    job = VisionEncode(tower, holder.multi_modal_projector, pixels, rows)
+    with torch.inference_mode():
+        hidden = tower.embeddings(pixels).contiguous()
+        began = last = time.perf_counter()
+        slowest = 0.0
+        for layer in list(tower.encoder.layers)[:layers]:
+            for _ in job._layer(layer, hidden):
+                now = time.perf_counter()
+                slowest, last = max(slowest, now - last), now
+        units = time.perf_counter() - began
+        x = tower.embeddings(pixels)
+        began = time.perf_counter()
+        for layer in list(tower.encoder.layers)[:layers]:
+            x = layer(x)
+        one_call = time.perf_counter() - began
+    return {"unit_rows": job.rows, "slowest_unit_s": slowest, "units_s": units, "one_call_s": one_call}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source")
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--rows", type=int, default=0, help="rows per unit (default: the encode's own choice)")
+    args = parser.parse_args(argv)
+    pixels = torch.randn(1, 3, 896, 896, generator=torch.Generator().manual_seed(0))
+    for layout in args.layouts.split(","):
+        holder = load_tower(args.source)
+        nbytes = relayout(holder, layout)
+        timing = time_layers(holder, args.layers, pixels, args.rows)
+        units = timing["units_s"]
+        count = holder.vision_tower.config.num_hidden_layers
+        row = {"layout": layout, "linear_weight_mib": round(nbytes / 2**20, 1), "layers_timed": args.layers,
+               "units_s_per_layer": round(units / args.layers, 3), "one_call_s_per_layer": round(timing["one_call_s"] / args.layers, 3),
+               "tower_s_estimate": round(units / args.layers * count, 1), "unit_rows": timing["unit_rows"],
+               "slowest_unit_s": round(timing["slowest_unit_s"], 3)}
+        print(json.dumps(row), flush=True)
+        if args.full and layout == args.layouts.split(",")[0]:
+            job = VisionEncode(holder.vision_tower, holder.multi_modal_projector, pixels)
+            job.run(1e9)
+            print(json.dumps({"layout": layout, "full_encode_s": round(job.seconds, 2), "units": job.units_done}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

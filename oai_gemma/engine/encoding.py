@@ -1,0 +1,99 @@
+"""Images being encoded: the engine's side of the resumable vision encode (engine/model/vision_encode.py).
+
+A request with images waits here, outside the scheduler (no batch row, no KV blocks), while its vision tower
+runs a slice at a time between the engine's steps; once its features are ready the engine hands it to the
+scheduler, which prefills it like any prompt. Each step gives the encode a time budget: `step_seconds` when
+set, else as long as the last step with other work took -- so a running text stream's steps at most about
+double while an image encodes -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so
+a cancel or a new request waits at most that long).
+
+One job per distinct image set (the request's crop keys, the same keys the prefix cache uses): a second request
+with the same images in flight waits on the first one's job. A job whose every waiter went (cancelled) is
+dropped with its work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .model.vision_encode import OneCall, VisionEncode, encode_job
+from .sequence import Sequence
+
+log = logging.getLogger("oai_gemma.engine")
+
+IDLE_SECONDS = 0.25
+"""A step's encode budget when no sequence runs beside it."""
+
+
+@dataclass(eq=False)
+class Job:
+    work: VisionEncode | OneCall
+    waiters: list[Sequence] = field(default_factory=list)
+
+
+class Encoding:
+    def __init__(self, model, device, dtype: torch.dtype, step_seconds: float = 0.0):
+        """`model`: the multimodal model's inner `model` (its `vision_tower`, `multi_modal_projector`)."""
+        self.model, self.device, self.dtype, self.step_seconds = model, device, dtype, step_seconds
+        self.jobs: dict[tuple, Job] = {}
+        self.encodes = 0
+        self.seconds = 0.0
+        """Images sets encoded and the vision tower's time on them (for /health and /metrics)."""
+        self.last_step = 0.0
+        """Wall time of the last step that ran sequences (the auto budget)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs)
+
+    def __len__(self) -> int:
+        return sum(len(job.waiters) for job in self.jobs.values())
+
+    def submit(self, seq: Sequence) -> None:
+        request = seq.request
+        key = (request.crop_keys, tuple(request.pixel_values.shape))
+        job = self.jobs.get(key)
+        if job is None:
+            pixels = request.pixel_values.to(self.device, self.dtype)
+            job = self.jobs[key] = Job(encode_job(self.model, pixels))
+        job.waiters.append(seq)
+
+    def budget(self, busy: bool) -> float:
+        if self.step_seconds > 0:
+            return self.step_seconds
+        return self.last_step if busy and self.last_step > 0 else IDLE_SECONDS
+
+    def run(self, busy: bool) -> tuple[list[tuple[Sequence, torch.Tensor]], list[tuple[Sequence, str]]]:
+        """Work on the oldest job for one step's budget: ([(sequence, its features)] that are ready, [(sequence,
+        error)] whose encode failed)."""
+        key, job = next(iter(self.jobs.items()))
+        try:
+            done = job.work.run(self.budget(busy))
+        except Exception as exc:  # a bad image fails the requests waiting on it only
+            log.exception("vision tower failed")
+            del self.jobs[key]
+            return [], [(seq, f"image processing failed: {exc}") for seq in job.waiters]
+        if not done:
+            return [], []
+        del self.jobs[key]
+        self.encodes += 1
+        self.seconds += job.work.seconds
+        log.info("image encoded in %.3f s (%d units)", job.work.seconds, job.work.units_done)
+        return [(seq, job.work.features) for seq in job.waiters], []
+
+    def cancel(self, request_id: str) -> list[Sequence]:
+        """Take out the waiting sequences of a request; a job nobody waits for any more is dropped."""
+        taken = []
+        for key, job in list(self.jobs.items()):
+            taken += [seq for seq in job.waiters if seq.request_id == request_id]
+            job.waiters = [seq for seq in job.waiters if seq.request_id != request_id]
+            if not job.waiters:
+                del self.jobs[key]
+        return taken
+
+    def take_all(self) -> list[Sequence]:
+        waiters = [seq for job in self.jobs.values() for seq in job.waiters]
+        self.jobs.clear()
+        return waiters
