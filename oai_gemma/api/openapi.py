@@ -123,6 +123,7 @@ HEALTH = {
         "prefix_cache_usage": {"type": "number", "minimum": 0, "maximum": 1},
         "steps": {"type": "integer", "minimum": 0},
         "step_seconds": {"type": "number", "minimum": 0},
+        "loop_turns": {"type": "integer", "minimum": 0, "description": "turns of the engine loop (it sleeps while nothing can run)"},
         "kv_cache_resident_bytes": {"type": "integer", "minimum": 0},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "decode_bytes": {"type": "integer", "minimum": 0},

@@ -70,7 +70,7 @@ class ModelRunner:
     module's originals are freed, so one copy stays in memory; the transformers model can then no longer run its
     own forward (the server's case; tests that hold the engine against transformers keep it whole)."""
 
-    def __init__(self, model, config: EngineConfig, own_weights: bool = False):
+    def __init__(self, model, config: EngineConfig, own_weights: bool = False, lora=None):
         self.model = model
         self.text_model, self.lm_head = _text_parts(model)
         text_config = self.text_model.config
@@ -130,8 +130,9 @@ class ModelRunner:
         """Batch-invariant mode (engine/invariance.py): tiled linears, grid-aligned padded attention; None: off."""
         self.batch_invariant = self.invariance is not None
         self.timings["invariance check"] = time.monotonic() - measured
-        self.lora = None
-        """The LoRA adapters' registry (engine/lora/registry.py) when adapters are served: its slots' weights."""
+        self.lora = lora
+        """The resident LoRA adapters (engine/lora/registry.py `ResidentAdapters`: read only here) when adapters are
+        served: each slot's weights."""
         self.lora_names = module_names(self.weights)
         self.static = None
         if static:
