@@ -1,7 +1,15 @@
 """LoRA adapters through the real server process and the real openai client: `--lora-modules` (both of vLLM's forms),
 `--max-loras` eviction and reload, `model: "<adapter>"` in chat, completions, Responses and /tokenize, /v1/models,
 the prefix cache per adapter, the load/unload endpoints behind an admin key, an adapter trained here that visibly
-changes the answers, and the metrics. One server for the module (float32, unquantized, as the other servers)."""
+changes the answers, and the metrics; an evicted adapter read again off the engine thread (streams go on, the idle
+engine sleeps meanwhile), and loads and unloads from many clients at once. One server for the module (float32,
+unquantized, as the other servers)."""
+
+import calendar
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -181,3 +189,105 @@ def test_structured_output_and_tools_work_under_an_adapter(client):
     called = chat(client, "qv4", user("What is the weather in Paris?"), max_tokens=32, tools=[tool],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert called.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+@pytest.fixture(scope="module")
+def big(http, client, tmp_path_factory):
+    """A rank-32 adapter on every projection (its read takes many inter-token times), loaded, used once, then evicted
+    by the two slots' other adapters: the next request for it reads its files again."""
+    from oai_gemma.bench.lora import make_adapter
+    from oai_gemma.engine.model.loader import embedded_model_dir
+
+    path = make_adapter(tmp_path_factory.mktemp("big") / "big", str(embedded_model_dir()), rank=32, seed=7)
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(path)}).status_code == 200
+    chat(client, "big", max_tokens=1)
+    return "big"
+
+
+def evict(client, name: str, server) -> None:
+    for other in ("all8", "qv4"):  # two slots: `name`, the least recently used, is dropped
+        chat(client, other, max_tokens=1)
+    assert not {a["name"]: a for a in httpx.get(server.url + "/health").json()["lora_adapters"]}[name]["resident"]
+
+
+def read_times(server, name: str) -> tuple[float, float]:
+    """Wall times (from the server's log: UTC, ms) of the start and the end of the last background read of `name`."""
+    stamp = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) .*"
+    log = server.log_path.read_text()
+
+    def last(what: str) -> float:
+        day, ms = re.findall(stamp + re.escape(f"LoRA adapter '{name}': {what}"), log, re.M)[-1]
+        return calendar.timegm(time.strptime(day, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
+
+    return last("reading it again"), last("read again in")
+
+
+def test_an_evicted_adapter_is_read_again_while_other_streams_go_on(client, server, big):
+    evict(client, big, server)
+    stream = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1500, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    chunks, arrivals, done = iter(stream), [], threading.Event()
+    next(chunks), next(chunks)  # streaming
+    waiting = threading.Thread(target=lambda: (chat(client, big, max_tokens=1), done.set()))
+    waiting.start()
+    for _ in chunks:  # the stream's tokens as they arrive, until the adapter's request is answered
+        arrivals.append(time.time())
+        if done.is_set():
+            break
+    stream.close()
+    waiting.join()
+    start, end = read_times(server, big)
+    during = [t for t in arrivals if start < t < end]
+    assert len(during) >= 3, f"{len(during)} tokens of the stream arrived during the {end - start:.3f} s read"  # on the engine thread: none
+
+
+def test_a_request_parked_on_an_adapters_read_leaves_the_idle_engine_asleep(client, server, big):
+    evict(client, big, server)
+    turns = httpx.get(server.url + "/health").json()["loop_turns"]
+    reads = server.log_path.read_text().count(f"LoRA adapter '{big}': reading it again")
+    assert chat(client, big, max_tokens=1).choices[0].finish_reason == "length"
+    start, end = read_times(server, big)
+    assert server.log_path.read_text().count(f"LoRA adapter '{big}': reading it again") == reads + 1 and end > start
+    # the request's own turns (its arrival, the read's return, its step, its end): a loop that polled while it waited
+    # would turn thousands of times during the read
+    assert httpx.get(server.url + "/health").json()["loop_turns"] - turns < 30
+
+
+def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and_every_slot(client, http, server, paths):
+    names = [f"many{i}" for i in range(6)]
+
+    def load(name: str) -> int:
+        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(paths["qv4"])}).status_code
+
+    def unload(name: str) -> int:
+        return http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code
+
+    def use(name: str) -> str:
+        try:
+            return chat(client, name, max_tokens=1).choices[0].finish_reason
+        except openai.NotFoundError:
+            return "gone"
+        except openai.InternalServerError as exc:  # unloaded after the route found it, before the engine did (engine/core.py)
+            assert "is not loaded" in str(exc)
+            return "gone"
+
+    with ThreadPoolExecutor(16) as pool:
+        loads = list(pool.map(load, names * 3))
+        jobs = [pool.submit(unload, name) for name in names[:3] * 3] + [pool.submit(use, name) for name in names]
+        unloads, uses = [job.result() for job in jobs[:9]], [job.result() for job in jobs[9:]]
+    assert all(sorted(loads[i::6]) == [200, 400, 400] for i in range(6)), loads  # one load of each name wins
+    assert all(sorted(unloads[i::3]) == [200, 404, 404] for i in range(3)), unloads  # one unload of each wins
+    assert uses[3:] == ["length"] * 3 and set(uses[:3]) <= {"length", "gone"}
+    adapters = httpx.get(server.url + "/health").json()["lora_adapters"]
+    assert sorted(a["name"] for a in adapters if a["name"].startswith("many")) == names[3:]
+    slots = [a["slot"] for a in adapters if a["resident"]]
+    assert len(slots) == len(set(slots)) and set(slots) <= {1, 2}
+    # both slots still there: two adapters stream at once, each in its own slot
+    streams = [client.chat.completions.create(model=name, messages=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}) for name in names[3:5]]
+    for chunks in map(iter, streams):
+        next(chunks), next(chunks)
+    resident = {a["name"]: a["slot"] for a in httpx.get(server.url + "/health").json()["lora_adapters"] if a["resident"]}
+    for stream in streams:
+        stream.close()
+    assert {resident.get(name) for name in names[3:5]} == {1, 2}
