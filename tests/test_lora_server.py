@@ -5,11 +5,11 @@ changes the answers, and the metrics; an evicted adapter read again off the engi
 engine sleeps meanwhile), and loads and unloads from many clients at once. One server for the module (float32,
 unquantized, as the other servers)."""
 
-import calendar
-import re
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -192,65 +192,101 @@ def test_structured_output_and_tools_work_under_an_adapter(client):
 
 
 @pytest.fixture(scope="module")
-def big(http, client, tmp_path_factory):
-    """A rank-32 adapter on every projection (its read takes many inter-token times), loaded, used once, then evicted
-    by the two slots' other adapters: the next request for it reads its files again."""
+def held(http, client, tmp_path_factory):
+    """An adapter (`HELD`) loaded and used once, whose next read from disk waits until the test lets it go on (`hold`)."""
     from oai_gemma.bench.lora import make_adapter
     from oai_gemma.engine.model.loader import embedded_model_dir
 
-    path = make_adapter(tmp_path_factory.mktemp("big") / "big", str(embedded_model_dir()), rank=32, seed=7)
-    assert http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(path)}).status_code == 200
-    chat(client, "big", max_tokens=1)
-    return "big"
+    path = make_adapter(tmp_path_factory.mktemp("held") / HELD, str(embedded_model_dir()), rank=8, seed=7)
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": HELD, "lora_path": str(path)}).status_code == 200
+    chat(client, HELD, max_tokens=1)
+    return path
 
 
-def evict(client, name: str, server) -> None:
+HELD = "held"
+
+
+@contextmanager
+def hold(path):
+    """Within the block, a read of the adapter's weights waits (the file is a FIFO no one writes yet); at its end the
+    reader gets the very same bytes, and the file is a file again."""
+    weights = path / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    os.mkfifo(weights)
+    try:
+        yield
+    finally:
+        writer = threading.Thread(target=weights.write_bytes, args=(data,), daemon=True)  # opens once a reader has
+        writer.start()
+        writer.join(120)
+        weights.unlink()
+        weights.write_bytes(data)
+
+
+def evict(client, server, name: str = HELD) -> None:
     for other in ("all8", "qv4"):  # two slots: `name`, the least recently used, is dropped
         chat(client, other, max_tokens=1)
-    assert not {a["name"]: a for a in httpx.get(server.url + "/health").json()["lora_adapters"]}[name]["resident"]
+    assert not {a["name"]: a for a in health(server)["lora_adapters"]}[name]["resident"]
 
 
-def read_times(server, name: str) -> tuple[float, float]:
-    """Wall times (from the server's log: UTC, ms) of the start and the end of the last background read of `name`."""
-    stamp = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) .*"
-    log = server.log_path.read_text()
-
-    def last(what: str) -> float:
-        day, ms = re.findall(stamp + re.escape(f"LoRA adapter '{name}': {what}"), log, re.M)[-1]
-        return calendar.timegm(time.strptime(day, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
-
-    return last("reading it again"), last("read again in")
+def health(server) -> dict:
+    return httpx.get(server.url + "/health").json()
 
 
-def test_an_evicted_adapter_is_read_again_while_other_streams_go_on(client, server, big):
-    evict(client, big, server)
+def reads(server, name: str = HELD) -> int:
+    return server.log_path.read_text().count(f"LoRA adapter '{name}': reading it again")
+
+
+def wait_for(condition, timeout: float = 120) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_an_evicted_adapter_is_read_again_while_other_streams_go_on(client, server, held):
+    evict(client, server)
     stream = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1500, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True})
-    chunks, arrivals, done = iter(stream), [], threading.Event()
-    next(chunks), next(chunks)  # streaming
-    waiting = threading.Thread(target=lambda: (chat(client, big, max_tokens=1), done.set()))
-    waiting.start()
-    for _ in chunks:  # the stream's tokens as they arrive, until the adapter's request is answered
-        arrivals.append(time.time())
-        if done.is_set():
-            break
+    arrivals, stop = [], threading.Event()
+
+    def consume():
+        for _ in stream:
+            arrivals.append(time.monotonic())
+            if stop.is_set():
+                break
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    before = reads(server)
+    with ThreadPoolExecutor(1) as pool, hold(held):
+        assert wait_for(lambda: len(arrivals) >= 2)  # streaming
+        answer = pool.submit(chat, client, HELD, max_tokens=1)
+        assert wait_for(lambda: reads(server) == before + 1)  # its read has begun, and waits for the file
+        during = len(arrivals)
+        wait_for(lambda: len(arrivals) >= during + 3)
+        during = len(arrivals) - during  # read on the engine thread: none
+    assert answer.result().choices[0].finish_reason == "length"
+    stop.set()
+    consumer.join()
     stream.close()
-    waiting.join()
-    start, end = read_times(server, big)
-    during = [t for t in arrivals if start < t < end]
-    assert len(during) >= 3, f"{len(during)} tokens of the stream arrived during the {end - start:.3f} s read"  # on the engine thread: none
+    assert during >= 3, f"{during} tokens of the stream arrived while the adapter's read was held"
 
 
-def test_a_request_parked_on_an_adapters_read_leaves_the_idle_engine_asleep(client, server, big):
-    evict(client, big, server)
-    turns = httpx.get(server.url + "/health").json()["loop_turns"]
-    reads = server.log_path.read_text().count(f"LoRA adapter '{big}': reading it again")
-    assert chat(client, big, max_tokens=1).choices[0].finish_reason == "length"
-    start, end = read_times(server, big)
-    assert server.log_path.read_text().count(f"LoRA adapter '{big}': reading it again") == reads + 1 and end > start
-    # the request's own turns (its arrival, the read's return, its step, its end): a loop that polled while it waited
-    # would turn thousands of times during the read
-    assert httpx.get(server.url + "/health").json()["loop_turns"] - turns < 30
+def test_a_request_parked_on_an_adapters_read_leaves_the_idle_engine_asleep(client, server, held):
+    evict(client, server)
+    before = reads(server)
+    with ThreadPoolExecutor(1) as pool, hold(held):
+        answer = pool.submit(chat, client, HELD, max_tokens=1)
+        assert wait_for(lambda: reads(server) == before + 1 and health(server)["waiting"] == 1)  # parked on its read
+        turns = health(server)["loop_turns"]
+        time.sleep(1)
+        turns = health(server)["loop_turns"] - turns  # a loop that polled while it waited: thousands in a second
+    assert answer.result().choices[0].finish_reason == "length"
+    assert turns < 5
 
 
 def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and_every_slot(client, http, server, paths):
@@ -278,7 +314,7 @@ def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and
     assert all(sorted(loads[i::6]) == [200, 400, 400] for i in range(6)), loads  # one load of each name wins
     assert all(sorted(unloads[i::3]) == [200, 404, 404] for i in range(3)), unloads  # one unload of each wins
     assert uses[3:] == ["length"] * 3 and set(uses[:3]) <= {"length", "gone"}
-    adapters = httpx.get(server.url + "/health").json()["lora_adapters"]
+    adapters = health(server)["lora_adapters"]
     assert sorted(a["name"] for a in adapters if a["name"].startswith("many")) == names[3:]
     slots = [a["slot"] for a in adapters if a["resident"]]
     assert len(slots) == len(set(slots)) and set(slots) <= {1, 2}
@@ -287,7 +323,7 @@ def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and
                                               extra_body={"ignore_eos": True}) for name in names[3:5]]
     for chunks in map(iter, streams):
         next(chunks), next(chunks)
-    resident = {a["name"]: a["slot"] for a in httpx.get(server.url + "/health").json()["lora_adapters"] if a["resident"]}
+    resident = {a["name"]: a["slot"] for a in health(server)["lora_adapters"] if a["resident"]}
     for stream in streams:
         stream.close()
     assert {resident.get(name) for name in names[3:5]} == {1, 2}
