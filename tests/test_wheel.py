@@ -64,11 +64,11 @@ def test_the_installed_wheel_serves_a_chat_and_a_streamed_chat_from_outside_the_
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", str(wheel)],
                    check=True, capture_output=True)
+    env = {"PYTHONPATH": ""}  # a developer's PYTHONPATH (a worktree) would shadow the installed wheel
+    clean = {k: v for k, v in os.environ.items() if k not in ("OAI_GEMMA_GIT_COMMIT", "PYTHONPATH")}
     where = subprocess.run([python, "-c", "import oai_gemma; print(oai_gemma.__file__)"], cwd=tmp_path, capture_output=True,
-                           text=True, check=True).stdout
+                           text=True, check=True, env=clean).stdout
     assert where.startswith(str(site)), where
-    env = {"PYTHONPATH": ""}
-    clean = {k: v for k, v in os.environ.items() if k != "OAI_GEMMA_GIT_COMMIT"}
     shown = subprocess.run([venv / "bin" / "oai-gemma", "--version"], cwd=tmp_path, capture_output=True, text=True, env=clean)
     assert shown.stdout.startswith(f"oai-gemma 0.1.0 (git {BUILT_FROM[:7]}, torch "), shown  # recorded when the wheel was built
     program = str(venv / "bin" / "oai-gemma")
