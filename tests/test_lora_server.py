@@ -293,7 +293,7 @@ def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and
     names = [f"many{i}" for i in range(6)]
 
     def load(name: str) -> int:
-        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(paths["qv4"])}).status_code
+        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(paths["qv4-rs"])}).status_code
 
     def unload(name: str) -> int:
         return http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code
