@@ -25,7 +25,7 @@ Dummy weights come without a tokenizer: `--tokenizer DIR` takes a Gemma-3 tokeni
 word-level stand-in of the model's vocabulary size is built (the measured numbers do not depend on it, the
 generated text is noise either way). Expect ~1 min to build and warm up, ~1 min per compile mode measured.
 
-`--smoke` runs the same code on a tiny Gemma-3 on the CPU in seconds (tests/test_gpu_check.py), so the device
+`--smoke` runs the same code on a tiny Gemma-3 on the CPU in seconds (tests/bench/test_gpu_check.py), so the device
 run does not fail for a silly reason.
 """
 

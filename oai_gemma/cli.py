@@ -20,6 +20,7 @@ from .version import version_line
 # not the field's). Type, choices, default and help come from the settings tree, so a flag cannot drift from it.
 SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("model", "source", "model"),
+    ("model", "mmproj", None),
     ("model", "served_name", "served-model-name"),
     ("model", "dtype", None),
     ("model", "device", None),
@@ -114,7 +115,7 @@ def _settings(args: argparse.Namespace):
 def serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     configure_logging(settings.server.log_level, settings.server.log_format)
-    problem = model_source_problem(settings.model.source)
+    problem = model_source_problem(settings.model.source, settings.model.mmproj)
     if problem:  # seconds, not a minute of loading, to say what is wrong
         return _failed_start(problem)
     replicas = bool(args.replicas or args.max_replicas)  # Ray Serve's proxy listens then, not this process

@@ -22,7 +22,10 @@ EMBEDDED = "embedded"
 
 class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     source: str = EMBEDDED
-    """`embedded` (gemma-3-270m from PyPI), a local directory, or a hub id such as `google/gemma-3-4b-it`."""
+    """`embedded` (gemma-3-270m from PyPI), a local directory, a Gemma-3 GGUF file (`model.gguf`, converted once into
+    the model cache), or a hub id such as `google/gemma-3-4b-it`."""
+    mmproj: str = ""
+    """A GGUF `source`'s vision tower: llama.cpp's mmproj file (`mmproj-model-f16.gguf`) of the same model."""
     served_name: str = ""
     """The model id clients send and `/v1/models` lists; empty means derived from `source`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -36,14 +39,17 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
-    quantization: Literal["auto", "none", "int8", "int4", "per-step"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4"] = "auto"
     """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/quantized.py),
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.
     `per-step`: bf16 only, each linear kept twice, int8 for steps of few rows (native kernel) and packed bf16 for
     the others, chosen per step by its row count. `auto`: where the project's native kernel compiles, `int8` if
     the CPU computes in float32 (faster at every load there, +0.5% perplexity) and `per-step` if in bf16; else
-    `none`. docs/engine.md, "Weight-only quantized weights"."""
+    `none`. `q8`: every linear int8 x int8 (activations quantized per block of 32 in the kernel, integer dot
+    products: faster from a few rows on); `q4`: the projections in 4-bit blocks of 32 (GGUF's Q4_0, fewer bytes
+    per token) and the lm_head as `q8` (both need the native kernels). docs/engine.md, "Weight-only quantized
+    weights" and "Integer dot products"."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""
@@ -232,21 +238,37 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
             return self.model.served_name
         if self.model.source == EMBEDDED:
             return "gemma-3-270m"
+        if self.model.source.endswith(".gguf"):
+            return Path(self.model.source).stem
         return Path(self.model.source.rstrip("/")).name if os.path.isdir(self.model.source) else self.model.source
 
 
-def model_source_problem(source: str) -> str | None:
-    """Why `model.source` cannot be loaded, where that shows without loading it: a source written as a path (not a
-    Hugging Face id, `org/name`) that is not there, or a directory with no config.json. None otherwise."""
-    if source == EMBEDDED:
-        return None
+def model_source_problem(source: str, mmproj: str = "") -> str | None:
+    """Why `model.source` (and `model.mmproj`) cannot be loaded, where that shows without loading it: a source
+    written as a path (not a Hugging Face id, `org/name`) that is not there, a directory with no config.json, a
+    file that is no Gemma-3 GGUF by its first bytes, an mmproj without a GGUF model. None otherwise."""
+    if mmproj and not source.endswith(".gguf"):
+        return (f"--mmproj goes with a GGUF --model (llama.cpp's model file and its mmproj); {source} carries its "
+                "vision tower, if it has one, in its own checkpoint")
+    for path, role in ((source, "model"), (mmproj, "mmproj")):
+        problem = _file_problem(path, role, source) if path and path != EMBEDDED else None
+        if problem:
+            return problem
+    return None
+
+
+def _file_problem(source: str, role: str, model: str) -> str | None:
     path = Path(source).expanduser()
     if not path.exists():
         looks_like_a_path = source.startswith(("/", "./", "../", "~")) or source.endswith((".gguf", ".safetensors"))
         kind = "file" if source.endswith((".gguf", ".safetensors")) else "directory"
-        return f"no model {kind} at {source}" if looks_like_a_path else None
+        return f"no {role} {kind} at {source}" if looks_like_a_path else None
     if path.is_dir() and not (path / "config.json").exists():
         return f"{source} has no config.json: --model takes a Gemma-3 checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    if path.is_file() and (source.endswith(".gguf") or role == "mmproj"):
+        from .engine.model.gguf_file import source_problem
+
+        return source_problem(str(path), role, model if role == "mmproj" else "")
     return None
 
 

@@ -1,4 +1,6 @@
-"""One real `oai-gemma serve` process with the real embedded model, shared by the whole session."""
+"""One real `oai-gemma serve` process with the real embedded model, shared by the whole session (`server`), and the
+servers shared across test files by their settings (`shared_servers`: the fault server, the tiny multimodal
+model's). The folder map, the shared servers and the `slow` marker: docs/testing.md."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,20 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 MODEL = "gemma-3-270m"
 MAX_MODEL_LEN = 2048
 LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log"))
+FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
+"""`ServerProcess(..., launcher=FAULT_SERVER)`: a server with the faults of tests/fault_server.py."""
+NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": "0"}
+"""A shared, busy CPU can take minutes over a prefill: for tests that are not about request timeouts."""
+
+
+def wait_for(condition, timeout: float) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def free_port() -> int:
@@ -88,10 +105,93 @@ class ServerProcess:
         self.log.close()
 
 
+class SharedServers:
+    """Server processes shared across test files: `get(*extra, env=..., launcher=...)` starts one on its first request
+    and hands the same process to every later request with the same settings (the extra CLI arguments, the
+    environment, the launcher), whichever test file asks. A test that breaks its server (kills it, stops its engine)
+    must start its own `ServerProcess` instead. At most `KEEP` shared servers run at a time beside the session's
+    default one (each holds a model: ~1.6 GB); the one asked for least recently is stopped first, and a later
+    request starts it again. All stop at the end of the session."""
+
+    KEEP = 1
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.running: OrderedDict[tuple, ServerProcess] = OrderedDict()
+        self.started: list[tuple] = []  # every start, in order (a restart after eviction shows as a repeat)
+
+    def get(self, *extra: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = ("-m", "oai_gemma.cli"),
+            name: str = "shared") -> ServerProcess:
+        key = (extra, tuple(sorted((env or {}).items())), launcher)
+        if key in self.running:
+            self.running.move_to_end(key)
+            return self.running[key]
+        while len(self.running) >= self.KEEP:
+            self.running.popitem(last=False)[1].stop()
+        proc = ServerProcess(*extra, env=env, launcher=launcher, log=self.logs / f"{name}-{len(self.started)}.log")
+        self.running[key] = proc.__enter__()
+        self.started.append(key)
+        return proc
+
+    def close(self) -> None:
+        while self.running:
+            self.running.popitem()[1].stop()
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory):
+    servers = SharedServers(tmp_path_factory.mktemp("shared-server-logs"))
+    yield servers
+    servers.close()
+
+
 @pytest.fixture(scope="session")
 def server():
     with ServerProcess() as proc:
         yield proc
+
+
+FAULT_SMALL = ("--max-num-seqs", "4", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")
+"""The shared fault server's settings: a short warm-up (the tests on it are about faults, not speed)."""
+
+
+class FaultSwitches:
+    """The shared fault server's switches (tests/fault_server.py): a fault is on while its file exists
+    (`touch`, `clear`); the `fault_server` fixture clears every one before and after each test."""
+
+    NAMES = {"hash_collide": "OAI_GEMMA_FAULT_HASH_COLLIDE", "store_full": "OAI_GEMMA_FAULT_STORE_FULL",
+             "store_readonly": "OAI_GEMMA_FAULT_STORE_READONLY"}
+
+    def __init__(self, root: Path):
+        self.paths = {name: root / name for name in self.NAMES}
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {variable: str(self.paths[name]) for name, variable in self.NAMES.items()}
+
+    def touch(self, name: str) -> None:
+        self.paths[name].touch()
+
+    def clear(self, name: str) -> None:
+        self.paths[name].unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def fault_switches(tmp_path_factory) -> FaultSwitches:
+    return FaultSwitches(tmp_path_factory.mktemp("fault-switches"))
+
+
+@pytest.fixture
+def fault_server(shared_servers, fault_switches):
+    """One fault-injecting server (tests/fault_server.py) for every test whose faults it survives (a colliding
+    prefix-cache hash, a full or read-only Responses store): started once, every switch off before and after each
+    test. (The engine-failure tests kill their engines: they start their own.)"""
+    for name in fault_switches.paths:
+        fault_switches.clear(name)
+    proc = shared_servers.get(*FAULT_SMALL, env={**fault_switches.env, **NO_TIMEOUTS}, launcher=FAULT_SERVER, name="fault")
+    yield proc
+    for name in fault_switches.paths:
+        fault_switches.clear(name)
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +242,37 @@ def _reason(health: httpx.Response) -> str | None:
         return health.json().get("reason")
     except (ValueError, AttributeError):
         return None
+
+
+VISION_MODEL, VISION_ADAPTER, VISION_API_KEY = "tiny-vision", "vision-lora", "vision-key"
+VISION_MAX_IMAGES, VISION_MAX_PIXELS, VISION_MAX_DOWNLOAD = 4, 2_000_000, 1_000_000
+
+
+@pytest.fixture(scope="session")
+def vision_adapter(tiny_vision_dir, tmp_path_factory) -> Path:
+    """A PEFT adapter on the seven projections of the tiny multimodal model's language model only (its vision tower
+    has q/k/v_proj too), made from a copy of the model loaded here for it."""
+    from lora_adapters import STRONG, make_adapter
+    from oai_gemma.engine.model.loader import load
+    from oai_gemma.settings import ModelSettings
+
+    loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"))
+    return make_adapter(loaded.model, tmp_path_factory.mktemp("vision-lora") / VISION_ADAPTER, STRONG["all8"], within="language_model")
+
+
+@pytest.fixture
+def vision_server(shared_servers, tiny_vision_dir, vision_adapter) -> ServerProcess:
+    """The tiny multimodal model as `tiny-vision`, one server for chat/test_vision.py and the playground's image test:
+    the adapter, image limits a test can reach, http images from loopback only, and an API key."""
+    env = {
+        "OAI_GEMMA_API_KEYS": VISION_API_KEY,
+        "OAI_GEMMA_IMAGES__ALLOWED_HOSTS": '["127.0.0.1"]',
+        "OAI_GEMMA_IMAGES__MAX_IMAGES": str(VISION_MAX_IMAGES),
+        "OAI_GEMMA_IMAGES__MAX_PIXELS": str(VISION_MAX_PIXELS),
+        "OAI_GEMMA_IMAGES__MAX_DOWNLOAD_BYTES": str(VISION_MAX_DOWNLOAD),
+    }
+    return shared_servers.get("--model", str(tiny_vision_dir), "--served-model-name", VISION_MODEL,
+                              "--lora-modules", f"{VISION_ADAPTER}={vision_adapter}", env=env, name="vision")
 
 
 @pytest.fixture(scope="module")

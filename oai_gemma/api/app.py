@@ -226,6 +226,9 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"Invalid URL ({request.method} {request.url.path})"
     elif status == 405:
         message = f"Method {request.method} is not allowed for {request.url.path}"
+    elif status == 413:
+        most = request.app.state.server.settings.server.max_body_bytes
+        message = f"The request body is larger than {most} bytes, the most this server takes (`server.max_body_bytes`)."
     else:
         message = exc.detail
     kind = "invalid_request_error" if status < 500 else "server_error"

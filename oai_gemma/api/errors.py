@@ -8,10 +8,8 @@ import re
 import msgspec
 
 from ..chat import ChatInputError, PromptTooLong
+from ..limits import limits, missing, phrase, shown
 from .protocol import ErrorBody, ErrorResponse, encoder
-
-ECHO_CHARS = 256
-"""At most this much of a client's value is quoted back in an error message."""
 
 
 class APIError(Exception):
@@ -38,13 +36,22 @@ def not_supported(param: str) -> APIError:
     return invalid_request(f"`{param}` is not supported by this server yet; leave it unset", param, "unsupported_parameter")
 
 
-def shown(value: str) -> str:
-    """A client's value as quoted in an error message: a megabyte of it is not echoed back."""
-    return value if len(value) <= ECHO_CHARS else value[:ECHO_CHARS] + "..."
-
-
 def model_not_found(model: str, served: str) -> APIError:
     return APIError(404, f"The model `{shown(model)}` does not exist. This server serves `{served}`.", "invalid_request_error", "model", "model_not_found")
+
+
+def over_limit(param: str, kind: str, limit, value=None, note: str = "", code: str | None = None) -> APIError:
+    """A 400 for a value past one of `limits.LIMITS` (or a bound of its kind), in that kind's one phrasing
+    (`code`: instead of the kind's own)."""
+    message, own = phrase(param, kind, limit, value, note)
+    return invalid_request(message, param, code or own)
+
+
+def check_limits(param: str, endpoint: str, value) -> None:
+    """A 400 if `value` is past a constant limit of `param`'s on `endpoint` (a field not checked by the decoder)."""
+    for row in limits(param, endpoint):
+        if not isinstance(row.limit, str) and _breaks(row.kind, row.limit, value):
+            raise over_limit(param, row.kind, row.limit, value)
 
 
 def context_length_exceeded(max_model_len: int, detail: str, where: str = "messages") -> APIError:
@@ -61,8 +68,7 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes):
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        param = param_from_validation(str(exc))
-        raise invalid_request(openai_wording(str(exc), param), param) from None
+        raise validation_error(str(exc), body) from None
     except msgspec.DecodeError as exc:
         raise invalid_request(f"We could not parse the JSON body of your request: {_where_malformed(str(exc), body)}.") from None
     except RecursionError:  # msgspec's guard against a stack overflow on `[[[[...` thousands deep
@@ -71,12 +77,81 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes):
 
 # ---- msgspec's validation messages in OpenAI's words --------------------------------------------------
 
+_NUMBER_BOUND = re.compile(r"Expected `(int|float)` (>=|>|<=) (\S+)")
+_LENGTH_BOUND = re.compile(r"Expected `(array|object|str)` of length (>=|<=) (\d+)")
+_PATTERN = re.compile(r"Expected `str` matching regex '(.*)'")
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+_NUMBER_KINDS = {">=": "min", ">": "above", "<=": "max"}
+_LENGTH_KINDS = {("str", ">="): "min_length", ("str", "<="): "max_length", (">=",): "min_items", ("<=",): "max_items"}
+
+
+def validation_error(message: str, document, where: str = "") -> APIError:
+    """msgspec's complaint about `document` (the body's bytes, or a value decoded on its own from `where`) as a
+    400 naming the field from the request's root; a bound is worded as `limits.phrase` words every limit, with
+    the value sent."""
+    inner = param_from_validation(message)
+    param = where + ("." if where and inner and not inner.startswith("[") else "") + (inner or "") or None
+    text = message.split(" - at `")[0]
+    if _MISSING.search(text):
+        return invalid_request(missing(param), param, "missing_required_parameter")
+    bound = _bound(text)
+    if bound is None:
+        return invalid_request(openai_wording(message, param), param)
+    kind, limit = bound
+    at = _AT_PATH.search(message)
+    path = at.group(0).removeprefix(" - at `$").removesuffix("`") if at else ""
+    value = next((v for v in _values(document, path) if _breaks(kind, limit, v)), None)
+    return over_limit(param, kind, limit, value)
+
+
+def _bound(text: str) -> tuple[str, object] | None:
+    """(the `limits` kind, the limit) of msgspec's `Expected `int` <= 128`, None for another message."""
+    if found := _NUMBER_BOUND.fullmatch(text):
+        kind, limit = _NUMBER_KINDS[found.group(2)], found.group(3)
+        return kind, float(limit) if found.group(1) == "float" else int(limit)
+    if found := _LENGTH_BOUND.fullmatch(text):
+        shape, op = found.group(1), found.group(2)
+        return _LENGTH_KINDS[(shape, op) if shape == "str" else (op,)], int(found.group(3))
+    if found := _PATTERN.fullmatch(text):
+        return "pattern", found.group(1)
+    return None
+
+
+def _values(document, path: str) -> list:
+    """The values at msgspec's `path` (`.messages[0].content`; `[...]`: any of a dict's values) in `document`."""
+    try:
+        values = [msgspec.json.decode(document) if isinstance(document, bytes) else document]
+        for key, index in _STEP.findall(path):
+            if key:
+                values = [v[key] for v in values if isinstance(v, dict) and key in v]
+            elif index == "...":
+                values = [item for v in values if isinstance(v, dict) for item in v.values()]
+            else:
+                values = [v[int(index)] for v in values if isinstance(v, list) and int(index) < len(v)]
+        return values
+    except (msgspec.DecodeError, RecursionError):  # a number too large to decode on its own: left unquoted
+        return []
+
+
+def _breaks(kind: str, limit, value) -> bool:
+    """Whether `value` is past `limit` (the one at fault among a dict's values)."""
+    try:
+        if kind == "pattern":
+            return isinstance(value, str) and re.search(limit, value) is None
+        if kind in ("min", "above", "max"):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return False
+            return value < limit if kind == "min" else value <= limit if kind == "above" else value > limit
+        return len(value) < limit if kind.startswith("min") else len(value) > limit
+    except TypeError:
+        return False
+
+
 _TYPE_WORDS = {
     "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "object": "an object",
     "array": "an array", "null": "null", "bytes": "a base64 string",
 }
 _EXPECTED_GOT = re.compile(r"Expected `([^`]+)`, got `([^`]+)`")
-_EXPECTED_BOUND = re.compile(r"Expected `([^`]+)` (.+)")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`")
 _ENUM = re.compile(r"Invalid (?:enum )?value (.+)")
 _BYTE = re.compile(r"\(byte (\d+)\)")
@@ -89,18 +164,16 @@ def _kind(types: str) -> str:
 
 
 def openai_wording(message: str, param: str | None) -> str:
-    """msgspec's `Expected `int` >= 1 - at `$.max_tokens`` as OpenAI says it: `Invalid value for 'max_tokens':
-    expected an integer >= 1.`; a message that is not msgspec's comes back as it is."""
+    """msgspec's `Expected `int`, got `str` - at `$.n`` as OpenAI says it: `Invalid type for 'n': expected an
+    integer, but got a string instead.` (a bound is `validation_error`'s); a message not msgspec's comes back as it is."""
     text = message.split(" - at `")[0]
     name = f"'{param}'" if param else "the request body"
     if _MISSING.match(text.removeprefix("Object ")):
-        return f"Missing required parameter: '{param}'."
+        return missing(param)
     if found := _UNKNOWN_FIELD.fullmatch(text):
         return f"Unrecognized request argument supplied: {param or found.group(1)}"
     if found := _EXPECTED_GOT.fullmatch(text):
         return f"Invalid type for {name}: expected {_kind(found.group(1))}, but got {_kind(found.group(2))} instead."
-    if found := _EXPECTED_BOUND.fullmatch(text):
-        return f"Invalid value for {name}: expected {_kind(found.group(1))} {found.group(2)}."
     if found := _ENUM.fullmatch(text):
         return f"Invalid value for {name}: {found.group(1)} is not one of the supported values."
     if " - at `" in message:  # msgspec's, in no shape above ("Number out of range")

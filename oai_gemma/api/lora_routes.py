@@ -19,7 +19,8 @@ from litestar import Request, Response, post
 from ..engine.lora.adapter import AdapterError, LoraModule
 from ..engine.lora.registry import NameTaken
 from ..settings import Settings
-from .errors import APIError, decode_body, invalid_request
+from .errors import APIError, check_limits, decode_body, invalid_request
+from ..limits import LORA
 
 TEXT = "text/plain; charset=utf-8"
 
@@ -60,8 +61,8 @@ async def load_lora_adapter(request: Request) -> Response:
     state = _server(request)
     body: LoadLoRAAdapterRequest = decode_body(_load_decoder, await request.body())
     name, path = body.lora_name.strip(), body.lora_path.strip()
-    if not name or not path:
-        raise invalid_request("`lora_name` and `lora_path` must not be empty", "lora_name" if not name else "lora_path")
+    for param, value in (("lora_name", name), ("lora_path", path)):
+        check_limits(param, LORA, value)
     exists = invalid_request(f"The lora adapter '{name}' has already been loaded.", "lora_name", "lora_adapter_exists")
     if name == state.served_name or state.engine.adapters.lookup(name) is not None:
         raise exists

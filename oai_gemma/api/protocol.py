@@ -10,20 +10,22 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import UNSET, Struct, UnsetType
 
 from ..chat.messages import (  # noqa: F401 (the wire's message types, re-exported)
     ChatMessage, ContentPart, FunctionCall, ImageURL, ImageURLPart, TextPart, ToolCall,
 )
+from ..limits import CHAT, COMPLETIONS, SAMPLING, meta
 
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+S = SAMPLING[0]  # the sampling fields' limits are the same on every endpoint
+
 
 
 # ---- request ---------------------------------------------------------------------------------------
 
 
 class FunctionDefinition(Struct, omit_defaults=True):
-    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    name: Annotated[str, meta("tools[].function.name", CHAT)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     """A JSON schema of the arguments object; unset means no arguments."""
@@ -49,7 +51,7 @@ class StreamOptions(Struct):
 
 
 class JSONSchemaFormat(Struct):
-    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    name: Annotated[str, meta("response_format.json_schema.name", CHAT)]
     schema: dict[str, Any] | None = None
     """None: any JSON value."""
     description: str | None = None
@@ -76,20 +78,20 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     """The sampling fields chat, text completions and Responses share, declared once (their names and ranges are
     OpenAI's, then vLLM's extensions); `api/sampling.py` maps them onto the engine for all three."""
 
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
+    temperature: Annotated[float, meta("temperature", S)] | None = None
+    top_p: Annotated[float, meta("top_p", S)] | None = None
+    stop: str | Annotated[list[str], meta("stop", S)] | None = None
     seed: int | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    presence_penalty: Annotated[float, meta("presence_penalty", S)] | None = None
+    frequency_penalty: Annotated[float, meta("frequency_penalty", S)] | None = None
+    logit_bias: dict[str, Annotated[float, meta("logit_bias", S)]] | None = None
     # vLLM extensions
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    top_k: Annotated[int, meta("top_k", S)] | None = None
+    min_p: Annotated[float, meta("min_p", S)] | None = None
+    repetition_penalty: Annotated[float, meta("repetition_penalty", S)] | None = None
+    min_tokens: Annotated[int, meta("min_tokens", S)] | None = None
     ignore_eos: bool | None = None
-    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+    cache_salt: Annotated[str, meta("cache_salt", S)] | None = None
     """Requests share cached prompt prefixes only with requests of the same salt (and, under
     `engine.prefix_cache_scope = key`, the same API key)."""
     speculative: bool | None = None
@@ -111,7 +113,7 @@ class Prediction(Struct):
 class SamplingRequest(SamplingFields, kw_only=True, omit_defaults=True):
     """The sampling and streaming fields chat and text completions share."""
 
-    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    n: Annotated[int, meta("n", CHAT)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -123,14 +125,14 @@ class SamplingRequest(SamplingFields, kw_only=True, omit_defaults=True):
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
     model: str
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    messages: Annotated[list[ChatMessage], meta("messages", CHAT)]
+    max_tokens: Annotated[int, meta("max_tokens", CHAT)] | None = None
+    max_completion_tokens: Annotated[int, meta("max_completion_tokens", CHAT)] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, meta("top_logprobs", CHAT)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -298,20 +300,20 @@ encoder = msgspec.json.Encoder()
 # ==== /v1/completions: the legacy text-completions endpoint ==========================================
 # (kept apart from the chat types above; `SamplingRequest`, `Usage` and `StreamOptions` are shared)
 
-TokenId = Annotated[int, Meta(ge=0)]
-TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+TokenId = Annotated[int, meta("prompt[]", COMPLETIONS, "min")]
+TokenIds = Annotated[list[TokenId], meta("prompt[]", COMPLETIONS, "min_items")]
 
 
 class CompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
     model: str
-    prompt: str | Annotated[list[str | TokenId | TokenIds], Meta(min_length=1)]
+    prompt: str | Annotated[list[str | TokenId | TokenIds], meta("prompt", COMPLETIONS)]
     """A string, a list of strings, a list of token ids or a list of token-id lists (msgspec allows one
     array type per union, so the list's items are checked to be of one kind in `serving_completions`)."""
-    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    max_tokens: Annotated[int, meta("max_tokens", COMPLETIONS)] | None = None
     """None: OpenAI's legacy default, 16. 0 only with `echo` (the prompt back, nothing generated)."""
-    best_of: Annotated[int, Meta(ge=0, le=20)] | None = None
+    best_of: Annotated[int, meta("best_of", COMPLETIONS)] | None = None
     echo: bool | None = False
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, meta("logprobs", COMPLETIONS)] | None = None
     suffix: str | None = None
 
     def unsupported_parameter(self) -> str | None:

@@ -4,7 +4,7 @@ context window, the sampling parameters (all three wire requests name them alike
 from __future__ import annotations
 
 from ..engine.types import SamplingParams, completion_room
-from .errors import context_length_exceeded, invalid_request, shown
+from .errors import context_length_exceeded, invalid_request, over_limit, shown
 from .protocol import SamplingFields
 
 
@@ -27,7 +27,7 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams from a request's sampling fields (`max_tokens`: the budget, set or defaulted)."""
     if request.min_tokens and request.min_tokens > max_tokens:
-        raise invalid_request("`min_tokens` must not exceed `max_tokens`", "min_tokens")
+        raise over_limit("min_tokens", "max", max_tokens, request.min_tokens, " (the completion's `max_tokens`)")
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -61,5 +61,5 @@ def logit_bias(bias: dict[str, float] | None, vocab_limit: int) -> tuple[tuple[i
 def choice_count(n: int | None, num_slots: int) -> int:
     """The request's `n`: its choices run side by side, so at most one batch of them."""
     if (n or 1) > num_slots:
-        raise invalid_request(f"`n` must be at most {num_slots} (the server's batch size)", "n")
+        raise over_limit("n", "max", num_slots, n, " (`engine.max_num_seqs`: a request's choices run in one batch)")
     return n or 1

@@ -23,7 +23,7 @@ from ..chat import ChatInputError, ChatMessage, Prompt, PromptBuilder
 from ..engine.engine import Engine, EngineBusyError, EngineDeadError
 from ..engine.submission import Submission
 from ..engine.types import GenerationRequest
-from .errors import APIError, busy, chat_input_error, decode_body, invalid_request, model_not_found, not_supported, unavailable
+from .errors import APIError, busy, chat_input_error, decode_body, invalid_request, model_not_found, not_supported, over_limit, unavailable
 from .plan import GenerationPlan, generation_request
 from .protocol import SamplingRequest, encoder
 
@@ -112,14 +112,13 @@ class OpenAIServing:
             raise chat_input_error(exc, self.max_model_len) from None
 
     def check_token_ids(self, ids: list[int], param: str, limit: int | None = None) -> None:
-        """Every id within the vocabulary (`limit`: its size; the sampler's by default), else a 400 naming `param`."""
+        """Every id within the vocabulary (`limit`: its size; the sampler's by default), else a 400 naming the id
+        (`param[i]`)."""
         limit = self.engine.vocab_limit if limit is None else limit
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < limit), None)  # -1 would fail the whole step
         if bad is not None:
-            where = f"at {param}[{bad}] " if param == "tokens" else f"in `{param}` "
-            raise invalid_request(
-                f"token id {ids[bad]} {where}is outside the vocabulary (0 to {limit - 1})", param, "invalid_token_id"
-            )
+            kind, bound = ("min", 0) if ids[bad] < 0 else ("max", limit - 1)
+            raise over_limit(f"{param}[{bad}]", kind, bound, ids[bad], " (the vocabulary's ids)", "invalid_token_id")
 
     # ---- the engine -------------------------------------------------------------------------------
 

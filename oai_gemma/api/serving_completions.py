@@ -17,7 +17,7 @@ from ..chat import Prompt
 from ..engine.submission import Submission
 from ..engine.types import GenerationRequest, TokenEvent
 from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, assemble
-from .errors import APIError, generation_failure, invalid_request
+from .errors import APIError, generation_failure, invalid_request, over_limit
 from .protocol import (
     Completion,
     CompletionChoice,
@@ -86,7 +86,7 @@ class CompletionService(OpenAIServing):
     async def prepare(self, body: bytes, arrival: float, cache_scope: str = "") -> PreparedCompletion:
         request: CompletionRequest = self.decode(completion_decoder, body)
         if request.max_tokens == 0 and not request.echo:
-            raise invalid_request("`max_tokens` must be at least 1 (0 only with `echo: true`)", "max_tokens")
+            raise over_limit("max_tokens", "min", 1, 0, " (0 only with `echo: true`)")
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = choice_count(request.n, self.engine.num_slots)  # checked first, generating or not (echo only)
         prompts = []
@@ -109,8 +109,8 @@ class CompletionService(OpenAIServing):
         if kinds == {str}:
             return [(text, await self.encode(text, "prompt", add_special_tokens=True), True) for text in prompt]
         lists = [prompt] if kinds == {int} else prompt
-        for ids in lists:
-            self.check_token_ids(ids, "prompt")
+        for j, ids in enumerate(lists):
+            self.check_token_ids(ids, "prompt" if kinds == {int} else f"prompt[{j}]")
         return [(self.engine.tokenizer.decode(ids), list(ids), False) for ids in lists]
 
     async def _generation(

@@ -32,6 +32,7 @@ import httpcore
 import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from ..limits import phrase
 from ..settings import ImageSettings
 from .render import ChatInputError, ImagePart
 
@@ -49,14 +50,21 @@ class _Refused(Exception):
     """A failure whose message the client sees; `_load` adds the part's `param`."""
 
 
+class _OverLimit(_Refused):
+    """An image past one of its limits (`limits.LIMITS`: `max_bytes`, `max_pixels`), worded once its part is known."""
+
+    def __init__(self, kind: str, limit: int, value: str):
+        super().__init__(kind)
+        self.kind, self.limit, self.value = kind, limit, value
+
+
 async def load_images(
     parts: list[ImagePart], policy: ImagePolicy, client: httpx.AsyncClient | None = None
 ) -> list[Image.Image]:
     """All parts fetched and decoded concurrently; the first failure cancels the rest."""
     if len(parts) > policy.max_images:
-        raise ChatInputError(
-            f"too many images: {len(parts)}, at most {policy.max_images} per request", parts[policy.max_images].param
-        )
+        param = parts[policy.max_images].param
+        raise ChatInputError(phrase(param, "max_images", policy.max_images, len(parts), " (`images.max_images`)")[0], param)
     own = None
     if client is None and any(_scheme(p.url) in ("http", "https") for p in parts):
         client = own = image_client(policy)
@@ -88,6 +96,10 @@ async def _load(part: ImagePart, policy: ImagePolicy, client: httpx.AsyncClient 
         else:
             raise _Refused(f"unsupported image URL {part.url[:40]!r}: expected a data:, http(s): or file: URL")
         return await asyncio.to_thread(_decode, data, policy)
+    except _OverLimit as exc:
+        setting = {"max_bytes": "max_download_bytes", "max_pixels": "max_pixels"}[exc.kind]
+        message = phrase(part.param, exc.kind, exc.limit, exc.value, f" (`images.{setting}`)")[0]
+        raise ChatInputError(message, part.param) from exc
     except _Refused as exc:
         raise ChatInputError(str(exc), part.param) from exc
 
@@ -113,9 +125,10 @@ def _data_url(url: str, policy: ImagePolicy) -> bytes:
     return data
 
 
-def _check_size(size: int, policy: ImagePolicy) -> None:
+def _check_size(size: int, policy: ImagePolicy, whole: bool = True) -> None:
+    """`whole`: `size` is the image's (else what has arrived so far)."""
     if size > policy.max_download_bytes:
-        raise _Refused(f"image is larger than {policy.max_download_bytes} bytes")
+        raise _OverLimit("max_bytes", policy.max_download_bytes, f"{size} bytes" if whole else f"more than {policy.max_download_bytes}")
 
 
 def _read_file(url: str, policy: ImagePolicy) -> bytes:
@@ -180,7 +193,7 @@ async def _read_body(response: httpx.Response, policy: ImagePolicy) -> bytes:
     chunks, size = [], 0
     async for chunk in response.aiter_bytes():
         size += len(chunk)
-        _check_size(size, policy)
+        _check_size(size, policy, whole=False)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -270,7 +283,7 @@ def _decode(data: bytes, policy: ImagePolicy) -> Image.Image:
         raise _Refused(f"the image could not be read: {exc}") from None
     width, height = image.size
     if width * height > policy.max_pixels:  # from the header: nothing decoded yet
-        raise _Refused(f"image is {width}x{height}, more than the {policy.max_pixels} pixels allowed")
+        raise _OverLimit("max_pixels", policy.max_pixels, f"{width * height} ({width}x{height})")
     try:
         image.seek(0)  # an animation's first frame
         image.load()

@@ -73,7 +73,9 @@ class PromptBuilder:
         """Token ids of `text` (`where`: the field that holds it); a long one (a book) is tokenized off the event
         loop, and one too long to fit whatever it says is refused at once, not after tokenizing megabytes."""
         if len(text) > self.max_prompt_chars:
-            raise PromptTooLong(f"the {where} is {len(text)} characters long, more than that many tokens can hold", where)
+            raise PromptTooLong(
+                f"`{where}` is {len(text)} characters long; the most this server takes is {self.max_prompt_chars}", where
+            )
 
         def run() -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

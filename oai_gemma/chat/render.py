@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..limits import missing
 from .messages import ChatInputError, ChatMessage, ContentPart, ImageURL, TextPart, ToolCall, parse_messages
 from .tools import MalformedToolCall, render_tool_calls, render_tool_result
 
@@ -181,7 +182,8 @@ def _tool_result(message: ChatMessage, where: MessagePath) -> str:
 
 def _parts(content: list[ContentPart] | None, where: MessagePath) -> list[ContentPart]:
     if content is None:
-        raise ChatInputError("content is required", where.where)
+        param = f"{where.where}.{where.content}" if where.content else where.where
+        raise ChatInputError(missing(param), param, "missing_required_parameter")
     return content
 
 

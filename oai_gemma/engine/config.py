@@ -45,7 +45,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "none"
-    """`model.quantization` as resolved: `none`, `int8`, `int4` or `per-step` (never `auto`)."""
+    """`model.quantization` as resolved: `none`, `int8`, `int4`, `per-step`, `q8` or `q4` (never `auto`)."""
     quantized_weights: Path | None = None
     """The file quantized weights are kept in between starts (None: quantized at every start, or not at all)."""
     static_decode: bool = False
@@ -154,6 +154,10 @@ def _quantization(setting: str, dtype: torch.dtype, device: torch.device, native
     costs, and `int8` in float32 or `per-step` is a start-up error (PyTorch's own int8 kernels are slower than
     float32 there: no point to it)."""
     why = native.build(native_dir) if device.type == "cpu" else None
+    dot_why = (why or native.int_dot_unavailable()) if device.type == "cpu" and setting in ("q8", "q4") else None
+    if dot_why:
+        raise ConfigError(f"model.quantization = \"{setting}\" needs the native integer dot-product kernels, which "
+                          f"cannot run here: {dot_why}. Use quantization auto, int8 or none, or fix the cause.")
     if why and (setting == "per-step" or (setting == "int8" and dtype == torch.float32)):
         raise ConfigError(
             f"model.quantization = \"{setting}\" needs the native int8 kernel, which cannot run here: {why}. "

@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from ..settings import EMBEDDED, Settings
 from ..version import provenance, version_line
 from .engine import Engine
+from .model.gguf_file import GGUFError
 from .model.loader import load, start_plan
 from .cache.memory import release_free_memory, resident_bytes
 
@@ -62,6 +63,8 @@ def explain_load_failure(error: BaseException, source: str) -> str:
         return (f"out of memory while loading the model ({text}): free memory, lower --kv-cache-gib or --max-num-seqs, "
                 "or serve a smaller or quantized model (--quantization int8)")
     where = "the embedded model" if source == EMBEDDED else source
+    if isinstance(error, GGUFError):
+        return f"cannot convert {where}: {text}"
     if isinstance(error, (OSError, ValueError, KeyError, SafetensorError)):
         return (f"cannot load the model from {where}: {type(error).__name__}: {text}; --model takes a Gemma-3 "
                 "checkpoint directory (config.json, *.safetensors, tokenizer.json)")

@@ -21,7 +21,9 @@ import msgspec
 
 from ...chat import ChatMessage, MessagePath
 from ...chat.messages import FunctionCall, ImageURL, ImageURLPart, TextPart, ToolCall
-from ..errors import APIError, invalid_request, openai_wording, param_from_validation
+from .. import errors
+from ..errors import APIError, check_limits, invalid_request
+from ...limits import RESPONSES, missing
 from .protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -52,11 +54,10 @@ def new_id(prefix: str) -> str:
 def decode_input(raw: str | list[Any] | None) -> list[StoredItem]:
     """`input` as stored items; a 400 naming `input[i]...` for the first item that is wrong."""
     if raw is None:
-        raise invalid_request("`input` is required", "input")
+        raise invalid_request(missing("input"), "input", "missing_required_parameter")
     if isinstance(raw, str):
         return [MessageResource(id=new_id("msg"), role="user", content=[InputText(raw)])]
-    if not raw:
-        raise invalid_request("`input` must not be an empty list", "input")
+    check_limits("input", RESPONSES, raw)
     return [_stored(_decode_item(item, f"input[{i}]"), f"input[{i}]") for i, item in enumerate(raw)]
 
 
@@ -76,14 +77,12 @@ def _decode_item(item: Any, where: str) -> InputItem:
     try:
         return msgspec.convert(item, ITEM_TYPES[kind])
     except msgspec.ValidationError as exc:
-        raise validation_error(exc, where) from None
+        raise validation_error(exc, where, item) from None
 
 
-def validation_error(exc: msgspec.ValidationError, where: str) -> APIError:
-    """msgspec's complaint about a value decoded on its own, as a 400 naming it from the request's root."""
-    inner = param_from_validation(str(exc))
-    param = f"{where}.{inner}" if inner else where
-    return invalid_request(openai_wording(str(exc), param), param)
+def validation_error(exc: msgspec.ValidationError, where: str, value: Any) -> APIError:
+    """msgspec's complaint about `value` (decoded on its own), as a 400 naming the field from the request's root."""
+    return errors.validation_error(str(exc), value, where)
 
 
 def _check_part_types(item: dict, where: str) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import UNSET, Struct, UnsetType
 
+from ...limits import RESPONSES, meta
 from ..protocol import SamplingFields
 
 # ---- request: input items ----------------------------------------------------------------------------
@@ -49,15 +50,15 @@ class MessageItem(Struct, tag="message", tag_field="type", kw_only=True):
 
 
 class FunctionCallItem(Struct, tag="function_call", tag_field="type", kw_only=True):
-    call_id: Annotated[str, Meta(min_length=1)]
-    name: Annotated[str, Meta(min_length=1)]
+    call_id: Annotated[str, meta("input[].call_id", RESPONSES)]
+    name: Annotated[str, meta("input[].name", RESPONSES)]
     arguments: str
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 class FunctionCallOutputItem(Struct, tag="function_call_output", tag_field="type", kw_only=True):
-    call_id: Annotated[str, Meta(min_length=1)]
+    call_id: Annotated[str, meta("input[].call_id", RESPONSES)]
     output: str | list[InputText | InputImage]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
@@ -73,7 +74,7 @@ class FunctionTool(Struct, kw_only=True):
     """A Responses function tool is flat (`{"type": "function", "name", "parameters"}`), unlike chat's."""
 
     type: Literal["function"] = "function"
-    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    name: Annotated[str, meta("tools[].name", RESPONSES)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -88,7 +89,7 @@ class TextFormatJSONObject(Struct, tag="json_object", tag_field="type"):
 
 
 class TextFormatJSONSchema(Struct, tag="json_schema", tag_field="type", kw_only=True, omit_defaults=True):
-    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    name: Annotated[str, meta("text.format.name", RESPONSES)]
     schema: dict[str, Any]
     description: str | None = None
     strict: bool | None = None
@@ -120,14 +121,14 @@ class ResponsesRequest(SamplingFields, kw_only=True, omit_defaults=True):
     """A string (one user message) or a list of items, decoded item by item in `responses_input.py`."""
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    max_output_tokens: Annotated[int, meta("max_output_tokens", RESPONSES)] | None = None
+    top_logprobs: Annotated[int, meta("top_logprobs", RESPONSES)] | None = None
     tools: list[Any] | None = None
     """Decoded one by one: a built-in tool (`web_search`, ...) is a 400 naming it."""
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextParam | None = None
-    metadata: Annotated[dict[str, Annotated[str, Meta(max_length=512)]], Meta(max_length=16)] | None = None
+    metadata: Annotated[dict[str, Annotated[str, meta("metadata", RESPONSES, "max_length")]], meta("metadata", RESPONSES, "max_items")] | None = None
     user: str | None = None
     store: bool | None = None
     stream: bool | None = None
@@ -138,7 +139,7 @@ class ResponsesRequest(SamplingFields, kw_only=True, omit_defaults=True):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
-    max_tool_calls: Annotated[int, Meta(ge=1)] | None = None
+    max_tool_calls: Annotated[int, meta("max_tool_calls", RESPONSES)] | None = None
     """Caps built-in tool calls, of which this server has none: accepted, no effect."""
     # known, not done: a 400 naming them when set (see `unsupported_parameter`)
     background: bool | None = None

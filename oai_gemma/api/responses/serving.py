@@ -29,7 +29,8 @@ from ...chat.tools import Function, ToolPlan
 from ...engine.submission import Submission
 from ...engine.types import GenerationRequest
 from ..choices import ChoiceAssembler, assemble, indexed
-from ..errors import APIError, generation_failure, invalid_request
+from ..errors import APIError, check_limits, generation_failure, invalid_request
+from ...limits import INPUT_ITEMS
 from ..exchange import Exchange
 from ..plan import GenerationPlan
 from ..protocol import encoder
@@ -229,8 +230,7 @@ class ResponsesService(OpenAIServing):
         """One page of the conversation's input items, OpenAI's default order (`desc`, newest first)."""
         if order not in ("asc", "desc"):
             raise invalid_request("`order` must be `asc` or `desc`", "order")
-        if not 1 <= limit <= 100:
-            raise invalid_request("`limit` must be between 1 and 100", "limit")
+        check_limits("limit", INPUT_ITEMS, limit)
         items = stored_items_decoder.decode((await self._stored(owner, response_id)).input_items)
         if order == "desc":
             items.reverse()
@@ -282,7 +282,7 @@ def _declared_tools(raw: list | None) -> list[DeclaredTool]:
         try:
             f = msgspec.convert(tool, FunctionTool)
         except msgspec.ValidationError as exc:
-            raise validation_error(exc, f"tools[{i}]") from None
+            raise validation_error(exc, f"tools[{i}]", tool) from None
         tools.append(DeclaredTool(Function(f.name, f.description, f.parameters), f"tools[{i}]"))
     return tools
 

@@ -4,7 +4,7 @@ Two formats reach us: what transformers 5's `save_pretrained` writes (every fiel
 kind) and the released checkpoints' own (google/gemma-3-4b-it's: a few fields, transformers' defaults for the rest,
 and the old `rope_scaling` / `rope_theta` / `rope_local_base_freq`). Both are read here into transformers 5's
 names: the defaults filled in as Gemma3TextConfig, SiglipVisionConfig and Gemma3Config fill them (their values
-pinned by tests/test_lean_vision.py against transformers' own reading), the rope parameters per layer kind as
+pinned by tests/engine/test_lean_vision.py against transformers' own reading), the rope parameters per layer kind as
 `Gemma3TextConfig.convert_rope_params_to_dict` makes them. What the modules do not implement is named, not built.
 """
 

@@ -12,7 +12,7 @@ module names and math, around engine/model/lean.py's text decoder:
 
 The runner takes what it takes from transformers' model: `model.language_model` and `lm_head` for the text,
 `model.get_image_features(pixel_values)` for an image's soft tokens, `config.image_token_id` and
-`mm_tokens_per_image`. Tests hold it to transformers' (tests/test_lean_vision.py: same tensors, features, tokens).
+`mm_tokens_per_image`. Tests hold it to transformers' (tests/engine/test_lean_vision.py: same tensors, features, tokens).
 """
 
 from __future__ import annotations

