@@ -2,20 +2,22 @@
 `lora.runtime_loading` (off by default). With API keys configured they take an admin key (`server.admin_api_keys`):
 a tenant's key may use adapters, not change what the server runs.
 
-A load reads and checks the adapter off the event loop (engine/lora/adapter.py), so a bad one is a 400 naming the
-reason and the server serves on; an unload stops new requests at once (404 for its name) while those already
-admitted finish on it (engine/lora/registry.py).
+A load reads and checks the adapter on a worker thread (engine/lora/adapter.py), neither the event loop nor the
+engine thread, so a bad one is a 400 naming the reason and every stream goes on; then, like an unload, it is a
+message through the engine's inbox, which the route awaits (engine/core.py): the engine thread alone changes the
+adapters (engine/lora/registry.py). An unload stops new requests at once (404 for its name) while those already
+admitted or waiting finish on it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 
 import msgspec
 from litestar import Request, Response, post
 
 from ..engine.lora.adapter import AdapterError, LoraModule
+from ..engine.lora.registry import NameTaken
 from ..settings import Settings
 from .errors import APIError, check_limits, decode_body, invalid_request
 from ..limits import LORA
@@ -36,12 +38,12 @@ _load_decoder = msgspec.json.Decoder(LoadLoRAAdapterRequest)
 _unload_decoder = msgspec.json.Decoder(UnloadLoRAAdapterRequest)
 
 
-def _adapters(request: Request):
-    """The registry of the ready server (503 while it loads)."""
+def _server(request: Request):
+    """The ready server's state (503 while it loads), for an admin."""
     state = request.app.state.server
     state.require_ready()
     _require_admin(state.settings, request)
-    return state, state.engine.adapters
+    return state
 
 
 def _require_admin(settings: Settings, request: Request) -> None:
@@ -56,16 +58,18 @@ def _require_admin(settings: Settings, request: Request) -> None:
 
 @post("/v1/load_lora_adapter", status_code=200)
 async def load_lora_adapter(request: Request) -> Response:
-    state, adapters = _adapters(request)
+    state = _server(request)
     body: LoadLoRAAdapterRequest = decode_body(_load_decoder, await request.body())
     name, path = body.lora_name.strip(), body.lora_path.strip()
     for param, value in (("lora_name", name), ("lora_path", path)):
         check_limits(param, LORA, value)
-    if name == state.served_name or adapters.lookup(name) is not None:
-        raise invalid_request(f"The lora adapter '{name}' has already been loaded.", "lora_name", "lora_adapter_exists")
+    exists = invalid_request(f"The lora adapter '{name}' has already been loaded.", "lora_name", "lora_adapter_exists")
+    if name == state.served_name or state.engine.adapters.lookup(name) is not None:
+        raise exists
     try:
-        registration = await asyncio.to_thread(adapters.read, LoraModule(name, path))
-        adapters.register(registration)
+        await state.engine.load_adapter(LoraModule(name, path))
+    except NameTaken:  # by another load while the files were read
+        raise exists from None
     except AdapterError as exc:
         raise invalid_request(str(exc), "lora_path", "invalid_lora_adapter") from None
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type=TEXT)
@@ -73,10 +77,10 @@ async def load_lora_adapter(request: Request) -> Response:
 
 @post("/v1/unload_lora_adapter", status_code=200)
 async def unload_lora_adapter(request: Request) -> Response:
-    _, adapters = _adapters(request)
+    state = _server(request)
     body: UnloadLoRAAdapterRequest = decode_body(_unload_decoder, await request.body())
     try:
-        adapters.unregister(body.lora_name)
+        await state.engine.unload_adapter(body.lora_name)
     except KeyError:
         raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "invalid_request_error", "lora_name",
                        "lora_adapter_not_found") from None

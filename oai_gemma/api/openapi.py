@@ -125,6 +125,7 @@ HEALTH = {
         "step_seconds": {"type": "number", "minimum": 0},
         "vision_encodes": {"type": "integer", "minimum": 0},
         "vision_seconds": {"type": "number", "minimum": 0},
+        "loop_turns": {"type": "integer", "minimum": 0, "description": "turns of the engine loop (it sleeps while nothing can run)"},
         "kv_cache_resident_bytes": {"type": "integer", "minimum": 0},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "decode_bytes": {"type": "integer", "minimum": 0},

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -25,7 +26,7 @@ from .cache.memory import release_free_memory
 from .config import ConfigError, EngineConfig
 from .encoding import Encoding
 from .lora.adapter import AdapterError
-from .lora.registry import LoraRegistry, start_registry
+from .lora.registry import LoraRegistry, Registration, start_registry
 from .sampling.postprocess import Events, Limits, last_events, postprocess
 from .model.runner import ModelRunner
 from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
@@ -49,10 +50,12 @@ class EngineCore:
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
         self.limits = Limits(frozenset(loaded.eos_token_ids), config.max_model_len)
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.adapters = self._adapters(loaded, config)
-        """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them."""
+        """The LoRA adapters served (engine/lora/registry.py), or None: then no step pays anything for them. Changed
+        on this thread only: the load and unload endpoints send messages (`load_adapter`, `unload_adapter`)."""
         self.runner = runner or ModelRunner.of(loaded, config, own_weights)
-        self.runner.lora = self.adapters
+        self.runner.lora = self.adapters.resident if self.adapters is not None else None  # a read-only view
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,
                  cache.nbytes / 2**30, "on" if config.prefix_caching else "off")
@@ -66,24 +69,25 @@ class EngineCore:
         self.encoding = Encoding(getattr(self.runner.model, "model", None), self.runner.device, self.runner.dtype,
                                  getattr(config, "vision_step_seconds", 0.0))
         """Requests whose images are being encoded, a slice a step (engine/encoding.py)."""
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_reason: str | None = None
         self.steps = 0
+        self.loop_turns = 0
+        """Turns of the engine loop: it sleeps on its inbox whenever no step can run (a request parked on an adapter's
+        read included), so this grows with steps and messages, never while it waits."""
         self.step_seconds = 0.0
         """Wall time the engine thread spent in steps (model, sampling, events): `oai-gemma bench` sets it against the
         client's inter-token time to measure the per-token work around the engine (issue 27)."""
 
-    @staticmethod
-    def _adapters(loaded: LoadedModel, config: EngineConfig) -> LoraRegistry | None:
+    def _adapters(self, loaded: LoadedModel, config: EngineConfig) -> LoraRegistry | None:
         """The configured adapters read and checked before anything else is built: a bad one fails start-up at once."""
         if not config.lora_enabled:
             return None
         try:
             return start_registry(config.lora_modules, loaded.text_config, loaded.dtype, loaded.device, config.max_loras,
-                                  config.max_lora_rank)
+                                  config.max_lora_rank, on_read=lambda *read: self._inbox.put(("adapter_read", read, None)))
         except AdapterError as exc:  # a configured adapter that cannot be served: the operator must fix it
             raise ConfigError(f"{exc} (--lora-modules)") from None
 
@@ -99,6 +103,8 @@ class EngineCore:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.adapters is not None:
+            self.adapters.close()
 
     @property
     def alive(self) -> bool:
@@ -113,13 +119,30 @@ class EngineCore:
     def abort_all(self, reason: str) -> None:
         self._inbox.put(("abort_all", reason, None))
 
+    def load_adapter(self, registration: Registration) -> Future:
+        """Register an adapter already read and checked (`LoraRegistry.read`, off this thread): the Future's result is
+        None, or its exception an AdapterError (the name is taken)."""
+        return self._ask("load_adapter", registration)
+
+    def unload_adapter(self, name: str) -> Future:
+        """Stop serving `name` to new requests: the Future's exception is a KeyError when no adapter has that name."""
+        return self._ask("unload_adapter", name)
+
+    def _ask(self, kind: str, payload) -> Future:
+        answer: Future = Future()
+        if not self.alive:
+            answer.set_exception(RuntimeError(self.dead_reason or "the engine is not running"))
+        else:
+            self._inbox.put((kind, payload, answer))
+        return answer
+
     def stats(self) -> dict[str, float]:
         """A snapshot read from the event loop, not a lock. `kv_cache_usage`: the share of KV blocks running
         sequences hold (0..1); `prefix_cache_usage`: the share only cached prefixes hold."""
         pool = self.scheduler.pool
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting) + len(self.encoding),
-            "steps": self.steps, "step_seconds": self.step_seconds,
+            "steps": self.steps, "step_seconds": self.step_seconds, "loop_turns": self.loop_turns,
             "vision_encodes": self.encoding.encodes, "vision_seconds": self.encoding.seconds,
             "kv_cache_usage": 1 - pool.available / pool.num_blocks, "prefix_cache_usage": len(pool.cached) / pool.num_blocks,
             **self.speculator.stats(),
@@ -130,12 +153,15 @@ class EngineCore:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
+                stepped = False
                 while not self._stopping:
+                    self.loop_turns += 1
                     if not self._busy():
                         release_free_memory()
-                    self._take_inbox(block=not self._busy())
-                    if self._busy():
-                        self._step()
+                    # nothing ran last turn (nothing waiting can start, a request parked on its adapter's read
+                    # included): only a message can change that, so sleep until one comes
+                    self._take_inbox(block=not stepped)
+                    stepped = self._busy() and self._step()
         except BaseException as exc:  # the loop itself broke: fail everyone, report dead
             self.dead_reason = f"engine loop died: {exc!r}"
             log.exception("engine loop died")
@@ -151,18 +177,37 @@ class EngineCore:
             while True:
                 if message is None:
                     return
-                kind, payload, sink = message
-                if kind == "add":
-                    self._admit(payload, sink)
-                elif kind == "abort_all":
-                    self._fail_all(payload, "aborted")
-                else:
-                    # its consumer is gone (that is why it cancelled): no event to send; an encode only it waited for is dropped
-                    for seq in self.scheduler.find(payload) + self.encoding.cancel(payload):
-                        self._end(seq, "cancelled", [])
+                self._handle(*message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
             return
+
+    def _handle(self, kind: str, payload, sink) -> None:
+        """One inbox message; `sink`: a request's event queue, or the Future an adapter change answers."""
+        if kind == "add":
+            self._admit(payload, sink)
+        elif kind == "abort_all":
+            self._fail_all(payload, "aborted")
+        elif kind == "cancel":
+            # its consumer is gone (that is why it cancelled): no event to send; an encode only it waited for is dropped
+            for seq in self.scheduler.find(payload) + self.encoding.cancel(payload):
+                self._end(seq, "cancelled", [])
+        elif kind == "adapter_read":
+            self._adapter_read(*payload)
+        else:
+            try:
+                sink.set_result(self.adapters.register(payload) if kind == "load_adapter" else self.adapters.unregister(payload))
+            except (AdapterError, KeyError) as exc:
+                sink.set_exception(exc)
+
+    def _adapter_read(self, registration, result) -> None:
+        """An adapter read again off this thread: its waiting requests start at the next step, or end on its error."""
+        error = self.adapters.read_done(registration, result)
+        if error is not None:
+            events: Events = []
+            for seq in [seq for seq in self.scheduler.waiting if seq.lora is registration and not seq.adapter]:
+                self._end(seq, "error", events, error=str(error))
+            self._deliver(events)
 
     def _sequence(self, request: GenerationRequest, sink, index: int) -> Sequence:
         seed = request.sampling.seed
@@ -237,20 +282,19 @@ class EngineCore:
         for (start, end), key in zip(spans, keys):
             seq.cache_keys[start:end] = [-1 - key % 2**62] * (end - start)
 
-    def _step(self) -> None:
-        if self.encoding:
+    def _step(self) -> bool:
+        """A slice of an image encode and one step of the running and startable sequences; False when neither ran."""
+        if encoded := bool(self.encoding):
             self._encode()
             if not self.scheduler.has_work():
-                return
+                return True
         started = time.perf_counter()
         step = self.scheduler.schedule(started)
-        if self.scheduler.failed:
-            self._fail_unstarted()
+        if not (step.prefills or step.decodes):  # what waits cannot start (its adapter is being read)
+            return encoded
         if self.adapters is not None:
             for seq, item in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes):
                 item.adapter = seq.adapter  # the runner gathers each row's adapter by its slot
-            if not (step.prefills or step.decodes):  # its only waiting request failed to start
-                return
         try:
             logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
             self._prompt_logprobs(step)
@@ -268,7 +312,7 @@ class EngineCore:
             for seq in step.prefill_owners or step.decode_owners:
                 self._end(seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
             self._deliver(events)
-            return
+            return True
         self.scheduler.advance(step)
         self.steps += 1
         events, finished = postprocess(self.limits, sampled, runs, time.perf_counter())
@@ -277,6 +321,7 @@ class EngineCore:
         self._deliver(events)
         self.step_seconds += time.perf_counter() - started
         self.encoding.last_step = time.perf_counter() - started
+        return True
 
     def _prompt_logprobs(self, step: Step) -> None:
         """Add each flagged prefill chunk's prompt logprobs to its sequence: the hidden state at position p
@@ -318,14 +363,6 @@ class EngineCore:
             self._end(seq, finish_reason, events, error=reason)
         self._deliver(events)
 
-    def _fail_unstarted(self) -> None:
-        """End the sequences the scheduler could not start (their adapter could not be read again from disk)."""
-        events: Events = []
-        for seq, reason in self.scheduler.failed:
-            self._end(seq, "error", events, error=reason)
-        self.scheduler.failed.clear()
-        self._deliver(events)
-
     def _fail_inbox(self, reason: str) -> None:
         """End the requests sent to a dead engine before it was seen dead (an error event per choice)."""
         events: Events = []
@@ -335,6 +372,8 @@ class EngineCore:
                 _, request, sink = message
                 now = time.perf_counter()
                 events += [(sink, TokenEvent(request.request_id, None, "", now, "error", i, error=reason)) for i in range(request.n)]
+            elif message is not None and isinstance(message[2], Future):
+                message[2].set_exception(RuntimeError(reason))
         self._deliver(events)
 
     def _end(self, seq: Sequence, reason: str, events: Events, error: str | None = None, cache_valid: bool = True) -> None:

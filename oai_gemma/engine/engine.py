@@ -21,6 +21,7 @@ from dataclasses import replace
 from ..version import provenance
 from .config import EngineConfig
 from .core import EngineCore
+from .lora.adapter import LoraModule
 from .lora.registry import LoraRegistry
 from .sampling.detokenizer import TokenBytes
 from .sampling.grammar import GrammarCompiler, StructuredOutputUnavailable
@@ -91,8 +92,20 @@ class Engine:
 
     @property
     def adapters(self) -> LoraRegistry | None:
-        """The LoRA adapters served (names, load and unload: engine/lora/registry.py), None when adapters are off."""
+        """The LoRA adapters served (engine/lora/registry.py: read them here, change them with `load_adapter` and
+        `unload_adapter`), None when adapters are off."""
         return self.core.adapters
+
+    async def load_adapter(self, module: LoraModule) -> None:
+        """Read and check the adapter on a worker thread (never the engine's: its streams go on), then register it
+        through the engine's inbox; AdapterError if it cannot be served (NameTaken: an adapter has its name)."""
+        registration = await asyncio.to_thread(self.adapters.read, module)
+        await asyncio.wrap_future(self.core.load_adapter(registration))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` to new requests, through the engine's inbox (its requests in flight finish on it);
+        KeyError if no adapter has that name."""
+        await asyncio.wrap_future(self.core.unload_adapter(name))
 
     def lora_stats(self) -> dict[str, object] | None:
         """The adapters of running and waiting requests now (vLLM's `lora_requests_info`), None when adapters are off."""

@@ -15,7 +15,6 @@ import torch
 
 from .cache.block_pool import BlockPool
 from .cache.prefix_hash import CacheSpace, block_hashes
-from .lora.adapter import AdapterError
 from .sequence import Sequence, Step, StepItem
 
 if TYPE_CHECKING:
@@ -62,9 +61,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.max_prefill_tokens = max_prefill_tokens
         self.adapters = adapters
-        self.failed: list[tuple[Sequence, str]] = []
-        """Sequences taken out of the waiting line that cannot start (their adapter failed to load), and why: the
-        engine ends them."""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -89,13 +85,14 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, now: float) -> bool | None:
         """Start `seq` from its longest cached prefix (True); False: no room now; None: part of that prefix is
-        being written by a running step, so `seq` waits for it rather than computing it again."""
+        being written by a running step, so `seq` waits for it rather than computing it again, or its adapter's
+        files are being read (engine/lora/registry.py): later requests may start meanwhile."""
         if len(self.running) >= self.max_seqs:
             return False
         if seq.lora is not None and not seq.adapter:  # first: its cache space names the weights it will run with
-            seq.adapter = self.adapters.acquire(seq.lora)  # 0: every slot is pinned; else pinned until it ends
-            if not seq.adapter:
-                return False
+            seq.adapter = self.adapters.acquire(seq.lora)  # pinned until it ends
+            if not seq.adapter:  # its files are being read (others may start meanwhile), or every slot is pinned
+                return None if seq.lora.loading else False
         if seq.space is None:  # once per sequence: neither its prompt nor its pinned adapter changes while it waits
             seq.space = self._space(seq)
             seq.hashes = block_hashes(seq.cache_keys, self.size, seq.space.root)
@@ -188,12 +185,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> Step:
         for seq in list(self.waiting):
-            try:
-                admitted = self._admit(seq, now)
-            except AdapterError as exc:
-                self.waiting.remove(seq)
-                self.failed.append((seq, str(exc)))
-                continue
+            admitted = self._admit(seq, now)
             if admitted is False:
                 break
             if admitted:

@@ -186,7 +186,7 @@ def test_the_fast_paths_update_is_each_rows_own_adapters_in_float32_to_its_dtype
         return StepItem([], [0] * count, 0, adapter=slot)
 
     layers = [type("Layer", (), {m: object() for m in shapes})() for _ in range(text_config.num_hidden_layers)]
-    step = LoraStep.of([item(s, n) for s, n in prefills], [item(s) for s in decodes], registry, module_names(layers),
+    step = LoraStep.of([item(s, n) for s, n in prefills], [item(s) for s in decodes], registry.resident, module_names(layers),
                        torch.device("cpu"), exact=False)
     row_slots = [s for s, n in prefills for _ in range(n)] + decodes
     for module, (features_in, features_out) in shapes.items():
@@ -311,24 +311,36 @@ def test_lora_modules_take_vllms_two_forms_and_refuse_others():
 
 
 def test_resident_slots_are_least_recently_used_and_reloaded_from_disk(setup):
+    import queue
+
     loaded, engine, paths = setup
-    registry = LoraRegistry(loaded.text_config, torch.float32, torch.device("cpu"), max_loras=2, max_rank=64)
+    reads = queue.SimpleQueue()  # the engine core's inbox, as far as the reader thread knows
+    registry = LoraRegistry(loaded.text_config, torch.float32, torch.device("cpu"), max_loras=2, max_rank=64,
+                            on_read=lambda *read: reads.put(read))
+
+    def read_in_background(registration) -> int:
+        """acquire: 0 while its files are read on the reader thread; then the read comes back and it is installed."""
+        assert registry.acquire(registration) == 0 and registration.loading
+        assert registry.read_done(*reads.get(timeout=60)) is None and not registration.loading
+        return registry.acquire(registration)
+
     for name, path in paths.items():
         registry.register(registry.read(LoraModule(name, str(path))))
     a, b, c = (registry.lookup(name) for name in paths)
     slot_a, slot_b = registry.acquire(a), registry.acquire(b)
     assert {slot_a, slot_b} == {1, 2} and registry.loads == 0  # read at registration: no second read
-    assert registry.acquire(c) == 0  # both slots pinned by running sequences: c waits
+    assert read_in_background(c) == 0 and c.ready is not None  # read, but both slots pinned by running sequences: c waits
     registry.release(slot_a)
     slot_c = registry.acquire(c)  # a was idle: dropped for c
     assert slot_c == slot_a and registry.loads == 1  # c, registered beyond max_loras, was not kept: read at first use
     registry.release(slot_b)
-    assert registry.acquire(a) == slot_b and registry.loads == 2  # a read again from disk, into b's idle slot
+    assert read_in_background(a) == slot_b and registry.loads == 2  # a read again from disk, into b's idle slot
     assert [d["resident"] for d in registry.describe()] == [True, False, True]
+    assert [d["slot"] for d in registry.describe()] == [slot_b, None, slot_c]
     registry.unregister(c.name)  # pinned: stays until its sequence ends
-    assert registry.slots[slot_c] is not None and registry.lookup(c.name) is None
+    assert registry.resident.slots[slot_c] is not None and registry.lookup(c.name) is None
     registry.release(slot_c)
-    assert registry.slots[slot_c] is None
+    assert registry.resident.slots[slot_c] is None
 
 
 def test_the_benchs_adapters_are_valid_peft_adapters_routed_per_request(text_config, tmp_path):

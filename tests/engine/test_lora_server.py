@@ -1,7 +1,15 @@
 """LoRA adapters through the real server process and the real openai client: `--lora-modules` (both of vLLM's forms),
 `--max-loras` eviction and reload, `model: "<adapter>"` in chat, completions, Responses and /tokenize, /v1/models,
 the prefix cache per adapter, the load/unload endpoints behind an admin key, an adapter trained here that visibly
-changes the answers, and the metrics. One server for the module (float32, unquantized, as the other servers)."""
+changes the answers, and the metrics; an evicted adapter read again off the engine thread (streams go on, the idle
+engine sleeps meanwhile), and loads and unloads from many clients at once. One server for the module (float32,
+unquantized, as the other servers)."""
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -183,3 +191,141 @@ def test_structured_output_and_tools_work_under_an_adapter(client):
     called = chat(client, "qv4", user("What is the weather in Paris?"), max_tokens=32, tools=[tool],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert called.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+@pytest.fixture(scope="module")
+def held(http, client, tmp_path_factory):
+    """An adapter (`HELD`) loaded and used once, whose next read from disk waits until the test lets it go on (`hold`)."""
+    from oai_gemma.bench.lora import make_adapter
+    from oai_gemma.engine.model.loader import embedded_model_dir
+
+    path = make_adapter(tmp_path_factory.mktemp("held") / HELD, str(embedded_model_dir()), rank=8, seed=7)
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": HELD, "lora_path": str(path)}).status_code == 200
+    chat(client, HELD, max_tokens=1)
+    return path
+
+
+HELD = "held"
+
+
+@contextmanager
+def hold(path):
+    """Within the block, a read of the adapter's weights waits (the file is a FIFO no one writes yet); at its end the
+    reader gets the very same bytes, and the file is a file again."""
+    weights = path / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    os.mkfifo(weights)
+    try:
+        yield
+    finally:
+        writer = threading.Thread(target=weights.write_bytes, args=(data,), daemon=True)  # opens once a reader has
+        writer.start()
+        writer.join(120)
+        weights.unlink()
+        weights.write_bytes(data)
+
+
+def evict(client, server, name: str = HELD) -> None:
+    for other in ("all8", "qv4"):  # two slots: `name`, the least recently used, is dropped
+        chat(client, other, max_tokens=1)
+    assert not {a["name"]: a for a in health(server)["lora_adapters"]}[name]["resident"]
+
+
+def health(server) -> dict:
+    return httpx.get(server.url + "/health").json()
+
+
+def reads(server, name: str = HELD) -> int:
+    return server.log_path.read_text().count(f"LoRA adapter '{name}': reading it again")
+
+
+def wait_for(condition, timeout: float = 120) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_an_evicted_adapter_is_read_again_while_other_streams_go_on(client, server, held):
+    evict(client, server)
+    stream = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1500, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    arrivals, stop = [], threading.Event()
+
+    def consume():
+        for _ in stream:
+            arrivals.append(time.monotonic())
+            if stop.is_set():
+                break
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    before = reads(server)
+    with ThreadPoolExecutor(1) as pool, hold(held):
+        assert wait_for(lambda: len(arrivals) >= 2)  # streaming
+        answer = pool.submit(chat, client, HELD, max_tokens=1)
+        assert wait_for(lambda: reads(server) == before + 1)  # its read has begun, and waits for the file
+        during = len(arrivals)
+        wait_for(lambda: len(arrivals) >= during + 3)
+        during = len(arrivals) - during  # read on the engine thread: none
+    assert answer.result().choices[0].finish_reason == "length"
+    stop.set()
+    consumer.join()
+    stream.close()
+    assert during >= 3, f"{during} tokens of the stream arrived while the adapter's read was held"
+
+
+def test_a_request_parked_on_an_adapters_read_leaves_the_idle_engine_asleep(client, server, held):
+    evict(client, server)
+    before = reads(server)
+    with ThreadPoolExecutor(1) as pool, hold(held):
+        answer = pool.submit(chat, client, HELD, max_tokens=1)
+        assert wait_for(lambda: reads(server) == before + 1 and health(server)["waiting"] == 1)  # parked on its read
+        turns = health(server)["loop_turns"]
+        time.sleep(1)
+        turns = health(server)["loop_turns"] - turns  # a loop that polled while it waited: thousands in a second
+    assert answer.result().choices[0].finish_reason == "length"
+    assert turns < 5
+
+
+def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and_every_slot(client, http, server, paths):
+    names = [f"many{i}" for i in range(6)]
+
+    def load(name: str) -> int:
+        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(paths["qv4-rs"])}).status_code
+
+    def unload(name: str) -> int:
+        return http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code
+
+    def use(name: str) -> str:
+        try:
+            return chat(client, name, max_tokens=1).choices[0].finish_reason
+        except openai.NotFoundError:
+            return "gone"
+        except openai.InternalServerError as exc:  # unloaded after the route found it, before the engine did (engine/core.py)
+            assert "is not loaded" in str(exc)
+            return "gone"
+
+    with ThreadPoolExecutor(16) as pool:
+        loads = list(pool.map(load, names * 3))
+        jobs = [pool.submit(unload, name) for name in names[:3] * 3] + [pool.submit(use, name) for name in names]
+        unloads, uses = [job.result() for job in jobs[:9]], [job.result() for job in jobs[9:]]
+    assert all(sorted(loads[i::6]) == [200, 400, 400] for i in range(6)), loads  # one load of each name wins
+    assert all(sorted(unloads[i::3]) == [200, 404, 404] for i in range(3)), unloads  # one unload of each wins
+    assert uses[3:] == ["length"] * 3 and set(uses[:3]) <= {"length", "gone"}
+    adapters = health(server)["lora_adapters"]
+    assert sorted(a["name"] for a in adapters if a["name"].startswith("many")) == names[3:]
+    slots = [a["slot"] for a in adapters if a["resident"]]
+    assert len(slots) == len(set(slots)) and set(slots) <= {1, 2}
+    # both slots still there: two adapters stream at once, each in its own slot
+    streams = [client.chat.completions.create(model=name, messages=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}) for name in names[3:5]]
+    for chunks in map(iter, streams):
+        next(chunks), next(chunks)
+    resident = {a["name"]: a["slot"] for a in health(server)["lora_adapters"] if a["resident"]}
+    for stream in streams:
+        stream.close()
+    assert {resident.get(name) for name in names[3:5]} == {1, 2}

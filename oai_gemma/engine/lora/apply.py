@@ -29,7 +29,7 @@ from .adapter import MODULES, AdapterLinears
 from .stack import GROUPS, OWN, Group, Stack, native_kernels, runs_native, step_dtype
 
 if TYPE_CHECKING:
-    from .registry import LoraRegistry
+    from .registry import ResidentAdapters
 
 Rows = slice | torch.Tensor
 """A step's rows: a slice when contiguous, else an index tensor."""
@@ -79,7 +79,7 @@ class LoraStep:
         self.names, self.parts, self.groups, self.kernel = names, parts, groups, kernel
 
     @classmethod
-    def of(cls, prefills: Sequence, decodes: Sequence, registry: LoraRegistry, names: list[dict[int, str]], device,
+    def of(cls, prefills: Sequence, decodes: Sequence, registry: ResidentAdapters, names: list[dict[int, str]], device,
            exact: bool) -> LoraStep | None:
         """The step's adapters from its items (`StepItem.adapter`: a slot, 0 for the base), in packing order; None
         when no row has one. `exact`: batch-invariant mode."""

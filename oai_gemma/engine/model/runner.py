@@ -108,7 +108,8 @@ class ModelRunner:
         Decided before the runner is built (`measure_invariance`, by engine/factory.py or `of`)."""
         self.batch_invariant = invariance is not None
         self.lora = None
-        """The LoRA adapters' registry (engine/lora/registry.py) when adapters are served: its slots' weights."""
+        """The resident LoRA adapters (engine/lora/registry.py `ResidentAdapters`, a read-only view the engine core
+        hands over once at its start) when adapters are served: each slot's weights."""
         self.lora_names = module_names(self.weights)
         self.static = None
         if static:
