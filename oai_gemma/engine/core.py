@@ -24,7 +24,7 @@ from .model.loader import LoadedModel
 from .cache.block_pool import BlockPool
 from .cache.memory import release_free_memory
 from .config import ConfigError, EngineConfig
-from .encoding import Encoding
+from .encoding import Encoding, token_runs
 from .lora.adapter import AdapterError
 from .lora.registry import LoraRegistry, Registration, start_registry
 from .sampling.postprocess import Events, Limits, last_events, postprocess
@@ -386,19 +386,6 @@ class EngineCore:
     def _deliver(self, events: Events) -> None:
         if events and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_put_all, events)
-
-
-def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
-    """[start, end) of each maximal run of `token` in `ids`."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t != token:
-            continue
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
 
 def _put_all(events: Events) -> None:

@@ -97,3 +97,16 @@ class Encoding:
         waiters = [seq for job in self.jobs.values() for seq in job.waiters]
         self.jobs.clear()
         return waiters
+
+
+def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of `token` in `ids`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs

@@ -273,7 +273,7 @@ def test_vision_prefill_matches_transformers_forward(vision_loaded, processor):
 
 
 def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(vision_loaded, processor):
-    from oai_gemma.engine.core import token_runs
+    from oai_gemma.engine.encoding import token_runs
     from oai_gemma.engine.model.runner import ModelRunner, StepItem
 
     loaded = vision_loaded
