@@ -25,6 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from .lean_vision import VisionTower
+
 UNIT_FLOPS = 4e9
 """About how much work one unit is at most, above `MIN_ROWS`: the grain of the engine's per-step budget."""
 MIN_ROWS = 256
@@ -143,7 +145,7 @@ def encode_job(model, pixel_values: torch.Tensor) -> VisionEncode | OneCall:
     """The resumable encode of `pixel_values` for a multimodal model's inner `model` (its `vision_tower`,
     `multi_modal_projector`): unit by unit where the tower is lean_vision's, else one unit."""
     tower = model.vision_tower
-    if hasattr(tower, "encoder") and hasattr(tower, "embeddings"):
+    if isinstance(tower, VisionTower):  # transformers' SiglipVisionModel has an encoder and embeddings too
         return VisionEncode(tower, model.multi_modal_projector, pixel_values)
     return OneCall(model, pixel_values)
 
