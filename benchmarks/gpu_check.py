@@ -130,6 +130,8 @@ def weight_bytes(runner) -> int:
     tensors = [getattr(t, "weight", t) for w in runner.weights for t in w] + [runner.gemma.final_norm]
     tensors += [runner.lm_head_linear.weight]
     for tensor in tensors:
+        if tensor is None:  # a layer part this model does not have (Gemma3Weights keeps its slot as None)
+            continue
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
