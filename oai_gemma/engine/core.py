@@ -243,8 +243,8 @@ class EngineCore:
             except Exception as exc:  # a bad image fails its own request only
                 error = f"image processing failed: {exc}"
         if error:
-            events: Events = []
-            self._end(seq, "error", events, error=error)
+            events: Events = []  # an adapter unloaded after the route found it: `not_found`, a 404 as the route's own
+            self._end(seq, "not_found" if lora is None and request.adapter else "error", events, error=error)
             self._deliver(events)
         elif request.pixel_values is not None:
             self.encoding.submit(seq)  # scheduled once its features are ready (`_encode`)

@@ -303,10 +303,7 @@ def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and
     def use(name: str) -> str:
         try:
             return chat(client, name, max_tokens=1).choices[0].finish_reason
-        except openai.NotFoundError:
-            return "gone"
-        except openai.InternalServerError as exc:  # unloaded after the route found it, before the engine did (engine/core.py)
-            assert "is not loaded" in str(exc)
+        except openai.NotFoundError:  # unloaded before the route saw it, or after it and before the engine did
             return "gone"
 
     with ThreadPoolExecutor(16) as pool:
