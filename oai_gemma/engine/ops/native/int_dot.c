@@ -25,26 +25,9 @@
 #include <string.h>
 #include <stdio.h>
 
+#include "avx2_common.h"
+
 #define BLOCK 32
-
-static void no_tile(const char *kernel, int r, int g)
-{
-    fprintf(stderr, "int_dot.c: %s has no tile for %d rows x %d groups\n", kernel, r, g);
-    abort();
-}
-
-static inline __attribute__((always_inline)) void store8(void *y, int64_t index, __m256 v, int bf16)
-{
-    if (!bf16) {
-        _mm256_storeu_ps((float *)y + index, v);
-        return;
-    }
-    __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    _mm_storeu_si128((__m128i *)((uint16_t *)y + index), packed);
-}
 
 /* The quantized activations of M rows: x [M, K] -> q int8 [M, K], |q| [M, K], one scale per block [M, K/32] and
    the block's sum of q [M, K/32] (the Q4 kernel's offset). Each row alone, in one fixed order. */

@@ -12,9 +12,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 FAMILIES = {
-    "woq_int8": (HERE / "woq_int8.c",),  # the int8 linears (woq_int8_linear, q8_linear) and rms_norm_rows
+    "woq_int8": (HERE / "woq_int8.c", HERE / "avx2_common.h"),  # the int8 linears (woq_int8_linear, q8_linear) and rms_norm_rows
     "lora": (HERE / "lora.c", HERE / "lora_tiles.h"),  # lora_project
-    "int_dot": (HERE / "int_dot.c",),  # int8 x int8 dot products: q8_dot_linear, q4_dot_linear (quantization q8, q4)
+    "int_dot": (HERE / "int_dot.c", HERE / "avx2_common.h"),  # int8 x int8 dot products: q8_dot_linear, q4_dot_linear (quantization q8, q4)
 }
 """One library per kernel family, so a family that fails to compile turns off only its own kernels. The files
 after the first are headers the first includes: they name the library too."""
