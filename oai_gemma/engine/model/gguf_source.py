@@ -53,17 +53,27 @@ def gguf_model_dir(cache_root: Path, model: str, mmproj: str = "", reference: tu
     `reference`: (a GGUF, its converted directory) whose tokenizer files serve any GGUF of the same vocabulary
     (the embedded model's, converted on every machine)."""
     target = converted_dir(cache_root, model, mmproj)
+
+    def convert_it() -> None:
+        model_path = Path(model).expanduser().resolve()
+        mmproj_path = Path(mmproj).expanduser().resolve() if mmproj else None
+        name = f"converting {model_path.name}{f' with {mmproj_path.name}' if mmproj_path else ''} into {target} (once)"
+        convert_into(target, model_path, mmproj_path, cache_root, torch.bfloat16, name, reference)
+        _drop_orphans(target.parent)
+
+    return converted_once(target, convert_it)
+
+
+def converted_once(target: Path, convert_it) -> Path:
+    """`target`, made by `convert_it()` first where it is not converted yet, under a file lock beside it: concurrent
+    first starts (a server and a test, say) convert once."""
     if is_converted(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_converted(target):
-            model_path = Path(model).expanduser().resolve()
-            mmproj_path = Path(mmproj).expanduser().resolve() if mmproj else None
-            name = f"converting {model_path.name}{f' with {mmproj_path.name}' if mmproj_path else ''} into {target} (once)"
-            convert_into(target, model_path, mmproj_path, cache_root, torch.bfloat16, name, reference)
-            _drop_orphans(target.parent)
+            convert_it()
     return target
 
 

@@ -7,7 +7,6 @@ tokenizer and Gemma-3's chat template (gguf_source.py, gguf_convert.py); later s
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ import torch
 
 from ...cpu import cpu_flags
 from ...settings import EMBEDDED, ModelSettings
-from .gguf_source import convert_into, converted_dir, gguf_model_dir, is_converted
+from .gguf_source import convert_into, converted_dir, converted_once, gguf_model_dir, is_converted
 from .gguf_tokenizer import chat_template_text
 from .lean import build as lean_model, shell as lean_shell
 from .lean_vision import build_multimodal, build_vision
@@ -51,15 +50,9 @@ def embedded_model_dir(settings: ModelSettings | None = None) -> Path:
     dequantized into float32 (a user's GGUF: bfloat16), as transformers' GGUF loading did before: the same values."""
     settings = settings or ModelSettings()
     target = settings.cache_path / EMBEDDED_DIR_NAME
-    if is_converted(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{EMBEDDED_DIR_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_converted(target):
-            name = f"first start: converting the embedded gemma-3-270m GGUF into {target} (once)"
-            convert_into(target, embedded_gguf(), None, settings.cache_path, torch.float32, name, usually=60)
-    return target
+    name = f"first start: converting the embedded gemma-3-270m GGUF into {target} (once)"
+    return converted_once(target, lambda: convert_into(target, embedded_gguf(), None, settings.cache_path, torch.float32,
+                                                       name, usually=60))
 
 
 def start_plan(settings: ModelSettings) -> str:
