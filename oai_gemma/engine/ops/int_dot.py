@@ -49,6 +49,11 @@ class _DotLinear(QuantizedLinear):
             raise ValueError(f"the integer dot-product kernels write float32 or bfloat16, not {out_dtype}")
         if x.shape[0] >= KERNEL_ROWS:
             return F.linear(x.float(), self.dequantized()).to(out_dtype)
+        return self.rowwise(x, out_dtype)
+
+    def rowwise(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The kernel at any row count: a row's result is its own whatever M (batch-invariant mode's call)."""
+        out_dtype = out_dtype or x.dtype
         k = self.in_features
         _check_dot_input(x, k)
         x = x.contiguous()
