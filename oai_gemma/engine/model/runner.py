@@ -342,10 +342,12 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
         "gate_proj": (w.gate, text.hidden, most_tokens), "down_proj": (w.down, text.intermediate, most_tokens),
         "lm_head": (weights.lm_head, text.hidden, bucket(config.max_logits_rows, buckets(config.max_logits_rows))),
     }, weights.dtype, whole_only=setting == "auto")
-    if tile is None and setting == "auto":
-        cost = layer_cost(weights, TILE_ROWS)
-        log.info("batch-invariant mode off (auto): this CPU's linears need row tiles, measured to make a %d-token "
-                 "prefill chunk's linears %+.1f%% slower; on with --batch-invariant on", COST_ROWS, 100 * cost)
+    slow = not getattr(w.q, "prefill_rowwise", True)  # exact rows, but a prefill chunk runs far slower so
+    if setting == "auto" and (tile is None or slow):
+        cost = layer_cost(weights, tile or TILE_ROWS)
+        why = "their exact kernel lags the dequantized matmul on a prefill chunk" if slow else "they need row tiles"
+        log.info("batch-invariant mode off (auto): this CPU's linears would make a %d-token prefill chunk's linears "
+                 "%+.1f%% slower (%s); on with --batch-invariant on", COST_ROWS, 100 * cost, why)
         return None, cost
     step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype)
     if tile is None or step is None:

@@ -33,6 +33,8 @@ class _DotLinear(QuantizedLinear):
 
     FIELDS = ("packed", "scale")
     KIND = ""
+    prefill_rowwise = True
+    """`rowwise` keeps up with the dequantized matmul on a prefill chunk (integer products: the AVX2 EPYC)."""
 
     @staticmethod
     def _check_shape(n: int, k: int) -> None:
