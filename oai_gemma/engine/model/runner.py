@@ -342,7 +342,7 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
         "gate_proj": (w.gate, text.hidden, most_tokens), "down_proj": (w.down, text.intermediate, most_tokens),
         "lm_head": (weights.lm_head, text.hidden, bucket(config.max_logits_rows, buckets(config.max_logits_rows))),
     }, weights.dtype, whole_only=setting == "auto")
-    slow = not getattr(w.q, "prefill_rowwise", True)  # exact rows, but a prefill chunk runs far slower so
+    slow = not getattr(w.q, "prefill_rowwise", True)  # exact rows, but far slower than the plain call on prefill
     if setting == "auto" and (tile is None or slow):
         cost = layer_cost(weights, tile or TILE_ROWS)
         why = "their exact kernel lags the dequantized matmul on a prefill chunk" if slow else "they need row tiles"
@@ -360,7 +360,7 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
     how = "their own kernels at any row count" if hasattr(w.q, "rowwise") else f"calls of at most {tile} rows"
     log.info("batch-invariant mode on (%s): measured cost %+.1f%% on a %d-token prefill chunk's linears (linears in "
              "%s, decode spans padded to %d; off with --batch-invariant off)", setting, 100 * cost, COST_ROWS, how, step)
-    return Invariance(tile, step, cost), cost
+    return Invariance(tile, step), cost
 
 
 def layer_cost(weights: Gemma3Weights, tile: int) -> float:

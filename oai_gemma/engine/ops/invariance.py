@@ -35,8 +35,6 @@ class Invariance:
     """Most rows per linear call."""
     span_step: int
     """Decode spans are padded to a multiple of this."""
-    cost: float | None = None
-    """`prefill_cost` as start-up measured it (0.021: a prefill chunk's linears 2.1% slower); None: not measured."""
 
 
 def round_up(n: int, step: int) -> int:
