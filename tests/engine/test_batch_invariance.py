@@ -179,8 +179,8 @@ def test_without_the_mode_the_same_compositions_differ():
 
 
 @pytest.mark.skipif(native.native_unavailable() is not None, reason="the native kernels cannot run here")
-@pytest.mark.parametrize("layout", [NativeInt8Linear, NativeQ8Linear, Q8Linear, Q4Linear])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [NativeInt8Linear, NativeQ8Linear, Q8Linear, Q4Linear], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_row_exact_kernels_give_a_row_the_same_bits_alone_and_in_any_batch(layout, dtype):
     """Why the mode calls these untiled (`rowwise`): integer sums are exact and each output's float steps run in one
     order, so row i of M rows equals row i alone, for M across the kernels' tiles (4 rows), the AVX2 loop's panels
