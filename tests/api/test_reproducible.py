@@ -38,7 +38,7 @@ def server(shared_servers, tmp_path_factory):
 def run(server, main):
     """`main(client)` in a fresh event loop, with an async client of its own (a client is bound to its loop)."""
     async def go():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900) as client:
             return await main(client)
     return asyncio.run(go())
 
