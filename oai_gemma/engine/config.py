@@ -109,7 +109,7 @@ class EngineConfig:
     """torch.compile the static decode's layer functions."""
     batch_invariant: str = "auto"
     """`engine.batch_invariant`: `off`, `on`, or `auto` (on where the start-up check on the weights finds it cheap:
-    engine/model/runner.py's `measure_invariance`, which engine/factory.py runs on the weights before the runner is
+    engine/model/invariance_check.py's `measure_invariance`, which engine/factory.py runs on the weights before the runner is
     built, leaving `on` or `off` here; an engine built by hand with `auto` has `ModelRunner.of` decide). Off the CPU
     path `resolve` makes it `off`."""
     max_num_seqs: int = 32

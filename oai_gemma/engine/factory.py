@@ -32,7 +32,8 @@ from .engine import Engine
 from .model.gguf_file import GGUFError
 from .model.loader import LoadedModel, load, start_plan
 from .model.mapped import checkpoint_files
-from .model.runner import ModelRunner, load_weights, measure_invariance
+from .model.invariance_check import measure_invariance
+from .model.runner import ModelRunner, load_weights
 from .ops import native
 from .ops.choice import linear_for
 from .ops.quantized import FORMAT, NativeQ8Linear

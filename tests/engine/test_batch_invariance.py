@@ -20,7 +20,8 @@ from oai_gemma.chat import render_chat
 from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
-from oai_gemma.engine.model.runner import ModelRunner, StepItem, load_weights, measure_invariance
+from oai_gemma.engine.model.invariance_check import measure_invariance
+from oai_gemma.engine.model.runner import ModelRunner, StepItem, load_weights
 from oai_gemma.engine.ops import native
 from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear
 from oai_gemma.engine.ops.quantized import NativeInt8Linear, NativeQ8Linear

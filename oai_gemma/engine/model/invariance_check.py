@@ -1,0 +1,140 @@
+"""Batch-invariant mode decided at start-up on the weights in their final layout (engine/factory.py), and remembered.
+
+The check calls the linears and attention at the row counts and key spans the engine uses and compares rows bit for
+bit (ops/invariance.py); on 2 cores it takes seconds of every start. Its verdict is about this CPU's kernels, not
+the weights' values, so it is kept in the model cache (`<cache_dir>/invariance/<key>.json`), keyed by everything
+the kernels' behaviour depends on: the CPU (model name and flags), torch and its CPU capability, the environment
+that limits the kernel libraries' ISA, the native libraries' names (their sources' digests), this check's own
+source, the dtype, the linears' layouts, the shapes and row counts, the threads and the setting. A later start
+with the same key reads the verdict and says so; `cache_dir` None (tests) checks every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .buckets import bucket, buckets
+from .weights import Gemma3Weights
+from ..config import ConfigError, EngineConfig
+from ..ops import invariance as ops_invariance
+from ..ops.invariance import COST_ROWS, TILE_ROWS, Invariance, prefill_cost, span_step, tile_rows
+from ..ops.native.sources import FAMILIES, library_name
+
+log = logging.getLogger("oai_gemma.engine")
+
+ISA_ENVIRONMENT = ("ATEN_CPU_CAPABILITY", "FBGEMM_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA")
+
+
+def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[Invariance | None, float | None]:
+    """Batch-invariant mode, decided on the weights before the runner is built, and what it costs (or would cost) a
+    prefill chunk's linears (`prefill_cost`, None where not measured). `on`: on, or a start-up error where this
+    CPU's kernels cannot be made invariant; `auto`: on where the linears need no tiling (their own kernel's rows
+    are exact at any count, as the native int8 ones are, or the whole call's are, as float32 oneDNN's are here);
+    off where they need tiles (bf16 oneDNN: prefill 1.5x slower). Off the CPU path it is off (engine/config.py
+    makes `on` there a start-up error)."""
+    if config.batch_invariant == "off" or config.static_decode or weights.device.type != "cpu":
+        return None, None
+    path = None if config.cache_dir is None else Path(config.cache_dir) / "invariance" / f"{verdict_key(weights, config)}.json"
+    verdict = _read(path)
+    if verdict is None:
+        verdict = _check(weights, config)
+        _write(path, verdict)
+    else:
+        verdict["message"] += f" (this CPU's kernels and shapes checked at an earlier start: {path.name})"
+    getattr(log, verdict["level"])("%s", verdict["message"])
+    on = verdict["tile"] is not None and verdict["step"] is not None
+    return (Invariance(verdict["tile"], verdict["step"]) if on else None), verdict["cost"]
+
+
+def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
+    """The verdict measured now: {tile, step, cost, level, message} (tile or step None: off)."""
+    setting, text = config.batch_invariant, weights.shape.text
+    w, most_tokens = weights.layers[0], bucket(config.max_tokens_per_step, buckets(config.max_tokens_per_step))
+    tile = tile_rows({
+        "q_proj": (w.q, text.hidden, most_tokens), "o_proj": (w.o, text.heads * text.head_dim, most_tokens),
+        "gate_proj": (w.gate, text.hidden, most_tokens), "down_proj": (w.down, text.intermediate, most_tokens),
+        "lm_head": (weights.lm_head, text.hidden, bucket(config.max_logits_rows, buckets(config.max_logits_rows))),
+    }, weights.dtype, whole_only=setting == "auto")
+    slow = not getattr(w.q, "prefill_rowwise", True)  # exact rows, but far slower than the plain call on prefill
+    if setting == "auto" and (tile is None or slow):
+        cost = layer_cost(weights, tile or TILE_ROWS)
+        why = "their exact kernel lags the dequantized matmul on a prefill chunk" if slow else "they need row tiles"
+        return _verdict(None, None, cost, "info", f"batch-invariant mode off (auto): this CPU's linears would make a "
+                        f"{COST_ROWS}-token prefill chunk's linears {100 * cost:+.1f}% slower ({why}); on with --batch-invariant on")
+    step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype)
+    if tile is None or step is None:
+        if setting == "on":
+            raise ConfigError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")
+        return _verdict(None, None, None, "warning", "batch-invariant mode off: this CPU's kernels are not batch-invariant "
+                        f"(linears: {'ok' if tile else 'differ'}, attention: {'ok' if step else 'differ'})")
+    cost = layer_cost(weights, tile)
+    how = "their own kernels at any row count" if hasattr(w.q, "rowwise") else f"calls of at most {tile} rows"
+    return _verdict(tile, step, cost, "info", f"batch-invariant mode on ({setting}): measured cost {100 * cost:+.1f}% on a "
+                    f"{COST_ROWS}-token prefill chunk's linears (linears in {how}, decode spans padded to {step}; "
+                    "off with --batch-invariant off)")
+
+
+def _verdict(tile: int | None, step: int | None, cost: float | None, level: str, message: str) -> dict:
+    return {"tile": tile, "step": step, "cost": cost, "level": level, "message": message}
+
+
+def layer_cost(weights: Gemma3Weights, tile: int) -> float:
+    """`prefill_cost` of the first layer's seven linears."""
+    w, text = weights.layers[0], weights.shape.text
+    features = [text.hidden] * 3 + [text.heads * text.head_dim] + [text.hidden] * 2 + [text.intermediate]
+    return prefill_cost([w.q, w.k, w.v, w.o, w.gate, w.up, w.down], features, weights.dtype, tile)
+
+
+def verdict_key(weights: Gemma3Weights, config: EngineConfig) -> str:
+    """The digest of everything the check's verdict depends on (the module docstring's list)."""
+    text, w = weights.shape.text, weights.layers[0]
+    facts = {
+        "cpu": _cpu(), "torch": str(torch.__version__), "capability": torch.backends.cpu.get_cpu_capability(),
+        "environment": {name: os.environ.get(name) for name in ISA_ENVIRONMENT}, "threads": torch.get_num_threads(),
+        "native": sorted(library_name(family) for family in FAMILIES),
+        "check": [hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest() for module in (ops_invariance,)]
+        + [hashlib.sha256(Path(__file__).read_bytes()).hexdigest()],
+        "dtype": str(weights.dtype), "quantization": config.quantization,
+        "layouts": [type(linear).__name__ for linear in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down, weights.lm_head)],
+        "shape": [text.hidden, text.intermediate, text.heads, text.kv_heads, text.head_dim, text.vocab],
+        "rows": [config.max_tokens_per_step, config.max_logits_rows], "setting": config.batch_invariant,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _cpu() -> str:
+    """The CPU's model name and flags (Linux), else what the platform says."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _read(path: Path | None) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path | None, verdict: dict) -> None:
+    """Written whole (a temporary file renamed); a cache that cannot be written only costs the check next time."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(verdict))
+        os.replace(temporary, path)
+    except OSError as exc:
+        log.debug("the batch-invariance verdict was not kept (%s)", exc)
