@@ -3,6 +3,7 @@ of 1, 8 and 32 rows (at two context lengths), timed with `engine.batch_invariant
 model as the server loads it.
 
     python benchmarks/batch_invariance_cost.py --dtype bfloat16
+    python benchmarks/batch_invariance_cost.py --dtype float32 --quantization int8   # float32's default
 
 Run it on a quiet machine (`uptime`): each cell is the median of several steps.
 """
@@ -21,8 +22,9 @@ from oai_gemma.settings import ModelSettings
 from weight_only_kernels import timed  # this folder's: median ms after warm-up calls
 
 
-def step_times(loaded, mode: str) -> dict[str, float]:
-    runner = ModelRunner.of(loaded.model, EngineConfig(max_num_seqs=32, max_model_len=2048, max_prefill_tokens=512, batch_invariant=mode))
+def step_times(loaded, mode: str, quantization: str) -> dict[str, float]:
+    runner = ModelRunner.of(loaded, EngineConfig(dtype=str(loaded.dtype).removeprefix("torch."), quantization=quantization, max_num_seqs=32,
+                                                 max_model_len=2048, max_prefill_tokens=512, batch_invariant=mode))
     assert runner.batch_invariant == (mode == "on")
     prompt = list(range(1000, 1512))
     times = {"prefill 512 tokens": timed(lambda: runner.forward([StepItem(runner.sequence_blocks(0), prompt, 0)], []), 5)}
@@ -36,10 +38,11 @@ def step_times(loaded, mode: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", help="none, int8 (float32's default), per-step (bf16's), q8, q4")
     args = parser.parse_args()
     loaded = load(ModelSettings(dtype=args.dtype))
-    off, on = step_times(loaded, "off"), step_times(loaded, "on")
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {loaded.dtype}")
+    off, on = step_times(loaded, "off", args.quantization), step_times(loaded, "on", args.quantization)
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {loaded.dtype}, {args.quantization}")
     print("| step | off (ms) | on (ms) | on / off |\n|---|---:|---:|---:|")
     for name in off:
         print(f"| {name} | {off[name]:.1f} | {on[name]:.1f} | {on[name] / off[name]:.2f} |")

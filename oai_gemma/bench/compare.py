@@ -21,14 +21,15 @@ import httpx
 
 import oai_gemma
 
-SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "ours-none", "ours-spec-off", "transformers", "transformers-cb",
+SERVER_NAMES = ("ours", "ours-no-prefix-cache", "ours-int4", "ours-none", "ours-spec-off", "ours-invariance-off", "transformers", "transformers-cb",
                 "transformers-cb-our-dtype", "tutorial", "llama-server", "llama-server-ngram", "ours-lora", "llama-server-lora")
 LORA_SERVERS = ("ours-lora", "llama-server-lora")
 """Serving `--lora N` adapters, requests spread over them (bench/lora.py); only with --lora."""
 LLAMA_SERVER_ENV = "OAI_GEMMA_LLAMA_SERVER"
 """The `llama-server` binary to compare with (else the one on PATH): built from source, see docs/benchmarks.md."""
 OURS_FLAGS = {"ours": [], "ours-no-prefix-cache": ["--no-prefix-caching"], "ours-int4": ["--quantization", "int4"],
-              "ours-none": ["--quantization", "none"], "ours-spec-off": ["--speculative", "off"], "ours-lora": []}
+              "ours-none": ["--quantization", "none"], "ours-spec-off": ["--speculative", "off"], "ours-lora": [],
+              "ours-invariance-off": ["--batch-invariant", "off"]}
 """What each of our variants adds to `oai-gemma serve` (after --ours-args)."""
 SHARED_SERVERS = ("ours", "ours-no-prefix-cache", "llama-server")
 """The shared prompt set's default comparison: the servers its targets name (issue 12)."""
@@ -115,7 +116,7 @@ def default_servers(prompts: str = "short") -> list[str]:
     if prompts in ("shared", "edit", "json"):
         names = SHARED_SERVERS if prompts == "shared" else EDIT_SERVERS
     else:
-        names = [n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none", "ours-spec-off", "llama-server-ngram", *LORA_SERVERS)]
+        names = [n for n in SERVER_NAMES if n not in ("ours-no-prefix-cache", "ours-none", "ours-spec-off", "ours-invariance-off", "llama-server-ngram", *LORA_SERVERS)]
     return [name for name in names if not name.startswith("llama-server") or llama_server_binary() is not None]
 
 

@@ -230,10 +230,12 @@ class Engine:
         return self.core.runner.cache.resident_bytes()
 
     def weights_report(self) -> dict[str, object]:
-        """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on."""
+        """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on, and what
+        it costs (on) or would cost (off) a prefill chunk's linears as start-up measured it (0.021: 2.1% slower)."""
         runner = self.core.runner
+        cost = runner.invariance_cost
         return {"weight_bytes": self.weight_bytes, "quantization": runner.quantization, "batch_invariant": runner.batch_invariant,
-                "decode_bytes": self.decode_bytes}
+                "batch_invariant_cost": None if cost is None else round(cost, 4), "decode_bytes": self.decode_bytes}
 
     def cache_config(self) -> dict[str, object]:
         """The KV cache's shape, as vLLM's `cache_config_info` names it."""

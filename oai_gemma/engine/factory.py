@@ -109,10 +109,11 @@ def build_engine(loaded: LoadedModel, config: EngineConfig, own_weights: bool = 
     started = time.monotonic()
     weights = load_weights(loaded, config, own_weights)
     measured = time.monotonic()
-    invariance = measure_invariance(weights, config)
+    invariance, cost = measure_invariance(weights, config)
     config = replace(config, batch_invariant="on" if invariance is not None else "off")
     log.info("engine config: %s", json.dumps(config.as_dict()))
     runner = ModelRunner(weights, config, loaded.model, invariance)
+    runner.invariance_cost = cost
     runner.timings = {"weights": measured - started, **runner.timings, "invariance check": time.monotonic() - measured}
     return Engine(loaded, config, own_weights, runner)
 

@@ -26,7 +26,7 @@ from .lean import Rotary
 from .loader import LoadedModel
 from .streamed import from_safetensors
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
-from ..ops.invariance import Invariance, TiledLinear, span_step, tile_rows, tiled
+from ..ops.invariance import COST_ROWS, TILE_ROWS, Invariance, TiledLinear, prefill_cost, span_step, tile_rows, tiled
 from ..ops.linear import call_linear
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import FULL, SLIDING, Gemma3Shape
@@ -107,6 +107,9 @@ class ModelRunner:
         """Batch-invariant mode (engine/ops/invariance.py): tiled linears, grid-aligned padded attention; None: off.
         Decided before the runner is built (`measure_invariance`, by engine/factory.py or `of`)."""
         self.batch_invariant = invariance is not None
+        self.invariance_cost: float | None = None
+        """What the mode costs (on) or would cost (off) a prefill chunk's linears, as start-up measured it
+        (`measure_invariance`); None: not measured."""
         self.lora = None
         """The resident LoRA adapters (engine/lora/registry.py `ResidentAdapters`, a read-only view the engine core
         hands over once at its start) when adapters are served: each slot's weights."""
@@ -122,8 +125,9 @@ class ModelRunner:
         started = time.monotonic()
         weights = load_weights(source, config, own_weights)
         measured = time.monotonic()
-        invariance = measure_invariance(weights, config)
+        invariance, cost = measure_invariance(weights, config)
         runner = cls(weights, config, source.model if isinstance(source, LoadedModel) else source, invariance)
+        runner.invariance_cost = cost
         runner.timings = {"weights": measured - started, **runner.timings, "invariance check": time.monotonic() - measured}
         return runner
 
@@ -322,30 +326,45 @@ def load_weights(source, config: EngineConfig, own_weights: bool = False) -> Gem
     return from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
 
 
-def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> Invariance | None:
-    """Batch-invariant mode, decided on the weights before the runner is built. `on`: on, or a start-up error where
-    this CPU's kernels cannot be made invariant; `auto`: on where that is cheap, i.e. where the linears need no
-    tiling (float32 here; bf16 tiles make prefill 1.5x slower). Off the CPU path it is off (engine/config.py makes
-    `on` there a start-up error)."""
+def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[Invariance | None, float | None]:
+    """Batch-invariant mode, decided on the weights before the runner is built, and what it costs (or would cost) a
+    prefill chunk's linears (`prefill_cost`, None where not measured). `on`: on, or a start-up error where this
+    CPU's kernels cannot be made invariant; `auto`: on where the linears need no tiling (their own kernel's rows
+    are exact at any count, as the native int8 ones are, or the whole call's are, as float32 oneDNN's are here);
+    off where they need tiles (bf16 oneDNN: prefill 1.5x slower). Off the CPU path it is off (engine/config.py
+    makes `on` there a start-up error)."""
     setting, text = config.batch_invariant, weights.shape.text
     if setting == "off" or config.static_decode or weights.device.type != "cpu":
-        return None
+        return None, None
     w, most_tokens = weights.layers[0], bucket(config.max_tokens_per_step, buckets(config.max_tokens_per_step))
     tile = tile_rows({
         "q_proj": (w.q, text.hidden, most_tokens), "o_proj": (w.o, text.heads * text.head_dim, most_tokens),
         "gate_proj": (w.gate, text.hidden, most_tokens), "down_proj": (w.down, text.intermediate, most_tokens),
-        "lm_head": (weights.lm_head, text.hidden, bucket(config.max_num_seqs, buckets(config.max_num_seqs))),
+        "lm_head": (weights.lm_head, text.hidden, bucket(config.max_logits_rows, buckets(config.max_logits_rows))),
     }, weights.dtype, whole_only=setting == "auto")
-    if tile is None and setting == "auto":
-        log.info("batch-invariant mode off (auto): this CPU's linears need row tiles, which slow prefill; "
-                 "on with --batch-invariant on")
-        return None
+    slow = not getattr(w.q, "prefill_rowwise", True)  # exact rows, but far slower than the plain call on prefill
+    if setting == "auto" and (tile is None or slow):
+        cost = layer_cost(weights, tile or TILE_ROWS)
+        why = "their exact kernel lags the dequantized matmul on a prefill chunk" if slow else "they need row tiles"
+        log.info("batch-invariant mode off (auto): this CPU's linears would make a %d-token prefill chunk's linears "
+                 "%+.1f%% slower (%s); on with --batch-invariant on", COST_ROWS, 100 * cost, why)
+        return None, cost
     step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype)
     if tile is None or step is None:
         if setting == "on":
             raise ConfigError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")
         log.warning("batch-invariant mode off: this CPU's kernels are not batch-invariant (linears: %s, attention: %s)",
                     "ok" if tile else "differ", "ok" if step else "differ")
-        return None
-    log.info("batch-invariant mode: linears in calls of at most %d rows, decode spans padded to %d", tile, step)
-    return Invariance(tile, step)
+        return None, None
+    cost = layer_cost(weights, tile)
+    how = "their own kernels at any row count" if hasattr(w.q, "rowwise") else f"calls of at most {tile} rows"
+    log.info("batch-invariant mode on (%s): measured cost %+.1f%% on a %d-token prefill chunk's linears (linears in "
+             "%s, decode spans padded to %d; off with --batch-invariant off)", setting, 100 * cost, COST_ROWS, how, step)
+    return Invariance(tile, step), cost
+
+
+def layer_cost(weights: Gemma3Weights, tile: int) -> float:
+    """`prefill_cost` of the first layer's seven linears."""
+    w, text = weights.layers[0], weights.shape.text
+    features = [text.hidden] * 3 + [text.heads * text.head_dim] + [text.hidden] * 2 + [text.intermediate]
+    return prefill_cost([w.q, w.k, w.v, w.o, w.gate, w.up, w.down], features, weights.dtype, tile)

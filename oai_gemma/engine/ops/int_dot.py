@@ -33,6 +33,8 @@ class _DotLinear(QuantizedLinear):
 
     FIELDS = ("packed", "scale")
     KIND = ""
+    prefill_rowwise = True
+    """`rowwise` keeps up with the dequantized matmul on a prefill chunk (integer products: the AVX2 EPYC)."""
 
     @staticmethod
     def _check_shape(n: int, k: int) -> None:
@@ -49,6 +51,11 @@ class _DotLinear(QuantizedLinear):
             raise ValueError(f"the integer dot-product kernels write float32 or bfloat16, not {out_dtype}")
         if x.shape[0] >= KERNEL_ROWS:
             return F.linear(x.float(), self.dequantized()).to(out_dtype)
+        return self.rowwise(x, out_dtype)
+
+    def rowwise(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The kernel at any row count: a row's result is its own whatever M (batch-invariant mode's call)."""
+        out_dtype = out_dtype or x.dtype
         k = self.in_features
         _check_dot_input(x, k)
         x = x.contiguous()

@@ -14,6 +14,8 @@ they fail.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +42,12 @@ def round_up(n: int, step: int) -> int:
 
 
 def tiled(linear, x: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
-    """`linear(x)` computed in tiles of MIN_ROWS..`tile` rows (a single row is doubled, the copy dropped)."""
+    """`linear(x)` computed in tiles of MIN_ROWS..`tile` rows (a single row is doubled, the copy dropped); or in one
+    call of its `rowwise` kernel where it has one (the native int8 and integer dot-product layouts: each output one
+    fixed-order sum of that row alone, at any row count), which needs no tiles."""
+    rowwise = getattr(linear, "rowwise", None)
+    if rowwise is not None:
+        return rowwise(x)
     if x.shape[0] == 1:
         return linear(x.expand(MIN_ROWS, -1).contiguous())[:1]
     if x.shape[0] <= tile:
@@ -109,14 +116,17 @@ def tile_rows(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype, w
             sampled = [i for i, row in enumerate(SAMPLE_ROWS) if row < rows]
             return torch.equal(out[[SAMPLE_ROWS[i] for i in sampled]], alone[sampled])
 
+        def call(rows: int) -> torch.Tensor:  # what the mode runs for a step of `rows` rows, untiled
+            return tiled(linear, x[:rows], rows)
+
         if whole and most > TILE_ROWS:
             reference = tiled(linear, x)
-            whole = agree(TILE_ROWS, reference) and all(
-                torch.equal(linear(x[:rows]), reference[:rows]) for rows in range(64, most + 1, 64)
-            )
+            # oneDNN picks its kernel by the row count: every bucket; a row-exact kernel changes only its tiles
+            counts = sorted({r for r in (64, 128, most) if r <= most}) if hasattr(linear, "rowwise") else range(64, most + 1, 64)
+            whole = agree(TILE_ROWS, reference) and all(torch.equal(call(rows), reference[:rows]) for rows in counts)
             if not whole and whole_only:
                 return None
-        if not all(agree(rows, linear(x[:rows])) for rows in SMALL_TILES):
+        if not all(agree(rows, call(rows)) for rows in SMALL_TILES):
             return None
     return max(most for _, _, most in linears.values()) if whole else TILE_ROWS
 
@@ -153,3 +163,25 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
         if all(torch.equal(decode([300, *others], step), alone) for others in ([330], [900], [5, 700, 1000])):
             return step
     return None
+
+
+COST_ROWS = 512
+"""Rows of the prefill chunk whose linears start-up times with the mode and without (the default chunk)."""
+
+
+def prefill_cost(linears: list, features: list[int], dtype: torch.dtype, tile: int, rows: int = COST_ROWS,
+                 repeats: int = 3) -> float:
+    """What the mode adds to a prefill chunk's linears, as a fraction of their time without it (0.021: 2.1%
+    slower): one layer's `linears` (each taking `features` inputs) called on `rows` random rows as the mode calls
+    them (`tiled`) and as they are called without it, interleaved, the median of `repeats` rounds. Only the
+    linears: attention's padding and a decode step's doubled row are not in it (docs/engine.md measures those)."""
+    generator = torch.Generator().manual_seed(2)
+    xs = [torch.randn(rows, k, generator=generator).to(dtype) for k in features]
+    on, off = [], []
+    for _ in range(repeats):
+        for times, call in ((off, lambda lin, x: lin(x)), (on, lambda lin, x: tiled(lin, x, tile))):
+            started = time.perf_counter()
+            for linear, x in zip(linears, xs):
+                call(linear, x)
+            times.append(time.perf_counter() - started)
+    return statistics.median(on) / statistics.median(off) - 1

@@ -196,6 +196,17 @@ class NativeInt8Linear(RowsQuantized):
         """x [M, K] float32 or bf16 (widened in the kernel) -> [M, N] in `out_dtype` (float32 or bf16)."""
         if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: the weight dequantized beats the kernel
             return self.dequantized_call(x, out_dtype)
+        return self.rowwise(x, out_dtype)
+
+    @property
+    def prefill_rowwise(self) -> bool:
+        """Whether `rowwise` keeps up with the dequantized matmul on a prefill chunk: the AVX2 loop's panels do
+        (woq_int8.c `run_panels`); the AVX512 loop has none yet, and bf16 CPUs' oneDNN (AMX) is far ahead of it."""
+        return not (native.cpu_has_avx512() and self.packed.shape[1] % 2 == 0)
+
+    def rowwise(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The kernel at any row count: each row's result is its own, bit for bit, whatever M (batch-invariant
+        mode calls this instead of tiling; a prefill chunk then skips the dequantized matmul)."""
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
@@ -229,9 +240,7 @@ class NativeQ8Linear(NativeInt8Linear):
         groups, quads, _, _ = packed.shape
         return packed.permute(0, 2, 1, 3).reshape(groups * 16, quads * 4)
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if x.shape[0] >= KERNEL_ROWS:
-            return self.dequantized_call(x, out_dtype)
+    def rowwise(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         x = x.contiguous()
         rows, k = x.shape
         n = self.scale.numel()
@@ -268,6 +277,13 @@ class PerStepLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.few(x, x.dtype if self.cast else torch.float32)
+
+    @property
+    def prefill_rowwise(self) -> bool:
+        return self.few.prefill_rowwise
+
+    def rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        return self.few.rowwise(x, x.dtype if self.cast else torch.float32)
 
 
 class DynamicInt8Linear(RowsQuantized):

@@ -57,6 +57,69 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* `tile` over a panel of weights already widened to float32 ([groups][K][8], unscaled: int8 -> float32 is exact):
+   the same products summed in the same order into the same accumulators, so the same bits as `tile`, without
+   widening every weight again for every 4 rows (a prefill chunk's calls). */
+static inline __attribute__((always_inline)) void tile_panel(
+    const int rows, const int groups, const float *x, int64_t K, const float *wf,
+    const float *scale, void *y, int64_t y0, int64_t N, int y_bf16)
+{
+    __m256 acc[ROWS][NARROW];
+    for (int m = 0; m < rows; m++)
+        for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 wk[NARROW];
+        for (int g = 0; g < groups; g++) wk[g] = _mm256_loadu_ps(wf + (g * K + k) * 8);
+        for (int m = 0; m < rows; m++) {
+            const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+            for (int g = 0; g < groups; g++) acc[m][g] = _mm256_fmadd_ps(xk, wk[g], acc[m][g]);
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        const __m256 s = _mm256_loadu_ps(scale + g * 8);
+        for (int m = 0; m < rows; m++) store8(y, y0 + m * N + g * 8, _mm256_mul_ps(acc[m][g], s), y_bf16);
+    }
+}
+
+#define PANEL_CASE(r, g) case (r) * 16 + (g): tile_panel(r, g, x, K, wf, scale, y, y0, N, y_bf16); break;
+
+static void tile_panel_avx2(int r, int g, const float *x, int64_t K, const float *wf, const float *scale, void *y,
+                            int64_t y0, int64_t N, int y_bf16)
+{
+    switch (r * 16 + g) {
+        PANEL_CASE(1, 1) PANEL_CASE(1, 2) PANEL_CASE(1, 3) PANEL_CASE(2, 1) PANEL_CASE(2, 2) PANEL_CASE(2, 3)
+        PANEL_CASE(3, 1) PANEL_CASE(3, 2) PANEL_CASE(3, 3) PANEL_CASE(4, 1) PANEL_CASE(4, 2) PANEL_CASE(4, 3)
+        default: no_tile("tile_panel_avx2", r, g);
+    }
+}
+
+#define PANEL_ROWS 16 /* from this many rows of x each thread widens its tile's weights once, into a panel */
+
+/* The AVX2 product for many rows: threads share tiles of NARROW groups; each widens its tile's weights into a
+   float32 panel once and runs every row over it. */
+static void run_panels(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N, void *y,
+                       int y_bf16)
+{
+    const int64_t groups = N / 8, tiles = (groups + NARROW - 1) / NARROW;
+    #pragma omp parallel
+    {
+        float *wf = malloc(NARROW * K * 8 * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t g0 = t * NARROW;
+            const int g = groups - g0 < NARROW ? (int)(groups - g0) : NARROW;
+            const int8_t *wt = w + g0 * K * 8;
+            for (int64_t i = 0; i < g * K * 8; i += 8)
+                _mm256_storeu_ps(wf + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wt + i)))));
+            for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+                const int r = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+                tile_panel_avx2(r, g, x + m0 * K, K, wf, scale + g0 * 8, y, m0 * N + g0 * 8, N, y_bf16);
+            }
+        }
+        free(wf);
+    }
+}
+
 /* The tile for r rows and g groups, their counts constants inside (the loops unroll). */
 typedef void (*tile_fn)(int r, int g, const float *x, int64_t K, const int8_t *w, const float *scale, void *y,
                         int64_t y0, int64_t N, int y_bf16);
@@ -83,6 +146,11 @@ static void run(tile_fn tile_of, int64_t wide, int64_t narrow, const void *x_in,
 {
     float *owned;
     const float *x = as_float(x_in, M * K, x_bf16, &owned);
+    if (tile_of == tile_avx2 && M >= PANEL_ROWS) {
+        run_panels(x, M, K, w, scale, N, y, y_bf16);
+        free(owned);
+        return;
+    }
     const int64_t per_tile = M == 1 ? wide : narrow;
     const int64_t groups = N / 8, tiles = (groups + per_tile - 1) / per_tile;
     #pragma omp parallel for schedule(static)
