@@ -554,9 +554,13 @@ def gguf_path(directory: Path, kind: str) -> Path:
 def write_gguf(directory: Path, kinds: list[str], llama: LlamaCpp, *, force: bool = False) -> list[Path]:
     """Convert the checkpoint in `directory` to GGUF at bf16 and quantize it to each of `kinds`; for a multimodal
     checkpoint also the vision tower and projector (`--mmproj`, f16). Files already there are kept (unless
-    `force`); the bf16 file is removed after quantizing unless "bf16" is among `kinds`. Returns what exists."""
+    `force`); the bf16 file is removed after quantizing unless "bf16" is among `kinds`. Returns what exists. A step
+    killed outright (SIGKILL, the OOM killer) leaves its `.partial` file: removed here, before anything runs."""
     directory = Path(directory)
     (directory / "gguf").mkdir(exist_ok=True)
+    for stale in (directory / "gguf").glob("*.partial"):
+        print(f"removing {stale} (left by a killed run)", file=sys.stderr)
+        stale.unlink()
     env = _converter_env(llama)
     script = str(llama.source / "convert_hf_to_gguf.py")
     bf16 = gguf_path(directory, "bf16")

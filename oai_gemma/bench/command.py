@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", help="with --compare: the checkpoint our server (--model) and the transformers baselines "
                         "serve (default: the embedded model), e.g. one `oai-gemma bench checkpoint` wrote")
     parser.add_argument("--gguf", help="with --compare: the GGUF llama-server serves (default: the embedded model's)")
+    parser.add_argument("--mmproj", help="with --compare: llama-server's vision projector GGUF (its --mmproj), so "
+                        "--prompts image runs on llama-server too (e.g. gguf/mmproj-*.gguf of `bench checkpoint --size 4b`)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="send `ignore_eos` (ours and llama-server honour it): every request runs to --max-tokens, "
                         "as random-weight checkpoints need")
@@ -203,6 +205,14 @@ def _discover_model(base_url: str, api_key: str | None) -> str:
         return "gemma-3-270m"
 
 
+def server_spec(name: str, args: argparse.Namespace, model_dir: str, dtype: str, device: str, lora=None):
+    """`--compare`'s server `name` from the command line: ours with --ours-args (and --model-dir), llama-server on
+    --gguf (with --mmproj), `-np` the highest --concurrency level."""
+    ours_args = shlex.split(args.ours_args) + (["--model", model_dir] if args.model_dir else [])
+    return build_spec(name, free_port(), model_dir, dtype, device, ours_args, max(args.concurrency), lora,
+                      args.gguf, args.mmproj)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..engine.model.loader import pick_device, pick_dtype, resolve_source
     from ..settings import load_settings
@@ -251,9 +261,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         for name in args.servers or default_servers(args.prompts):
             try:
-                ours_args = shlex.split(args.ours_args) + (["--model", model_dir] if args.model_dir else [])
-                spec = build_spec(name, free_port(), model_dir, dtype, str(device), ours_args, max(args.concurrency), lora,
-                                  args.gguf)
+                spec = server_spec(name, args, model_dir, dtype, str(device), lora)
                 print(f"[{name}] starting: {shlex.join(spec.argv)}", file=sys.stderr, flush=True)
                 started = time.monotonic()
                 with running(spec, Path(args.log_dir), args.ready_timeout) as (model, pid):

@@ -77,10 +77,11 @@ def _script(name: str) -> str:
 
 
 def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ours_args: list[str],
-               slots: int, lora=None, gguf: str | None = None) -> ServerSpec:
+               slots: int, lora=None, gguf: str | None = None, mmproj: str | None = None) -> ServerSpec:
     """`slots`: llama-server's `-np`, the highest concurrency level of the sweep (see `llama_server_argv`);
     `lora`: the adapters of `--lora N` (bench/lora.py's LoraSet), served by the `-lora` variants; `gguf`: the file
-    llama-server serves (default: the embedded model's)."""
+    llama-server serves (default: the embedded model's); `mmproj`: its vision tower and projector (llama-server's
+    `--mmproj`), for image requests."""
     if name in LORA_SERVERS and lora is None:
         raise ValueError(f"{name} needs --lora N (the adapters to spread requests over)")
     if name in OURS_FLAGS:
@@ -89,7 +90,7 @@ def build_spec(name: str, port: int, model_dir: str, dtype: str, device: str, ou
         return ServerSpec(name, argv + flags, port, "gemma-3-270m")
     if name.startswith("llama-server"):
         extra = {"llama-server-ngram": LLAMA_NGRAM_FLAGS, "llama-server-lora": lora.llama_flags(model_dir) if lora else []}.get(name, [])
-        return ServerSpec(name, llama_server_argv(port, slots, gguf) + extra, port, "gemma-3-270m")
+        return ServerSpec(name, llama_server_argv(port, slots, gguf, mmproj) + extra, port, "gemma-3-270m")
     if name.startswith("transformers"):
         # the positional model is preloaded before the port opens and pins the server: requests must name it.
         # `transformers` and `transformers-cb` run at transformers' own default dtype (what its users get: the
@@ -123,9 +124,10 @@ def llama_server_binary() -> str | None:
     return os.environ.get(LLAMA_SERVER_ENV) or shutil.which("llama-server")
 
 
-def llama_server_argv(port: int, slots: int, gguf: str | None = None) -> list[str]:
+def llama_server_argv(port: int, slots: int, gguf: str | None = None, mmproj: str | None = None) -> list[str]:
     """llama.cpp's server on `gguf` (default: the embedded model's own GGUF), with our Gemma-3 chat template (`--jinja`), `slots`
-    parallel slots (`-np`) and every CPU this process may use.
+    parallel slots (`-np`), every CPU this process may use and, given `mmproj`, that vision projector (`--mmproj`:
+    without it llama-server refuses image requests).
 
     Every server starts once per sweep, not once per level: a restart would drop the prompt caches a long-running
     server keeps (ours and llama-server's alike) and add a start per level. So `-np` cannot equal each level; it is
@@ -140,7 +142,7 @@ def llama_server_argv(port: int, slots: int, gguf: str | None = None) -> list[st
     return [
         binary, "-m", gguf or str(assemble()), "--jinja", "--chat-template-file", str(template), "--host", "127.0.0.1",
         "--port", str(port), "-np", str(slots), "-c", str(slots * LLAMA_SLOT_CONTEXT),
-        "-t", str(len(os.sched_getaffinity(0))),
+        "-t", str(len(os.sched_getaffinity(0))), *(["--mmproj", mmproj] if mmproj else []),
     ]
 
 

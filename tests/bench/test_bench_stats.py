@@ -163,3 +163,23 @@ def test_llama_server_serves_the_gguf_it_is_given(monkeypatch):
     monkeypatch.setenv(compare.LLAMA_SERVER_ENV, "/usr/local/bin/llama-server")
     argv = compare.llama_server_argv(9000, 8, "/models/gemma-3-1b-q4_k_m.gguf")
     assert argv[argv.index("-m") + 1] == "/models/gemma-3-1b-q4_k_m.gguf"
+
+
+def test_compare_forwards_mmproj_to_llama_server_only(monkeypatch):
+    import argparse
+
+    from oai_gemma.bench import compare
+    from oai_gemma.bench.command import add_arguments, server_spec
+
+    monkeypatch.setenv(compare.LLAMA_SERVER_ENV, "/usr/local/bin/llama-server")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--compare", "--prompts", "image", "--concurrency", "1,8", "--model-dir", "/ckpt",
+                              "--gguf", "/ckpt/gguf/m-q4_k_m.gguf", "--mmproj", "/ckpt/gguf/mmproj-m-f16.gguf"])
+    argv = server_spec("llama-server", args, "/ckpt", "float32", "cpu").argv
+    assert argv[argv.index("-m") + 1] == "/ckpt/gguf/m-q4_k_m.gguf"
+    assert argv[argv.index("--mmproj") + 1] == "/ckpt/gguf/mmproj-m-f16.gguf"
+    assert argv[argv.index("-np") + 1] == "8"
+    assert "--mmproj" not in server_spec("ours", args, "/ckpt", "float32", "cpu").argv
+    without = parser.parse_args(["--compare", "--gguf", "/ckpt/gguf/m-q4_k_m.gguf"])
+    assert "--mmproj" not in server_spec("llama-server", without, "/ckpt", "float32", "cpu").argv

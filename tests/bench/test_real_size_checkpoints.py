@@ -292,3 +292,41 @@ def test_a_gguf_step_leaves_its_file_only_once_complete(tmp_path):
     assert not output.exists() and not list(tmp_path.glob("*.partial"))
     checkpoint._run(["cp", str(source), str(output)], output)
     assert output.read_bytes() == b"GGUF" and not list(tmp_path.glob("*.partial"))
+
+
+def _fake_llama_cpp(tmp_path):
+    """A llama.cpp stand-in whose converter and quantize copy a marker into their output and log each call."""
+    import stat
+    import sys
+
+    tree, log = tmp_path / "llama.cpp", tmp_path / "calls.log"
+    tree.mkdir()
+    (tree / "convert_hf_to_gguf.py").write_text(
+        "import sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        f"open({str(log)!r}, 'a').write(('mmproj' if '--mmproj' in sys.argv else 'convert') + '\\n')\n"
+        "open(out, 'w').write('GGUF')\n")
+    quantize = tmp_path / "llama-quantize"
+    quantize.write_text(f"#!{sys.executable}\nimport sys, shutil\nopen({str(log)!r}, 'a').write(sys.argv[3] + '\\n')\n"
+                        "shutil.copy(sys.argv[1], sys.argv[2])\n")
+    quantize.chmod(quantize.stat().st_mode | stat.S_IEXEC)
+    return checkpoint.LlamaCpp(tree, quantize), log
+
+
+def test_a_rerun_of_the_gguf_step_makes_only_what_is_missing(tmp_path):
+    llama, log = _fake_llama_cpp(tmp_path)
+    directory = tmp_path / "gemma-3-4b-random"
+    directory.mkdir()
+    (directory / "preprocessor_config.json").write_text("{}")
+    made = checkpoint.write_gguf(directory, ["q4_k_m", "q8_0"], llama)
+    assert [path.name for path in made] == ["gemma-3-4b-random-q4_k_m.gguf", "gemma-3-4b-random-q8_0.gguf",
+                                            "mmproj-gemma-3-4b-random-f16.gguf"]
+    assert log.read_text().split() == ["convert", "Q4_K_M", "Q8_0", "mmproj"]
+    assert not checkpoint.gguf_path(directory, "bf16").exists()  # removed once both are quantized
+    log.write_text("")
+    assert checkpoint.write_gguf(directory, ["q4_k_m", "q8_0"], llama) == made
+    assert log.read_text() == ""  # all there: nothing runs again
+    checkpoint.gguf_path(directory, "q8_0").unlink()
+    killed = directory / "gguf" / "mmproj-gemma-3-4b-random-f16.gguf.partial"  # what a SIGKILLed step leaves
+    killed.write_text("half")  # (beside a finished mmproj, which nothing rebuilds)
+    checkpoint.write_gguf(directory, ["q4_k_m", "q8_0"], llama)
+    assert log.read_text().split() == ["convert", "Q8_0"] and not killed.exists()
