@@ -165,7 +165,8 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True):
     error event then `[DONE]`). 0 means no limit."""
     idle_timeout: Annotated[float, msgspec.Meta(ge=0)] = 120.0
     """Longest wait for a request's next token, time in the queue included (a stream that goes quiet
-    this long ends the same way). 0 means no limit."""
+    this long ends the same way); the encode of a request's images is progress (counted from its last slice).
+    0 means no limit."""
     max_stream_backlog: Annotated[int, msgspec.Meta(ge=0)] = 1024
     """Events (tokens) a stream may have waiting for a client that reads slower than they come; past it the request
     is cancelled and its KV freed (`oai_gemma:stream_backlog_cancels_total`), so a client that stops reading holds

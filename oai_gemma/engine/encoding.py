@@ -15,6 +15,7 @@ dropped with its work.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,9 @@ class Encoding:
         """Images sets encoded and the vision tower's time on them (for /health and /metrics)."""
         self.last_step = 0.0
         """Wall time of the last step that ran sequences (the auto budget)."""
+        self.worked: dict[str, float] = {}
+        """Request id -> when its image's encode last advanced (read by its Submission, off this thread, so that
+        the idle timeout does not take an encode of minutes for a request gone quiet)."""
 
     def __bool__(self) -> bool:
         return bool(self.jobs)
@@ -73,11 +77,13 @@ class Encoding:
             done = job.work.run(self.budget(busy))
         except Exception as exc:  # a bad image fails the requests waiting on it only
             log.exception("vision tower failed")
-            del self.jobs[key]
+            self._drop(key)
             return [], [(seq, f"image processing failed: {exc}") for seq in job.waiters]
         if not done:
+            now = time.perf_counter()
+            self.worked.update((seq.request_id, now) for seq in job.waiters)
             return [], []
-        del self.jobs[key]
+        self._drop(key)
         self.encodes += 1
         self.seconds += job.work.seconds
         log.info("image encoded in %.3f s (%d units)", job.work.seconds, job.work.units_done)
@@ -91,12 +97,19 @@ class Encoding:
             job.waiters = [seq for seq in job.waiters if seq.request_id != request_id]
             if not job.waiters:
                 del self.jobs[key]
+        self.worked.pop(request_id, None)
         return taken
 
     def take_all(self) -> list[Sequence]:
         waiters = [seq for job in self.jobs.values() for seq in job.waiters]
         self.jobs.clear()
+        self.worked.clear()
         return waiters
+
+    def _drop(self, key: tuple) -> None:
+        """A job ended: its waiters' encode times go with it."""
+        for seq in self.jobs.pop(key).waiters:
+            self.worked.pop(seq.request_id, None)
 
 
 def token_runs(ids: list[int], token: int | None) -> list[tuple[int, int]]:

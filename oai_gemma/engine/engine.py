@@ -171,7 +171,8 @@ class Engine:
         places = sum(request.n for request in requests)
         self._check_room(places)
         submission = Submission(
-            requests, self._release, self.observer, self.request_timeout, self.idle_timeout, self.max_backlog
+            requests, self._release, self.observer, self.request_timeout, self.idle_timeout, self.max_backlog,
+            worked_at=self.core.encoding.worked.get,
         )
         self.in_flight += places
         for request in requests:

@@ -32,6 +32,7 @@ class Submission:
     def __init__(
         self, requests: Sequence[GenerationRequest], release: Release, observer: RequestObserver,
         timeout: float = 0.0, idle_timeout: float = 0.0, max_backlog: int = 0,
+        worked_at: Callable[[str], float | None] = lambda request_id: None,
     ):
         self.requests = {request.request_id: request for request in requests}
         self.places = sum(request.n for request in requests)
@@ -51,6 +52,9 @@ class Submission:
         self.deadline = arrival + timeout if timeout else None
         self.timeout = timeout
         self.idle_timeout = idle_timeout or None
+        self.worked_at = worked_at
+        """When the engine last worked for a request without a token to show (its image's encode), or None: the
+        idle timeout counts from then, so a long encode is not taken for a request gone quiet."""
 
     def __aiter__(self) -> "Submission":
         return self
@@ -68,20 +72,27 @@ class Submission:
         return event
 
     async def _next(self) -> TokenEvent:
-        limit, wait = "idle", self.idle_timeout  # whichever limit comes first is the one armed
-        if self.deadline is not None:
-            left = self.deadline - time.perf_counter()
-            if wait is None or left < wait:
-                limit, wait = "total", left
-        if not self.events.empty():
-            return self.events.get_nowait()
-        if wait is None:
-            return await self.events.get()
-        try:
-            return await asyncio.wait_for(self.events.get(), max(wait, 0.0))
-        except TimeoutError:
-            self.overdue = [self._timed_out(limit, request_id) for request_id in self.live]
-            return self.overdue.pop(0)
+        idle = self.idle_timeout
+        while True:
+            limit, wait = "idle", idle  # whichever limit comes first is the one armed
+            if self.deadline is not None:
+                left = self.deadline - time.perf_counter()
+                if wait is None or left < wait:
+                    limit, wait = "total", left
+            if not self.events.empty():
+                return self.events.get_nowait()
+            if wait is None:
+                return await self.events.get()
+            try:
+                return await asyncio.wait_for(self.events.get(), max(wait, 0.0))
+            except TimeoutError:
+                worked = max((at for at in map(self.worked_at, self.live) if at is not None), default=None)
+                since = None if worked is None else time.perf_counter() - worked
+                if limit == "idle" and since is not None and since < self.idle_timeout:
+                    idle = self.idle_timeout - since  # worked on meanwhile: quiet only from then
+                    continue
+                self.overdue = [self._timed_out(limit, request_id) for request_id in self.live]
+                return self.overdue.pop(0)
 
     def _timed_out(self, limit: str, request_id: str) -> TokenEvent:
         why = (

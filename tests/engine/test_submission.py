@@ -3,6 +3,7 @@ through its one `release` callback, and what was still running is cancelled. No 
 list of calls, its events are put on the queue by hand."""
 
 import asyncio
+import time
 
 from oai_gemma.engine.observer import RequestObserver
 from oai_gemma.engine.submission import Submission
@@ -88,3 +89,37 @@ def test_an_empty_admission_ends_at_once_holding_nothing():
         return await drain(submission), released
 
     assert asyncio.run(run()) == ([], [(0, [])])
+
+
+def test_work_on_a_requests_image_counts_as_progress_and_the_idle_timeout_runs_from_its_last_slice():
+    """An image's encode can take minutes before the first token; while the engine works on it (engine/encoding.py
+    records each slice), the request is not idle. Once the slices stop, the idle timeout runs from the last one."""
+    async def run():
+        submission, released, _ = admission(1, idle=0.2)
+        worked = {}
+        submission.worked_at = worked.get
+        started = time.perf_counter()
+
+        async def encode(slices: int):
+            for _ in range(slices):
+                worked["r0"] = time.perf_counter()
+                await asyncio.sleep(0.05)
+
+        encoder = asyncio.create_task(encode(10))  # 0.5 s of slices: more than twice the idle timeout
+        events = await drain(submission)
+        await encoder
+        return events, time.perf_counter() - started, worked["r0"] - started
+
+    events, ended, last_slice = asyncio.run(run())
+    assert [(e.request_id, e.finish_reason) for e in events] == [("r0", "timeout")]
+    assert ended >= last_slice + 0.2 - 0.01, (ended, last_slice)  # quiet for the whole idle timeout after the last slice
+    assert ended < last_slice + 0.2 + 0.15, (ended, last_slice)
+
+
+def test_a_slice_for_another_request_does_not_keep_this_one_alive():
+    async def run():
+        submission, _, _ = admission(1, idle=0.1)
+        submission.worked_at = {"other": time.perf_counter() + 60}.get
+        return await drain(submission)
+
+    assert [e.finish_reason for e in asyncio.run(run())] == ["timeout"]
