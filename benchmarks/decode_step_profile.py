@@ -1,0 +1,130 @@
+"""Where a decode step's time goes: `ModelRunner.forward` over N decode rows plus the greedy pick, with the step's
+parts timed by wrapping the functions the runner calls (the native kernels are ctypes calls, which torch.profiler
+does not see): the projections, the lm_head, decode attention (and the KV gather inside it), the KV writes, the
+norms, rope, the GELU, the pack, the sampling; "other" is the rest (Python per layer, residual adds, views).
+
+    python benchmarks/decode_step_profile.py --model-dir ~/.cache/oai-gemma-bench/gemma-3-1b-random \
+        --quantization q8 --rows 8 --context 40 --threads 1,2
+
+Fractions are meaningful on a loaded machine at one thread; with two threads on a shared 2-core machine every
+parallel region waits for a core, so compare threads only on a quiet one (`uptime`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import time
+
+import torch
+
+from oai_gemma.engine.factory import configure, load_weights, measure_invariance
+from oai_gemma.engine.model import gemma3, runner as runner_module
+from oai_gemma.engine.model.loader import load
+from oai_gemma.engine.model.runner import ModelRunner, StepItem
+from oai_gemma.engine.sampling.sampler import PlainRow, RowRandom, sample_with_logprobs
+from oai_gemma.engine.types import SamplingParams
+from oai_gemma.settings import EngineSettings, ModelSettings, Settings
+
+
+class Clock:
+    """Seconds and calls per part; a part called inside another timed part counts in the outer one only, unless
+    it is `nested` (then it is shown indented, as a share of its parent)."""
+
+    def __init__(self):
+        self.seconds, self.calls, self.depth = collections.defaultdict(float), collections.Counter(), 0
+
+    def wrap(self, name: str, fn, nested: bool = False):
+        def timed(*args, **kwargs):
+            if self.depth and not nested:
+                return fn(*args, **kwargs)
+            self.depth += not nested
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.calls[name] += 1
+                self.depth -= not nested
+        return timed
+
+
+class _Gelu:
+    """gemma3's `F`, with its gelu timed (the layer calls `F.gelu`)."""
+
+    def __init__(self, clock: Clock):
+        self.gelu = clock.wrap("gelu", torch.nn.functional.gelu)
+
+
+def instrument(runner: ModelRunner, clock: Clock) -> None:
+    runner_module.call_linear = clock.wrap("projections", runner_module.call_linear)
+    runner_module.decode_attention = clock.wrap("decode attention", runner_module.decode_attention)
+    gemma3.rms_norm = clock.wrap("RMSNorms", gemma3.rms_norm)
+    gemma3.rope = clock.wrap("rope", gemma3.rope)
+    gemma3.F = _Gelu(clock)
+    runner.lm_head_linear = clock.wrap("lm_head", runner.lm_head_linear)
+    runner.cache.blocks = clock.wrap("  of which the KV gather", runner.cache.blocks, nested=True)
+    runner.cache.write = clock.wrap("KV writes", runner.cache.write)
+    runner._pack = clock.wrap("pack (Python, tensors of ids and tables)", runner._pack)
+    runner.rotary = clock.wrap("rope cos/sin", runner.rotary)
+    runner.gemma.norm = clock.wrap("final norm", runner.gemma.norm)
+
+
+def profile(runner: ModelRunner, clock: Clock, rows: int, context: int, steps: int) -> list[float]:
+    length = -(-(context + rows + 1) // runner.cache.block_size) * runner.cache.block_size
+    decodes = [StepItem(runner.sequence_blocks(r, length), [1234], context + r) for r in range(rows)]
+    sampled = [PlainRow(SamplingParams(max_tokens=32, temperature=0.0), RowRandom(0)) for _ in range(rows)]
+    pick = clock.wrap("sampling (greedy)", sample_with_logprobs)
+    for _ in range(3):
+        pick(runner.forward([], decodes), sampled)
+    clock.seconds.clear()
+    clock.calls.clear()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        pick(runner.forward([], decodes), sampled)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def report(times: list[float], clock: Clock, title: str) -> None:
+    total, steps = sum(times), len(times)
+    print(f"{title}: step median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms; "
+          f"{time.strftime('%H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}")
+    print("| part | ms a step | share | calls a step |\n|---|---:|---:|---:|")
+    counted = 0.0
+    for name, seconds in sorted(clock.seconds.items(), key=lambda kv: -kv[1]):
+        counted += 0 if name.startswith(" ") else seconds
+        print(f"| {name} | {seconds / steps * 1e3:.2f} | {seconds / total:.1%} | {clock.calls[name] / steps:.0f} |")
+    print(f"| other | {(total - counted) / steps * 1e3:.2f} | {(total - counted) / total:.1%} | |\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", default="")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--context", type=int, default=40)
+    parser.add_argument("--threads", default="1")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    model = ModelSettings(dtype="float32", quantization=args.quantization, max_model_len=2048)
+    settings = Settings(model=model if not args.model_dir else ModelSettings(
+        source=os.path.expanduser(args.model_dir), dtype="float32", quantization=args.quantization, max_model_len=2048),
+        engine=EngineSettings(max_num_seqs=max(8, args.rows)))
+    loaded = load(settings.model)
+    config = configure(settings, loaded)
+    weights = load_weights(loaded, config)
+    runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config))
+    clock = Clock()
+    instrument(runner, clock)
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        times = profile(runner, clock, args.rows, args.context, args.steps)
+        report(times, clock, f"{config.quantization}, {args.rows} rows at context ~{args.context}, {threads} threads")
+
+
+if __name__ == "__main__":
+    main()
