@@ -3,7 +3,6 @@ result does not depend on the rows beside it (its tiles, the single-row path and
 path agrees, `auto` picks it only where the CPU computes in float32, and where it cannot be compiled the reason
 is said and the setting falls back."""
 
-import functools
 import logging
 
 import pytest
@@ -14,10 +13,11 @@ from oai_gemma.engine.config import ConfigError, Machine, _quantization
 from oai_gemma.engine.factory import configure as resolve_config
 from oai_gemma.engine.ops import native
 from oai_gemma.engine.ops.native import sources
-from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.ops.choice import linear_for
 from oai_gemma.engine.ops.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear
 from oai_gemma.settings import ModelSettings, Settings
+
+from conftest import embedded_float32
 
 pytestmark = pytest.mark.skipif(native.native_unavailable() is not None,
                                 reason=f"the native kernel cannot run here: {native.native_unavailable()}")
@@ -157,9 +157,8 @@ def test_a_family_that_fails_to_compile_turns_off_only_its_own_kernels(native_el
 
 # ---- where start-up builds it, and what it says when it cannot (issue 25, item 5) ----------------------------
 
-@functools.cache
 def float32_model():
-    return load(ModelSettings(dtype="float32"))
+    return embedded_float32()  # conftest: one load for the session
 
 
 def test_the_configured_cache_dir_gets_the_kernel_where_the_default_cache_cannot_be_written(native_elsewhere, tmp_path):
