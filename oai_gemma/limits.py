@@ -34,7 +34,8 @@ class Limit:
     kind: str
     """`min`/`max` (a number, inclusive), `above` (a number, exclusive), `min_items`/`max_items` (an array's or an
     object's entries), `min_length`/`max_length` (a string's characters), `pattern` (a string's shape); the
-    prompt's `max_chars` (its text, refused as `context_length_exceeded`); an image's `max_images` (per request),
+    prompt's `max_chars` (its text, refused as `context_length_exceeded`); a text's `max_tokens` (once tokenized);
+    `requires` (another field's value, `limit`, that this one needs); an image's `max_images` (per request),
     `max_bytes`, `max_pixels`."""
     limit: int | float | str
     """A float for a decimal field, an int for an integer or a count."""
@@ -79,6 +80,8 @@ LIMITS: tuple[Limit, ...] = (
     Limit("max_tokens", "min", 1, (CHAT,), "a completion has a token"),
     Limit("max_completion_tokens", "min", 1, (CHAT,), "a completion has a token"),
     *_range("top_logprobs", 0, 20, (CHAT, RESPONSES), "OpenAI's range"),
+    Limit("top_logprobs", "requires", "logprobs: true", (CHAT,), "the alternatives are shown beside each token's logprob"),
+    Limit("prediction", "max_tokens", "max_model_len", (CHAT,), "a longer prediction could never be the output"),
     Limit("tools[].function.name", "pattern", NAME, (CHAT,), "OpenAI's function names"),
     Limit("response_format.json_schema.name", "pattern", NAME, (CHAT,), "OpenAI's schema names"),
     # completions
@@ -180,6 +183,10 @@ def phrase(param: str, kind: str, limit, value=None, note: str = "") -> tuple[st
         what = {"max_images": "too many images", "max_bytes": "image too large", "max_pixels": "image too large"}[kind]
         unit = {"max_images": "images per request", "max_bytes": "bytes", "max_pixels": "pixels"}[kind]
         return f"Invalid '{param}': {what}. Expected at most {limit} {unit}{note}{got}.", "invalid_image"
+    if kind == "max_tokens":
+        return f"Invalid '{param}': text too long. Expected a text of at most {limit} tokens{note}{got}.", "string_above_max_length"
+    if kind == "requires":
+        return f"Invalid '{param}': only read with `{limit}`{note}{got}.", "invalid_value"
     if kind == "pattern":
         return f"Invalid '{param}': string does not match pattern. Expected a string that matches the pattern '{limit}'{got}.", "invalid_value"
     raise ValueError(f"no phrasing for {kind!r}")
@@ -193,6 +200,8 @@ def _got(kind: str, value) -> str:
         return "an empty string" if not value else f"a string with length {len(value)}"
     if kind == "pattern":
         return repr(shown(value))
+    if kind == "max_tokens":
+        return f"a text of {value} tokens"
     return value if isinstance(value, str) else number(value)
 
 

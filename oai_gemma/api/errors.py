@@ -3,12 +3,14 @@ engine's refusals mapped to their statuses."""
 
 from __future__ import annotations
 
+import json
 import re
+from decimal import Decimal
 
 import msgspec
 
 from ..chat import ChatInputError, PromptTooLong
-from ..limits import limits, missing, phrase, shown
+from ..limits import LIMITS, limits, missing, phrase, shown
 from .protocol import ErrorBody, ErrorResponse, encoder
 
 
@@ -94,6 +96,8 @@ def validation_error(message: str, document, where: str = "") -> APIError:
     text = message.split(" - at `")[0]
     if _MISSING.search(text):
         return invalid_request(missing(param), param, "missing_required_parameter")
+    if text == "Number out of range" and isinstance(document, bytes):
+        return _out_of_range(param, document, message)
     bound = _bound(text)
     if bound is None:
         return invalid_request(openai_wording(message, param), param)
@@ -102,6 +106,29 @@ def validation_error(message: str, document, where: str = "") -> APIError:
     path = at.group(0).removeprefix(" - at `$").removesuffix("`") if at else ""
     value = next((v for v in _values(document, path) if _breaks(kind, limit, v)), None)
     return over_limit(param, kind, limit, value)
+
+
+class _ExactFloat(Decimal):
+    """A JSON decimal read exactly (an integer is a plain Decimal)."""
+
+
+def _out_of_range(param: str | None, body: bytes, message: str) -> APIError:
+    """A number too large for its type (`1e999`, an integer past 64 bits), worded as the field's limit when it has
+    one (the value read exactly, as a Decimal), else as the type's range."""
+    at = _AT_PATH.search(message)
+    path = at.group(0).removeprefix(" - at `$").removesuffix("`") if at else ""
+    values = _values(body, path, exact=True)
+    rows = [row for row in LIMITS if row.param == re.sub(r"\[\d+\]", "[]", param or "") and row.static
+            and row.kind in ("min", "max")]
+    for value in values:
+        for row in rows:
+            if _breaks(row.kind, row.limit, value):
+                return over_limit(param, row.kind, row.limit, value)
+    decimal = any(isinstance(value, _ExactFloat) for value in values)
+    expected = "a finite decimal (at most about 1.8e308 either way)" if decimal else (
+        "an integer between -9223372036854775808 and 18446744073709551615")
+    got = f", but got {shown(str(values[0]))} instead" if values else ""
+    return invalid_request(f"Invalid value for '{param}': number out of range. Expected {expected}{got}.", param)
 
 
 def _bound(text: str) -> tuple[str, object] | None:
@@ -117,10 +144,14 @@ def _bound(text: str) -> tuple[str, object] | None:
     return None
 
 
-def _values(document, path: str) -> list:
-    """The values at msgspec's `path` (`.messages[0].content`; `[...]`: any of a dict's values) in `document`."""
+def _values(document, path: str, exact: bool = False) -> list:
+    """The values at msgspec's `path` (`.messages[0].content`; `[...]`: any of a dict's values) in `document`
+    (`exact`: its numbers as Decimals, so that one too large for a float or an int64 is read as it was sent)."""
     try:
-        values = [msgspec.json.decode(document) if isinstance(document, bytes) else document]
+        if exact:
+            values = [json.loads(document, parse_float=_ExactFloat, parse_int=Decimal)]
+        else:
+            values = [msgspec.json.decode(document) if isinstance(document, bytes) else document]
         for key, index in _STEP.findall(path):
             if key:
                 values = [v[key] for v in values if isinstance(v, dict) and key in v]
@@ -129,7 +160,7 @@ def _values(document, path: str) -> list:
             else:
                 values = [v[int(index)] for v in values if isinstance(v, list) and int(index) < len(v)]
         return values
-    except (msgspec.DecodeError, RecursionError):  # a number too large to decode on its own: left unquoted
+    except (msgspec.DecodeError, RecursionError, ValueError):  # a number too large to decode on its own: left unquoted
         return []
 
 
@@ -139,7 +170,7 @@ def _breaks(kind: str, limit, value) -> bool:
         if kind == "pattern":
             return isinstance(value, str) and re.search(limit, value) is None
         if kind in ("min", "above", "max"):
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
                 return False
             return value < limit if kind == "min" else value <= limit if kind == "above" else value > limit
         return len(value) < limit if kind.startswith("min") else len(value) > limit

@@ -16,7 +16,7 @@ from ..chat import Prompt
 from ..chat.tools import ToolPlan
 from ..engine.engine import Engine
 from ..engine.types import GenerationRequest
-from .errors import invalid_request
+from .errors import over_limit
 from .protocol import SamplingFields
 from .response_format import OutputFormat, request_grammar
 from .sampling import choice_count, completion_budget, sampling_params
@@ -72,6 +72,8 @@ def predicted_tokens(text: str, engine: Engine, max_model_len: int) -> tuple[int
     """The prediction's token ids; one longer than the context could never be an output (a 400)."""
     if not text:
         return ()
-    if len(text) > 8 * max_model_len or len(ids := engine.encode(text)) > max_model_len:  # chars: before tokenizing
-        raise invalid_request(f"`prediction` is longer than the context window ({max_model_len} tokens)", "prediction")
+    if len(text) > 8 * max_model_len:  # before tokenizing: no token is more than 8 characters here, nearly
+        raise over_limit("prediction", "max_tokens", max_model_len, note=" (`max_model_len`)")
+    if len(ids := engine.encode(text)) > max_model_len:
+        raise over_limit("prediction", "max_tokens", max_model_len, len(ids), note=" (`max_model_len`)")
     return tuple(ids)

@@ -275,6 +275,12 @@ class ModelCard(Struct):
     """A LoRA adapter's directory (vLLM's shape)."""
     parent: str | UnsetType = UNSET
     """A LoRA adapter's base model (vLLM's shape)."""
+    modalities: list[str] | UnsetType = UNSET
+    """What a request may send it: `text`, and `image` for a multimodal model (unset while it loads)."""
+    capabilities: list[str] | UnsetType = UNSET
+    """Ollama's word: `completion`, `chat`, `tools`, `structured_output`, `vision`."""
+    status: dict[str, str] | UnsetType = UNSET
+    """llama-server's router shape: `{"value": "loaded"}` when it answers, `loading` before."""
 
 
 class ModelList(Struct):

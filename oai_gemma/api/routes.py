@@ -63,12 +63,16 @@ async def detokenize_route(request: Request) -> Response:
 
 
 def _cards(state) -> list[ModelCard]:
-    """The base model, then each LoRA adapter with `parent` = its base (vLLM's shape)."""
-    max_len = state.settings.model.max_model_len
+    """The base model, then each LoRA adapter with `parent` = its base (vLLM's shape); each says what it reads and
+    does, and whether it answers yet (what agent tools read instead of guessing)."""
+    facts = {"max_model_len": state.settings.model.max_model_len, "status": {"value": "loaded" if state.ready else "loading"}}
+    if state.engine is not None:
+        vision = state.engine.processor is not None
+        facts |= {"modalities": ["text", "image"] if vision else ["text"],
+                  "capabilities": ["completion", "chat", "tools", "structured_output"] + (["vision"] if vision else [])}
     adapters = state.engine.adapters if state.engine is not None and state.engine.adapters is not None else None
-    return [ModelCard(id=state.served_name, created=state.created, max_model_len=max_len)] + [
-        ModelCard(id=r.name, created=state.created, max_model_len=max_len, root=r.module.path,
-                  parent=r.module.base_model_name or state.served_name)
+    return [ModelCard(id=state.served_name, created=state.created, **facts)] + [
+        ModelCard(id=r.name, created=state.created, root=r.module.path, parent=r.module.base_model_name or state.served_name, **facts)
         for r in (adapters.known.copy().values() if adapters is not None else ())
     ]
 

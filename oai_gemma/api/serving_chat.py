@@ -19,7 +19,7 @@ from ..engine.submission import Submission
 from ..engine.types import GenerationRequest, TokenEvent
 from .exchange import Exchange
 from .choices import ChoiceAssembler, ChoiceDelta, Finish, TextDelta, ToolCallStart, assemble, indexed
-from .errors import APIError, generation_failure, invalid_request
+from .errors import APIError, generation_failure, over_limit
 from .protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -67,7 +67,7 @@ class ChatService(OpenAIServing):
         tools = chat_tools(request)
         prompt = await self.build_prompt(request.messages, tool_prompt=tools and tools.prompt())
         if request.top_logprobs and not request.logprobs:
-            raise invalid_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+            raise over_limit("top_logprobs", "requires", "logprobs: true", f"logprobs: {'false' if request.logprobs is False else 'null'}")
         plan = GenerationPlan(
             f"chatcmpl-{uuid.uuid4().hex}", prompt, request, arrival, request.max_completion_tokens or request.max_tokens,
             self.default_max_tokens, "messages", tools, chat_output_format(request.response_format),

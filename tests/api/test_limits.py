@@ -186,6 +186,34 @@ def test_a_prompt_past_its_characters_is_context_length_exceeded_naming_both(htt
     assert length > most
 
 
+def test_top_logprobs_without_logprobs_names_what_it_needs(http):
+    error = refusal(post(http, CHAT, {"top_logprobs": 2}), "top_logprobs")
+    assert error["message"] == "Invalid 'top_logprobs': only read with `logprobs: true`, but got logprobs: null instead."
+    error = refusal(post(http, CHAT, {"top_logprobs": 2, "logprobs": False}), "top_logprobs")
+    assert error["message"].endswith("but got logprobs: false instead.")
+
+
+def test_a_prediction_past_the_context_names_its_tokens_and_the_limit(http, tokenizer):
+    text = "hello " * (MAX_MODEL_LEN + 10)
+    tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    error = refusal(post(http, CHAT, {"prediction": {"type": "content", "content": text}}), "prediction")
+    assert error["message"] == (f"Invalid 'prediction': text too long. Expected a text of at most {MAX_MODEL_LEN} tokens "
+                                f"(`max_model_len`), but got a text of {tokens} tokens instead."), error
+    assert error["code"] == "string_above_max_length"
+
+
+@pytest.mark.parametrize("literal, param, expected", [
+    ("1e999", "temperature", "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 1E+999 instead."),
+    ("-1e999", "presence_penalty", "Invalid 'presence_penalty': decimal below minimum value. Expected a value >= -2, but got -1E+999 instead."),
+    ("99999999999999999999999", "n", "Invalid 'n': integer above maximum value. Expected a value <= 128, but got 99999999999999999999999 instead."),
+    ("1e999", "seed", "Invalid value for 'seed': number out of range. Expected a finite decimal (at most about 1.8e308 either way), but got 1E+999 instead."),
+])
+def test_a_number_too_large_to_read_names_the_limit_and_the_value(http, literal, param, expected):
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "%s": %s}' % (MODEL, param, literal)
+    response = http.post(PATHS[CHAT], content=body.encode(), headers={"content-type": "application/json"})
+    assert refusal(response, param)["message"] == expected
+
+
 def test_the_page_size_of_input_items_is_limited(http):
     for kind, limit, value in (("min", 1, 0), ("max", 100, 101)):
         error = refusal(http.get("/v1/responses/resp_none/input_items", params={"limit": value}), "limit")
@@ -230,6 +258,7 @@ def test_every_row_is_walked_here():
         ("prompt", "max_chars"), ("input", "max_chars"), ("lora_name", "min_length"), ("lora_path", "min_length"),
         ("limit", "min"), ("limit", "max"), ("input", "min_items"),
         ("messages[].content[]", "max_images"), ("messages[].content[]", "max_bytes"), ("messages[].content[]", "max_pixels"),
+        ("top_logprobs", "requires"), ("prediction", "max_tokens"),
     }
     assert {(row.param, row.kind) for row in LIMITS} == walked
 
@@ -244,6 +273,8 @@ def test_docs_show_the_table_of_the_module():
     ("n", "max", 128, 200), ("stop", "max_items", 16, ["x"] * 17), ("metadata", "max_items", 16, {str(i): "" for i in range(17)}),
     ("cache_salt", "min_length", 1, ""), ("tools[0].function.name", "pattern", limits.NAME, "my tool"),
     ("messages[0].content[3]", "max_images", 16, 17, " (`images.max_images`)"),
+    ("prediction", "max_tokens", 2048, 2059, " (`max_model_len`)"), ("top_logprobs", "requires", "logprobs: true", "logprobs: null"),
+    ("temperature", "max", 2.0, __import__("decimal").Decimal("1E+999")),
 ])
 def test_docs_examples_are_the_phrasings(args):
     message, code = limits.phrase(*args)

@@ -1,7 +1,7 @@
 """The stream's bytes, exactly as OpenAI and vLLM send them."""
 
 
-from conftest import MODEL, user
+from conftest import MAX_MODEL_LEN, MODEL, user
 from openai_schema import validate
 from sse import post_stream
 
@@ -95,6 +95,9 @@ def test_models_list_and_retrieve_match_schema(http):
     one = http.get(f"/v1/models/{MODEL}").json()
     validate("Model", one)
     assert one["id"] == MODEL
+    # what agent tools read instead of guessing: the embedded model reads text only
+    assert (one["modalities"], one["status"], one["max_model_len"]) == (["text"], {"value": "loaded"}, MAX_MODEL_LEN)
+    assert set(one["capabilities"]) == {"completion", "chat", "tools", "structured_output"}
 
 
 def test_logprobs_chunks_and_response_match_openai_schema(http):

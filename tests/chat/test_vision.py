@@ -102,6 +102,13 @@ def complete(vclient, messages, **kw):
     return vclient.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, **kw)
 
 
+def test_models_say_the_model_and_its_adapter_read_images(vclient):
+    cards = {card.id: card.model_dump() for card in vclient.models.list().data}
+    for name in (VISION_MODEL, VISION_ADAPTER):
+        assert cards[name]["modalities"] == ["text", "image"] and "vision" in cards[name]["capabilities"], cards[name]
+        assert cards[name]["status"] == {"value": "loaded"}
+
+
 def test_one_base64_image_is_answered_with_exact_token_accounting(vclient, processor):
     messages = ask(image_part(data_url(png())))
     response = complete(vclient, messages)
