@@ -4,6 +4,7 @@ model's). The folder map, the shared servers and the `slow` marker: docs/testing
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -222,6 +223,17 @@ def tokenizer():
     from oai_gemma.engine.model.loader import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@functools.cache
+def embedded_float32():
+    """`load(ModelSettings(dtype="float32"))`, once for the session: the engine tests' in-process engines and runners
+    only read its module tree (one not told it owns the weights copies what it lays out anew), so every module
+    shares one load (seconds) and one copy (~1 GB) instead of holding its own to the end of the session."""
+    from oai_gemma.engine.model.loader import load
+    from oai_gemma.settings import ModelSettings
+
+    return load(ModelSettings(dtype="float32"))
 
 
 @pytest.fixture(scope="session")

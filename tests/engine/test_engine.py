@@ -12,10 +12,12 @@ from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
+from conftest import embedded_float32
+
 
 class EngineHarness:
     def __init__(self):
-        self.loaded = load(ModelSettings(dtype="float32"))
+        self.loaded = embedded_float32()  # conftest: one load for the session
         self.engine = Engine(self.loaded, EngineConfig(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024))
         self.loop = asyncio.new_event_loop()
         self.engine.start(self.loop)

@@ -3,7 +3,6 @@ result does not depend on the rows beside it (its tiles, the single-row path and
 path agrees, `auto` picks it only where the CPU computes in float32, and where it cannot be compiled the reason
 is said and the setting falls back."""
 
-import functools
 import logging
 
 import pytest
@@ -14,10 +13,11 @@ from oai_gemma.engine.config import ConfigError, Machine, _quantization
 from oai_gemma.engine.factory import configure as resolve_config
 from oai_gemma.engine.ops import native
 from oai_gemma.engine.ops.native import sources
-from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.ops.choice import linear_for
 from oai_gemma.engine.ops.quantized import KERNEL_ROWS, NativeInt8Linear, NativeQ8Linear
 from oai_gemma.settings import ModelSettings, Settings
+
+from conftest import embedded_float32
 
 pytestmark = pytest.mark.skipif(native.native_unavailable() is not None,
                                 reason=f"the native kernel cannot run here: {native.native_unavailable()}")
@@ -122,80 +122,68 @@ def test_auto_quantizes_to_int8_where_the_cpu_computes_in_float32_and_per_step_i
     assert linear_for("per-step", "lm_head", torch.bfloat16) is NativeQ8Linear
 
 
-def test_without_a_compiler_the_reason_is_said_and_float32_keeps_pytorchs_kernels(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+@pytest.fixture
+def native_elsewhere(monkeypatch):
+    """A test that builds the kernels somewhere else or under another environment (CC, HOME): afterwards every
+    library and verdict it cached is forgotten (`native.forget`), and the next caller looks again under the real
+    environment (a kept "cannot compile" turned q8 and q4 off for the rest of the session)."""
     monkeypatch.setattr(native, "_directory", None)  # put back afterwards, with the kernel built there
-    try:
-        assert "cannot compile" in native.build(tmp_path / "native")
-        assert resolve("auto", torch.float32, torch.device("cpu")) == "none"
-        assert linear_for("int8", "q", torch.float32) is not NativeInt8Linear
-    finally:
-        native._library.cache_clear()  # the next caller compiles (or finds) it under the real environment
+    yield monkeypatch
+    native.forget()
 
 
-def test_a_compiler_error_is_said(monkeypatch, tmp_path):
+def test_without_a_compiler_the_reason_is_said_and_float32_keeps_pytorchs_kernels(native_elsewhere, tmp_path):
+    native_elsewhere.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert "cannot compile" in native.build(tmp_path / "native")
+    assert resolve("auto", torch.float32, torch.device("cpu")) == "none"
+    assert linear_for("int8", "q", torch.float32) is not NativeInt8Linear
+
+
+def test_a_compiler_error_is_said(native_elsewhere, tmp_path):
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'error: the compiler refused' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setattr(native, "_directory", None)
-    try:
-        assert "the compiler refused" in native.build(tmp_path / "native")
-    finally:
-        native._library.cache_clear()
+    native_elsewhere.setenv("CC", str(fake))
+    assert "the compiler refused" in native.build(tmp_path / "native")
 
 
-def test_a_family_that_fails_to_compile_turns_off_only_its_own_kernels(monkeypatch, tmp_path):
+def test_a_family_that_fails_to_compile_turns_off_only_its_own_kernels(native_elsewhere, tmp_path):
     broken = tmp_path / "lora.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setitem(sources.FAMILIES, "lora", (broken,))
-    monkeypatch.setattr(native, "_directory", None)
-    try:
-        assert native.build(tmp_path / "native") is None  # the int8 family compiles on its own
-        assert native.lora_kernels() is None and native.rms_norm_rows() is not None
-    finally:
-        for cached in (native._library, native.lora_kernels, native.rms_norm_rows):
-            cached.cache_clear()
+    native_elsewhere.setitem(sources.FAMILIES, "lora", (broken,))
+    assert native.build(tmp_path / "native") is None  # the int8 family compiles on its own
+    assert native.lora_kernels() is None and native.rms_norm_rows() is not None
 
 
 # ---- where start-up builds it, and what it says when it cannot (issue 25, item 5) ----------------------------
 
-@functools.cache
 def float32_model():
-    return load(ModelSettings(dtype="float32"))
+    return embedded_float32()  # conftest: one load for the session
 
 
-def test_the_configured_cache_dir_gets_the_kernel_where_the_default_cache_cannot_be_written(monkeypatch, tmp_path):
+def test_the_configured_cache_dir_gets_the_kernel_where_the_default_cache_cannot_be_written(native_elsewhere, tmp_path):
     loaded = float32_model()
     blocker = tmp_path / "a-file"  # no directory can be made under a file, not even by root
     blocker.write_text("")
-    monkeypatch.setenv("HOME", str(blocker))
-    monkeypatch.setenv("OAI_GEMMA_CACHE", str(blocker / "cache"))
-    monkeypatch.setattr(native, "_directory", None)
-    try:
-        config = resolve_config(Settings(model=ModelSettings(cache_dir=str(tmp_path / "mine"))), loaded)
-        assert config.native_dir == tmp_path / "mine" / "native"
-        assert config.quantization == "int8"  # auto, in float32, with the kernel built in the configured cache
-        assert list(config.native_dir.glob("woq_int8-*.so"))
-    finally:
-        native._library.cache_clear()
+    native_elsewhere.setenv("HOME", str(blocker))
+    native_elsewhere.setenv("OAI_GEMMA_CACHE", str(blocker / "cache"))
+    config = resolve_config(Settings(model=ModelSettings(cache_dir=str(tmp_path / "mine"))), loaded)
+    assert config.native_dir == tmp_path / "mine" / "native"
+    assert config.quantization == "int8"  # auto, in float32, with the kernel built in the configured cache
+    assert list(config.native_dir.glob("woq_int8-*.so"))
 
 
-def test_without_the_kernel_auto_warns_with_the_reason_and_the_cost_and_int8_is_a_start_up_error(monkeypatch, tmp_path, caplog):
+def test_without_the_kernel_auto_warns_with_the_reason_and_the_cost_and_int8_is_a_start_up_error(native_elsewhere, tmp_path, caplog):
     loaded = float32_model()
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(native, "_directory", None)
-    try:
-        settings = Settings(model=ModelSettings(cache_dir=str(tmp_path)))
-        with caplog.at_level(logging.WARNING, logger="oai_gemma.engine"):
-            assert resolve_config(settings, loaded).quantization == "none"
-        warning = next(r for r in caplog.records if r.levelno == logging.WARNING and "native int8 kernel" in r.message)
-        assert "cannot compile" in warning.message and "17.8 ms instead of 3.1" in warning.message
-        settings.model.quantization = "int8"
-        with pytest.raises(ConfigError, match="quantization = \"int8\".*cannot compile"):
-            resolve_config(settings, loaded)
-    finally:
-        native._library.cache_clear()
+    native_elsewhere.setenv("CC", str(tmp_path / "no-such-cc"))
+    settings = Settings(model=ModelSettings(cache_dir=str(tmp_path)))
+    with caplog.at_level(logging.WARNING, logger="oai_gemma.engine"):
+        assert resolve_config(settings, loaded).quantization == "none"
+    warning = next(r for r in caplog.records if r.levelno == logging.WARNING and "native int8 kernel" in r.message)
+    assert "cannot compile" in warning.message and "17.8 ms instead of 3.1" in warning.message
+    settings.model.quantization = "int8"
+    with pytest.raises(ConfigError, match="quantization = \"int8\".*cannot compile"):
+        resolve_config(settings, loaded)
 
 
 def q8_reference(x: torch.Tensor, linear: NativeQ8Linear) -> torch.Tensor:

@@ -4,16 +4,15 @@ the sliding window, a multi-turn conversation past the window, n > 1 and structu
 arrivals behind one prefix compute it once. (Images: tests/chat/test_vision.py.)"""
 
 import asyncio
-import functools
 
 import pytest
 
 from oai_gemma.chat import render_chat
 from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
-from oai_gemma.settings import ModelSettings
+
+from conftest import embedded_float32
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +21,8 @@ SYSTEM = "You are the support desk of a lighthouse museum. " + "Visitors ask abo
 QUESTIONS = ("When does the museum open?", "How tall is the tower?", "Can I bring my dog?", "Who was the last keeper?")
 
 
-@functools.cache
 def loaded():
-    return load(ModelSettings(dtype="float32"))
+    return embedded_float32()  # conftest: one load for the session
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ServerProcess, user
+from conftest import ServerProcess, embedded_float32, user
 from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.factory import configure as resolve
 from oai_gemma.engine.model.loader import load
@@ -137,7 +137,7 @@ def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
 
 
 def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_supported():
-    loaded = load(ModelSettings(dtype="float32"))
+    loaded = embedded_float32()  # conftest: one load for the session (refused before its tree is read)
     with pytest.raises(ValueError, match="CPU path only"):
         ModelRunner.of(loaded.model, EngineConfig(max_num_seqs=2, max_model_len=256, static_decode=True, quantization="int8"))
 

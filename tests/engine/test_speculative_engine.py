@@ -3,7 +3,6 @@ and off (batch-invariant mode: float32), stop strings and max_tokens landing ins
 every KV block back after rejections, and no prefix-cache block holding a rejected position."""
 
 import asyncio
-import functools
 
 import pytest
 import torch
@@ -11,10 +10,10 @@ import torch
 from oai_gemma.chat import render_chat
 from oai_gemma.engine.config import EngineConfig
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.speculative.planner import Speculator
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
-from oai_gemma.settings import ModelSettings
+
+from conftest import embedded_float32
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +32,8 @@ FREE = "Write a short poem about the sea and the wind, in four lines."
 LOOP = "Repeat the word 'banana' twenty times, separated by commas."
 
 
-@functools.cache
 def loaded():
-    return load(ModelSettings(dtype="float32"))
+    return embedded_float32()  # conftest: one load for the session
 
 
 class Engines:

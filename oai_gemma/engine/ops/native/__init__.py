@@ -40,11 +40,15 @@ def build(directory: Path) -> str | None:
     global _directory
     if directory != _directory:
         _directory = directory
-        _library.cache_clear()
-        rms_norm_rows.cache_clear()
-        lora_kernels.cache_clear()
-        int_dot_unavailable.cache_clear()
+        forget()
     return native_unavailable()
+
+
+def forget() -> None:
+    """Drop every loaded library and every cached verdict (which kernels run here), so the next caller looks again:
+    after a change of directory, or of the environment a test built them under (CC, HOME)."""
+    for cached in (_library, rms_norm_rows, lora_kernels, int_dot_unavailable):
+        cached.cache_clear()
 
 
 def _library_path(family: str) -> Path:
