@@ -35,8 +35,12 @@ static const float *as_float(const void *x, int64_t count, int bf16, float **own
 #define WIDE 8   /* groups of 8 outputs per tile for a single row: enough independent sums to hide FMA latency */
 #define NARROW 3 /* groups per tile for several rows: ROWS * NARROW accumulators fill the 16 registers */
 
-static inline __attribute__((always_inline)) void tile(
-    const int rows, const int groups, const float *x, int64_t K, const int8_t *w,
+/* `rows` x (`groups` * 8) outputs from int8 weights `w` ([groups][K][8]), widened to float32 per k; or, with `wf`
+   set, from a panel of those weights already widened ([groups][K][8] float32, unscaled: int8 -> float32 is exact):
+   the same products summed in the same order into the same accumulators, so the same bits either way, without
+   widening every weight again for every 4 rows (a prefill chunk's calls). */
+static inline __attribute__((always_inline)) void tile_from(
+    const int rows, const int groups, const float *x, int64_t K, const int8_t *w, const float *wf,
     const float *scale, void *y, int64_t y0, int64_t N, int y_bf16)
 {
     __m256 acc[ROWS][WIDE];
@@ -45,7 +49,8 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t k = 0; k < K; k++) {
         __m256 wk[WIDE];
         for (int g = 0; g < groups; g++)
-            wk[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + (g * K + k) * 8))));
+            wk[g] = wf ? _mm256_loadu_ps(wf + (g * K + k) * 8)
+                       : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + (g * K + k) * 8))));
         for (int m = 0; m < rows; m++) {
             const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
             for (int g = 0; g < groups; g++) acc[m][g] = _mm256_fmadd_ps(xk, wk[g], acc[m][g]);
@@ -57,28 +62,18 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* `tile` over a panel of weights already widened to float32 ([groups][K][8], unscaled: int8 -> float32 is exact):
-   the same products summed in the same order into the same accumulators, so the same bits as `tile`, without
-   widening every weight again for every 4 rows (a prefill chunk's calls). */
+static inline __attribute__((always_inline)) void tile(
+    const int rows, const int groups, const float *x, int64_t K, const int8_t *w,
+    const float *scale, void *y, int64_t y0, int64_t N, int y_bf16)
+{
+    tile_from(rows, groups, x, K, w, 0, scale, y, y0, N, y_bf16);
+}
+
 static inline __attribute__((always_inline)) void tile_panel(
     const int rows, const int groups, const float *x, int64_t K, const float *wf,
     const float *scale, void *y, int64_t y0, int64_t N, int y_bf16)
 {
-    __m256 acc[ROWS][NARROW];
-    for (int m = 0; m < rows; m++)
-        for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m256 wk[NARROW];
-        for (int g = 0; g < groups; g++) wk[g] = _mm256_loadu_ps(wf + (g * K + k) * 8);
-        for (int m = 0; m < rows; m++) {
-            const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
-            for (int g = 0; g < groups; g++) acc[m][g] = _mm256_fmadd_ps(xk, wk[g], acc[m][g]);
-        }
-    }
-    for (int g = 0; g < groups; g++) {
-        const __m256 s = _mm256_loadu_ps(scale + g * 8);
-        for (int m = 0; m < rows; m++) store8(y, y0 + m * N + g * 8, _mm256_mul_ps(acc[m][g], s), y_bf16);
-    }
+    tile_from(rows, groups, x, K, 0, wf, scale, y, y0, N, y_bf16);
 }
 
 #define PANEL_CASE(r, g) case (r) * 16 + (g): tile_panel(r, g, x, K, wf, scale, y, y0, N, y_bf16); break;
