@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.layout import Layout, TensorFile
 from oai_gemma.engine.model.loader import embedded_model_dir, load
@@ -97,7 +97,10 @@ def test_the_quantized_cache_is_read_back_per_tensor_into_the_same_layout(tmp_pa
 
 
 def test_an_engine_on_streamed_weights_generates_what_one_on_the_module_tree_does():
-    config = EngineConfig(max_num_seqs=2, max_prefill_tokens=128, max_model_len=512, quantization="int8")
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=512, quantization="int8"),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_prefill_tokens=128),
+    )
     engines = [Engine(load(ModelSettings(dtype="float32"), lean=True, stream=stream), config) for stream in (True, False)]
     assert engines[0].core.runner.mapped_embedding
     loop = asyncio.new_event_loop()
