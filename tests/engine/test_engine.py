@@ -226,6 +226,7 @@ def test_n_choices_prefill_the_prompt_once(harness):
     assert sum(prefilled) == len(ids) - last[0].num_cached_tokens  # once, not three times
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_the_servers_own_module_tree_generates_what_transformers_modules_do(harness):
     """The server builds Gemma-3's modules itself (engine/model/lean.py, `load(lean=True)`); an engine on that tree
     gives the same tokens and logprobs as one on transformers' tree, past the sliding window and across chunks."""

@@ -96,6 +96,7 @@ def test_the_quantized_cache_is_read_back_per_tensor_into_the_same_layout(tmp_pa
     assert_same_weights(from_modules(loaded.model, layout, file), first)
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_an_engine_on_streamed_weights_generates_what_one_on_the_module_tree_does():
     config = EngineConfig(
         model=ModelConfig(max_model_len=512, quantization="int8"),
@@ -140,6 +141,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_loading_holds_the_final_weights_and_about_one_chunk_of_float(tmp_path):
     """A 254 MB bf16 checkpoint (508 MB in float32) loads into int8 weights (~130 MB held, the embedding mapped) with
     a peak of those and less than 0.4x the checkpoint's size above what the process held before: never the model in
