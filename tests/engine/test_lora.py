@@ -371,7 +371,7 @@ def test_bad_lora_settings_are_start_up_errors(setup):
     def settings(*modules):
         return load_settings(overrides={"lora": {"modules": list(modules)}}, environ={})
 
-    assert _lora(settings("a=/x", '{"name": "b", "path": "/y"}'), static=False)["lora_modules"][1] == LoraModule("b", "/y")
+    assert _lora(settings("a=/x", '{"name": "b", "path": "/y"}'), static=False).modules[1] == LoraModule("b", "/y")
     for modules, why in [(("a=/x", "a=/y"), "names an adapter twice"), (("gemma-3-270m=/x",), "is the base model's"),
                          (("nonsense",), "expected name=path")]:
         with pytest.raises(ConfigError, match=why):
