@@ -66,7 +66,7 @@ class EngineCore:
             adapters=self.adapters,
             speculator=self.speculator if self.speculator.on else None,
         )
-        self.encoding = Encoding(getattr(self.runner.model, "model", None), self.runner.device, self.runner.dtype,
+        self.encoding = Encoding(self.runner.gemma.vision, self.runner.device, self.runner.dtype,
                                  config.scheduler.vision_step_seconds)
         """Requests whose images are being encoded, a slice a step (engine/encoding.py)."""
         self._loop: asyncio.AbstractEventLoop | None = None

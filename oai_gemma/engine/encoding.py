@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model.vision_encode import OneCall, VisionEncode, encode_job
+from .model.vision_encode import VisionEncode
+from .model.vision_weights import VisionWeights
 from .sequence import Sequence
 
 log = logging.getLogger("oai_gemma.engine")
@@ -31,14 +32,14 @@ IDLE_SECONDS = 0.25
 
 @dataclass(eq=False)
 class Job:
-    work: VisionEncode | OneCall
+    work: VisionEncode
     waiters: list[Sequence] = field(default_factory=list)
 
 
 class Encoding:
-    def __init__(self, model, device, dtype: torch.dtype, step_seconds: float = 0.0):
-        """`model`: the multimodal model's inner `model` (its `vision_tower`, `multi_modal_projector`)."""
-        self.model, self.device, self.dtype, self.step_seconds = model, device, dtype, step_seconds
+    def __init__(self, vision: VisionWeights | None, device, dtype: torch.dtype, step_seconds: float = 0.0):
+        """`vision`: the model's vision tower and projector (None: a text-only model, which gets no images)."""
+        self.vision, self.device, self.dtype, self.step_seconds = model, device, dtype, step_seconds
         self.jobs: dict[tuple, Job] = {}
         self.encodes = 0
         self.seconds = 0.0
@@ -61,7 +62,7 @@ class Encoding:
         job = self.jobs.get(key)
         if job is None:
             pixels = request.pixel_values.to(self.device, self.dtype)
-            job = self.jobs[key] = Job(encode_job(self.model, pixels))
+            job = self.jobs[key] = Job(VisionEncode(self.vision, pixels))
         job.waiters.append(seq)
 
     def budget(self, busy: bool) -> float:

@@ -5,6 +5,7 @@ import torch
 
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.vision_encode import VisionEncode, unit_rows
+from oai_gemma.engine.model.vision_weights import from_modules
 from oai_gemma.settings import ModelSettings
 
 
@@ -18,7 +19,7 @@ def pixels(crops: int, seed: int = 0) -> torch.Tensor:
 
 
 def encode(model, pixel_values, rows=0) -> VisionEncode:
-    return VisionEncode(model.model.vision_tower, model.model.multi_modal_projector, pixel_values, rows)
+    return VisionEncode(from_modules(model.model), pixel_values, rows)
 
 
 @pytest.mark.parametrize("crops", [1, 2])

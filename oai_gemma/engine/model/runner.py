@@ -26,6 +26,7 @@ from .layout import Layout
 from .lean import Rotary
 from .loader import LoadedModel
 from .streamed import from_safetensors
+from .vision_weights import from_modules as vision_from_modules, image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
 from ..ops.invariance import Invariance, TiledLinear, tiled
 from ..ops.linear import call_linear
@@ -65,7 +66,7 @@ class ModelRunner:
     loaded checkpoint or a module tree), the batch-invariant mode measured on them (`measure_invariance`) and the
     engine's configuration (engine/config.py): `static_decode` runs decode-only steps at static shapes, CUDA graphs
     where possible (engine/model/static_decode.py), `compile` compiles its layer functions. `model`: the module tree
-    or the loader's shell the weights came from, kept for the vision tower and the static decode path (which reads
+    or the loader's shell the weights came from, kept for the static decode path (which reads
     the tree's own tensors)."""
 
     def __init__(self, weights: Gemma3Weights, config: EngineConfig, model=None, invariance: Invariance | None = None):
@@ -297,9 +298,7 @@ class ModelRunner:
     @torch.inference_mode()
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The vision tower and projector: [crops, 3, H, W] -> [crops * tokens_per_crop, hidden]."""
-        features = self.gemma.vision.get_image_features(pixel_values.to(self.device, self.dtype))
-        features = getattr(features, "pooler_output", features)
-        return features.reshape(-1, features.shape[-1])
+        return image_features(self.gemma.vision, pixel_values.to(self.device, self.dtype))
 
 
 def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemma3Weights:
@@ -323,5 +322,5 @@ def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemm
     if streamed:
         inner = getattr(model, "model", None)
         return from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
-                                getattr(text_config, "tie_word_embeddings", True), getattr(inner, "get_image_features", None) and inner)
+                                getattr(text_config, "tie_word_embeddings", True), vision_from_modules(inner))
     return from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)

@@ -25,6 +25,7 @@ from .gemma3 import LayerWeights, norm_scale
 from .layout import Layout, LinearCache, TensorFile, quantized_names
 from .lean_vision import VISION_PREFIXES, checkpoint_name
 from .mapped import checkpoint_files, map_tensor
+from .vision_weights import VisionWeights
 from .weights import Gemma3Weights
 
 log = logging.getLogger("oai_gemma.engine")
@@ -98,8 +99,8 @@ def check(checkpoint: Checkpoint, expected: dict[str, list[int]], tied: bool) ->
 
 
 def from_safetensors(directory: Path, shape: Gemma3Shape, layout: Layout, cache_file: Path | None = None,
-                     tied: bool = True, vision=None) -> Gemma3Weights:
-    """The text weights of the checkpoint in `directory` in `layout` (the vision tower, a module, as given)."""
+                     tied: bool = True, vision: VisionWeights | None = None) -> Gemma3Weights:
+    """The text weights of the checkpoint in `directory` in `layout` (the vision tower and projector as given)."""
     text = shape.text
     prefix = "model.language_model." if shape.vision is not None else "model."
     checkpoint = Checkpoint(Path(directory))

@@ -1,6 +1,6 @@
 """The vision tower as resumable work: an image's encode cut into units the engine runs between its steps.
 
-The one-call encode (`ModelRunner.image_features`, transformers' `get_image_features`) runs SigLIP's 27 layers
+The one-call encode (vision_weights.py's `image_features`, as transformers' `get_image_features`) runs SigLIP's 27 layers
 over an 896x896 image's 4096 patches at once: tens of seconds on a CPU, during which no other stream would get a
 token. `VisionEncode` runs the same math a unit at a time:
 
@@ -23,9 +23,8 @@ import time
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
-from .lean_vision import VisionTower
+from .vision_weights import VisionLayer, VisionWeights, embed, finish, heads, mix, qkv
 
 UNIT_FLOPS = 4e9
 """About how much work one unit is at most, above `MIN_ROWS`: the grain of the engine's per-step budget."""
@@ -45,17 +44,17 @@ def unit_rows(patches: int, width: int, intermediate: int) -> int:
 
 
 class VisionEncode:
-    """One request's crops [crops, 3, H, W] through `tower` (lean_vision.VisionTower) and `projector`.
+    """One request's crops [crops, 3, H, W] through the tower and projector of `weights` (vision_weights.py).
 
     `advance()` runs the next unit; `run(seconds)` runs units until that much time has passed (at least one);
-    `features` is the result ([crops * tokens per crop, text hidden], as `ModelRunner.image_features`) once
-    `done`."""
+    `features` is the result ([crops * tokens per crop, text hidden], as `image_features`) once `done`."""
 
-    def __init__(self, tower, projector, pixel_values: torch.Tensor, rows: int = 0):
+    def __init__(self, weights: VisionWeights, pixel_values: torch.Tensor, rows: int = 0):
         """`rows`: rows a unit (default `unit_rows` of the tower's shape)."""
-        v = tower.config
-        self.tower, self.projector, self.pixels = tower, projector, pixel_values
-        self.rows = rows or unit_rows((v.image_size // v.patch_size) ** 2, v.hidden_size, v.intermediate_size)
+        shape = weights.shape
+        self.weights, self.pixels = weights, pixel_values
+        self.patches = (shape.image_size // shape.patch) ** 2
+        self.rows = rows or unit_rows(self.patches, shape.hidden, shape.intermediate)
         self.units_done = 0
         self.seconds = 0.0
         """Wall time spent in its units so far (the vision tower's time, however it was spread over steps)."""
@@ -69,10 +68,8 @@ class VisionEncode:
 
     def _count(self) -> int:
         crops = self.pixels.shape[0]
-        v = self.tower.config
-        patches = (v.image_size // v.patch_size) ** 2
-        per_layer = -(-crops * patches // self.rows) + crops * -(-patches // self.rows)
-        return 2 + v.num_hidden_layers * per_layer
+        per_layer = -(-crops * self.patches // self.rows) + crops * -(-self.patches // self.rows)
+        return 2 + self.weights.shape.layers * per_layer
 
     def advance(self) -> bool:
         """Run the next unit; True once the encode is done."""
@@ -93,69 +90,30 @@ class VisionEncode:
         return self.done
 
     def _plan(self) -> Iterator[None]:
-        hidden = self.tower.embeddings(self.pixels).contiguous()
+        hidden = embed(self.weights, self.pixels).contiguous()
         yield
-        for layer in self.tower.encoder.layers:
+        for layer in self.weights.layers:
             yield from self._layer(layer, hidden)
-        features = self.projector(self.tower.post_layernorm(hidden))
+        features = finish(self.weights, hidden)
         self.features = features.reshape(-1, features.shape[-1])
         self.pixels = None
 
-    def _layer(self, layer, hidden: torch.Tensor) -> Iterator[None]:
-        """One encoder layer, in place on `hidden` [crops, patches, width]."""
-        attn = layer.self_attn
+    def _layer(self, layer: VisionLayer, hidden: torch.Tensor) -> Iterator[None]:
+        """One encoder layer, in place on `hidden` [crops, patches, width]: `qkv` of a slice of rows (every row
+        of every crop), then `mix` of a slice of one crop's query rows over that crop's keys (row-wise after the
+        attention, so it needs no other row)."""
+        w = self.weights
         crops, patches, width = hidden.shape
         flat = hidden.view(-1, width)
         q, k, v = (torch.empty_like(hidden) for _ in range(3))
         for lo in range(0, flat.shape[0], self.rows):
-            normed = layer.layer_norm1(flat[lo : lo + self.rows])
-            for proj, out in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v)):
-                out.view(-1, width)[lo : lo + self.rows] = proj(normed)
+            for out, rows in zip((q, k, v), qkv(w, layer, flat[lo : lo + self.rows])):
+                out.view(-1, width)[lo : lo + self.rows] = rows
             yield
-        shape = (crops, patches, attn.heads, attn.head_dim)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (heads(w, t) for t in (q, k, v))
         for crop in range(crops):
+            keys, values = k[crop : crop + 1], v[crop : crop + 1]
             for lo in range(0, patches, self.rows):
-                _mix(layer, hidden[crop, lo : lo + self.rows], q[crop : crop + 1, :, lo : lo + self.rows], k[crop : crop + 1], v[crop : crop + 1])
+                rows = hidden[crop : crop + 1, lo : lo + self.rows]
+                rows.copy_(mix(w, layer, rows, q[crop : crop + 1, :, lo : lo + self.rows], keys, values))
                 yield
-
-
-class OneCall:
-    """A tower that is not lean_vision's (transformers' modules, a test's): its encode is a single unit."""
-
-    def __init__(self, model, pixel_values: torch.Tensor):
-        self.model, self.pixels = model, pixel_values
-        self.units_done, self.total_units, self.seconds = 0, 1, 0.0
-        self.features: torch.Tensor | None = None
-
-    done = VisionEncode.done
-    run = VisionEncode.run
-
-    def advance(self) -> bool:
-        started = time.perf_counter()
-        with torch.inference_mode():
-            features = self.model.get_image_features(self.pixels)
-        features = getattr(features, "pooler_output", features)
-        self.features, self.pixels = features.reshape(-1, features.shape[-1]), None
-        self.units_done, self.seconds = 1, time.perf_counter() - started
-        return True
-
-
-def encode_job(model, pixel_values: torch.Tensor) -> VisionEncode | OneCall:
-    """The resumable encode of `pixel_values` for a multimodal model's inner `model` (its `vision_tower`,
-    `multi_modal_projector`): unit by unit where the tower is lean_vision's, else one unit."""
-    tower = model.vision_tower
-    if isinstance(tower, VisionTower):  # transformers' SiglipVisionModel has an encoder and embeddings too
-        return VisionEncode(tower, model.multi_modal_projector, pixel_values)
-    return OneCall(model, pixel_values)
-
-
-def _mix(layer, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Attention of `rows`' queries over every key of their crop, then their MLP: `rows` updated in place, as the
-    one-call layer computes x = x + attn(ln1(x)); x = x + mlp(ln2(x)) for them."""
-    attn = layer.self_attn
-    out = F.scaled_dot_product_attention(q, k, v, scale=attn.head_dim**-0.5)
-    out = attn.out_proj(out.transpose(1, 2).reshape(1, rows.shape[0], -1).contiguous())[0]
-    mixed = rows + out
-    mlp = layer.mlp
-    rows.copy_(mixed + mlp.fc2(F.gelu(mlp.fc1(layer.layer_norm2(mixed)), approximate="tanh")))

@@ -11,8 +11,8 @@ where the weights come from is this module's business:
 - engine/model/streamed.py's `from_safetensors`: the server's path, one tensor at a time from the checkpoint's files
   into its final layout, so the model never exists whole in float32.
 
-The vision tower and projector stay modules (lean_vision.py's or transformers'): `vision`, whose
-`get_image_features` the runner calls; their weights are held as the module tree holds them.
+The vision tower and projector are engine/model/vision_weights.py's `VisionWeights` (`vision`): their tensors,
+taken from whichever tree holds them (shared, not copied), and the forward as plain functions.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..shape import Gemma3Shape
 from .gemma3 import LayerWeights, norm_scale
 from .layout import Layout, LinearCache, quantized_names
 from .mapped import copy_out_of_checkpoint, map_embedding
+from .vision_weights import VisionWeights, from_modules as vision_from_modules
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 """LayerWeights' projection fields, in the order the quantized-weights cache numbers them (`projection.{i}`)."""
@@ -47,8 +48,8 @@ class Gemma3Weights:
     quantization: str = "none"
     mapped: bool = False
     """The embedding is read from the checkpoint file on demand (engine/model/mapped.py), not held in memory."""
-    vision: object | None = None
-    """The vision tower and projector (has `get_image_features`), or None for a text-only model."""
+    vision: VisionWeights | None = None
+    """The vision tower and projector, or None for a text-only model."""
     embed_scale: torch.Tensor = field(init=False)
 
     def __post_init__(self):
@@ -123,7 +124,7 @@ def from_modules(model, layout: Layout, cache_file=None, own_weights: bool = Fal
         gc.collect()
     return Gemma3Weights(
         Gemma3Shape.of(model.config), weights[-1].dtype, text.embed_tokens.weight.detach(), layers,
-        norm_scale(text.norm.weight), linears[-1], layout.quantization, mapped, _vision(model),
+        norm_scale(text.norm.weight), linears[-1], layout.quantization, mapped, vision_from_modules(getattr(model, "model", None)),
     )
 
 
@@ -138,7 +139,3 @@ def _release(modules, linears) -> None:
         if linear.packed is not None:
             module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
-
-def _vision(model):
-    inner = getattr(model, "model", None)
-    return inner if hasattr(inner, "get_image_features") else None
