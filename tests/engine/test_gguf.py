@@ -171,6 +171,30 @@ def test_a_gguf_and_its_mmproj_compute_what_the_multimodal_model_does(cache, vis
     torch.testing.assert_close(got[..., :vocab], expected[..., :vocab], atol=1e-4, rtol=1e-4)
 
 
+def test_vision_weights_read_from_the_mmproj_compute_the_models_image_features(vision_model):
+    """engine/model/vision_weights.py's `from_mmproj`: the tower and projector straight from the mmproj GGUF give
+    transformers' soft tokens. Not bitwise: the projector's norm is stored as 1 + w and read back as (1 + w) - 1 in
+    float32 (within 6e-8 of w), every other tensor is the model's exactly (its F16 projection rounded in place)."""
+    from oai_gemma.engine.model.vision_weights import VisionWeights, from_mmproj, from_modules, image_features
+    from oai_gemma.engine.shape import VisionShape
+
+    model, _, mmproj = vision_model
+    shape, eps = VisionShape.of(model.config), model.config.vision_config.layer_norm_eps
+    weights = from_mmproj(mmproj, shape, eps, torch.float32)
+    assert isinstance(weights, VisionWeights) and weights.dtype == torch.float32 and len(weights.layers) == shape.layers
+    reference = from_modules(model.model)
+    for ours, theirs in zip(weights.tensors(), reference.tensors()):
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+    pixels = torch.randn(1, 3, 896, 896, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        expected = model.model.get_image_features(pixels).pooler_output.reshape(-1, model.config.text_config.hidden_size)
+    got = image_features(weights, pixels)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(image_features(reference, pixels), expected)
+
+
 @pytest.mark.slow
 def test_a_server_on_a_gguf_and_its_mmproj_answers_a_chat_and_an_image_chat(cache, vision_model):
     _, path, mmproj = vision_model
