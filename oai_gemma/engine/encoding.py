@@ -39,7 +39,7 @@ class Job:
 class Encoding:
     def __init__(self, vision: VisionWeights | None, device, dtype: torch.dtype, step_seconds: float = 0.0):
         """`vision`: the model's vision tower and projector (None: a text-only model, which gets no images)."""
-        self.vision, self.device, self.dtype, self.step_seconds = model, device, dtype, step_seconds
+        self.vision, self.device, self.dtype, self.step_seconds = vision, device, dtype, step_seconds
         self.jobs: dict[tuple, Job] = {}
         self.encodes = 0
         self.seconds = 0.0

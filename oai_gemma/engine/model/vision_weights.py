@@ -88,7 +88,9 @@ class VisionWeights:
     @classmethod
     def from_tensors(cls, shape: VisionShape, eps: float, tensor: Callable[[str], torch.Tensor]) -> VisionWeights:
         """From `tensor(name)`, which gives each tensor by its transformers 5 module name."""
-        layer = lambda i: VisionLayer(**{f: tensor(f"{TOWER}encoder.layers.{i}.{n}") for f, n in LAYER_NAMES.items()})
+        def layer(i: int) -> VisionLayer:
+            return VisionLayer(**{f: tensor(f"{TOWER}encoder.layers.{i}.{n}") for f, n in LAYER_NAMES.items()})
+
         return cls(
             shape, eps, tensor(f"{TOWER}embeddings.patch_embedding.weight"), tensor(f"{TOWER}embeddings.patch_embedding.bias"),
             tensor(f"{TOWER}embeddings.position_embedding.weight"), [layer(i) for i in range(shape.layers)],
