@@ -4,8 +4,9 @@
 
 Loads only `vision_tower` and `multi_modal_projector` (no text model: a 4B's float32 text weights and a second
 copy do not fit a 24 GB machine), then for each layout of the tower's linears times `--layers` encoder layers of one
-896x896 crop run unit by unit (engine/model/vision_encode.py) and one-call, and prints the tower's time
-extrapolated to all layers, a unit's time and the weights' memory. `--full`: one whole encode in the first
+896x896 crop one-call (lean_vision.py's modules, their linears swapped) and unit by unit as the server runs them
+(engine/model/vision_encode.py on engine/model/vision_weights.py's float32 tensors, whatever the layout), and prints
+the tower's time extrapolated to all layers, a unit's time and the weights' memory. `--full`: one whole encode in the first
 layout too (the figure to set against llama-server's image encode).
 
 Layouts: `f32` (F.linear on the checkpoint's weights in float32: what the server runs), `f32-packed` (oneDNN's
@@ -29,6 +30,7 @@ from ..engine.model.lean import fill, read_checkpoint
 from ..engine.model.lean_config import model_config
 from ..engine.model.lean_vision import BiasedLinear, Projector, VisionTower, checkpoint_name
 from ..engine.model.vision_encode import VisionEncode
+from ..engine.model.vision_weights import VisionWeights, embed, from_modules
 
 LAYOUTS = ("f32", "f32-packed", "int8", "int8-kernel", "bf16")
 
@@ -39,6 +41,7 @@ def load_tower(source: str) -> nn.Module:
     if config is None or getattr(config, "vision_config", None) is None:
         raise SystemExit(f"{source}: not a multimodal Gemma-3 checkpoint ({why})")
     holder = nn.Module()
+    holder.config = config
     holder.vision_tower, holder.multi_modal_projector = VisionTower(config.vision_config), Projector(config)
     wanted = ("model.vision_tower.", "model.multi_modal_projector.")
     tensors = {}
@@ -100,15 +103,16 @@ def _kernel(q, x: torch.Tensor) -> torch.Tensor:
         quantized.KERNEL_ROWS = saved
 
 
-def time_layers(holder: nn.Module, layers: int, pixels: torch.Tensor, rows: int = 0) -> dict:
-    """Seconds for `layers` encoder layers unit by unit and one-call, and the slowest unit's seconds."""
+def time_layers(holder: nn.Module, weights: VisionWeights, layers: int, pixels: torch.Tensor, rows: int = 0) -> dict:
+    """Seconds for `layers` encoder layers unit by unit (`weights`) and one-call (`holder`'s modules), and the
+    slowest unit's seconds."""
     tower = holder.vision_tower
-    job = VisionEncode(tower, holder.multi_modal_projector, pixels, rows)
+    job = VisionEncode(weights, pixels, rows)
     with torch.inference_mode():
-        hidden = tower.embeddings(pixels).contiguous()
+        hidden = embed(weights, pixels).contiguous()
         began = last = time.perf_counter()
         slowest = 0.0
-        for layer in list(tower.encoder.layers)[:layers]:
+        for layer in weights.layers[:layers]:
             for _ in job._layer(layer, hidden):
                 now = time.perf_counter()
                 slowest, last = max(slowest, now - last), now
@@ -132,8 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     pixels = torch.randn(1, 3, 896, 896, generator=torch.Generator().manual_seed(0))
     for layout in args.layouts.split(","):
         holder = load_tower(args.source)
+        weights = from_modules(holder)  # before the swap: the server's float32 tensors
         nbytes = relayout(holder, layout)
-        timing = time_layers(holder, args.layers, pixels, args.rows)
+        timing = time_layers(holder, weights, args.layers, pixels, args.rows)
         units = timing["units_s"]
         count = holder.vision_tower.config.num_hidden_layers
         row = {"layout": layout, "linear_weight_mib": round(nbytes / 2**20, 1), "layers_timed": args.layers,
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                "slowest_unit_s": round(timing["slowest_unit_s"], 3)}
         print(json.dumps(row), flush=True)
         if args.full and layout == args.layouts.split(",")[0]:
-            job = VisionEncode(holder.vision_tower, holder.multi_modal_projector, pixels)
+            job = VisionEncode(weights, pixels)
             job.run(1e9)
             print(json.dumps({"layout": layout, "full_encode_s": round(job.seconds, 2), "units": job.units_done}), flush=True)
 

@@ -10,9 +10,11 @@ module names and math, around engine/model/lean.py's text decoder:
     model.language_model        Gemma3TextModel (lean.py)
     lm_head                     tied to the token embedding
 
-The runner takes what it takes from transformers' model: `model.language_model` and `lm_head` for the text,
-`model.get_image_features(pixel_values)` for an image's soft tokens, `config.image_token_id` and
-`mm_tokens_per_image`. Tests hold it to transformers' (tests/engine/test_lean_vision.py: same tensors, features, tokens).
+The loader builds this tree (the checkpoint's names mapped and every shape checked on the way in); the engine
+computes from the tensors it holds, not from its modules: the text through engine/model/weights.py's Gemma3Weights,
+the tower and projector through engine/model/vision_weights.py's VisionWeights (`from_modules`). The modules' own
+forward is the reference: tests hold it to transformers' (tests/engine/test_lean_vision.py: same tensors, features,
+tokens) and VisionWeights' functions to it (tests/engine/test_vision_weights.py).
 """
 
 from __future__ import annotations
