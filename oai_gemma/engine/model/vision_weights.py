@@ -108,7 +108,7 @@ class VisionWeights:
 
 def embed(w: VisionWeights, pixel_values: torch.Tensor) -> torch.Tensor:
     """SiglipVisionEmbeddings: [crops, 3, H, W] -> [crops, patches, width], each patch plus its position's row."""
-    patches = F.conv2d(pixel_values.to(w.dtype), w.patch_weight, w.patch_bias, stride=w.shape.patch)
+    patches = F.conv2d(pixel_values.to(w.patch_weight.device, w.dtype), w.patch_weight, w.patch_bias, stride=w.shape.patch)
     return patches.flatten(2).transpose(1, 2) + w.position
 
 
@@ -174,6 +174,8 @@ def from_modules(inner) -> VisionWeights | None:
     for prefix, module in ((TOWER, inner.vision_tower), (PROJECTOR, inner.multi_modal_projector)):
         for name, tensor in module.named_parameters():  # transformers 4's SiglipVisionModel has a `vision_model` level
             tensors[prefix + name.removeprefix("vision_model.")] = tensor.detach()
+    device = next(iter(tensors.values())).device  # a tower spread over GPUs (device_map) gathered on its first
+    tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
     config = inner.config
     return VisionWeights.from_tensors(VisionShape.of(config), config.vision_config.layer_norm_eps, tensors.__getitem__)
 
