@@ -139,3 +139,13 @@ def test_linear_for_picks_them():
         assert linear_for("q8", "projection.0", dtype) is Q8Linear
         assert linear_for("q4", "lm_head", dtype) is Q8Linear
         assert linear_for("q4", "projection.3", dtype) is Q4Linear
+
+
+def test_the_q4_layout_version_names_its_cache_file():
+    # the q4 blocks' stored layout changed (scales inside each block: VERSION 2): a cache file of the old layout must
+    # never be read back as the new one, so the version is part of the model cache's name for q4 only
+    from oai_gemma.engine.factory import _layout
+
+    assert f"q4v{Q4Linear.VERSION}" in _layout("q4", torch.float32)
+    assert "q4v" not in _layout("q8", torch.float32) and "q4v" not in _layout("int8", torch.float32)
+    assert Q4Linear(weights(16, 64)).packed.shape == (2, 2, 144)

@@ -64,7 +64,8 @@ class _DotLinear(QuantizedLinear):
         y = torch.empty(rows, n, dtype=out_dtype)
         tile_rows, tile_groups = DOT_TILES[self.KIND][rows > 1]
         kernel = native.q4_dot_linear() if self.KIND == "q4" else native.q8_dot_linear()
-        kernel(x.data_ptr(), rows, k, self.packed.data_ptr(), self.scale.data_ptr(), n, y.data_ptr(),
+        scale = self.packed if self.KIND == "q4" else self.scale  # q4's scales are inside `packed`
+        kernel(x.data_ptr(), rows, k, self.packed.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
                x.dtype == torch.bfloat16, out_dtype == torch.bfloat16, tile_rows, tile_groups)
         return y
 
@@ -129,18 +130,28 @@ def q4_blocks(weight: torch.Tensor, steps: range = range(-9, 10)) -> tuple[torch
 class Q4Linear(_DotLinear):
     """`model.quantization = q4`'s projections: 4-bit weights in blocks of 32 inputs, a float16 scale a block
     (GGUF's Q4_0: 4.5 bits a weight, `q4_blocks`), times int8 activations (`_DotLinear`). Stored as `packed` uint8
-    [N/8, K/32, 128] (a block of eight outputs: four 32-byte rows, byte j of row r holding the [8 outputs][4
-    inputs] quads 2r in its low nibble and 2r + 1 in its high one) and `scale` float16 [N/8, K/32, 8]."""
+    [N/8, K/32, 144]: a block of eight outputs is four 32-byte rows of levels (byte j of row r holding the [8
+    outputs][4 inputs] quads 2r in its low nibble and 2r + 1 in its high one) and then the eight outputs' float16
+    scales, so each group of eight outputs is one sequential stream (`VERSION` 2; 1 kept the scales apart)."""
 
     KIND = "q4"
+    FIELDS = ("packed",)
+    VERSION = 2
+    """The stored layout's version (part of the model cache's file name: a stale layout is never read back)."""
 
     def __init__(self, weight: torch.Tensor):
         n, k = weight.shape
         self._check_shape(n, k)
         levels, scales = q4_blocks(weight)
         quads = levels.view(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, k // 32, 4, 2, 32)
-        self.packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).reshape(n // 8, k // 32, 128).contiguous()
-        self.scale = scales.view(n // 8, 8, k // 32).permute(0, 2, 1).contiguous()
+        nibbles = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).reshape(n // 8, k // 32, 128)
+        scale = scales.view(n // 8, 8, k // 32).permute(0, 2, 1).contiguous().view(torch.uint8)
+        self.packed = torch.cat([nibbles, scale], dim=2).contiguous()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The blocks' float16 scales [N/8, K/32, 8] (a view of `packed`)."""
+        return self.packed[:, :, 128:].view(torch.float16)
 
     @property
     def out_features(self) -> int:
@@ -152,7 +163,7 @@ class Q4Linear(_DotLinear):
 
     def dequantized(self) -> torch.Tensor:
         groups, blocks, _ = self.packed.shape
-        rows = self.packed.view(groups, blocks, 4, 1, 32)
+        rows = self.packed[:, :, :128].reshape(groups, blocks, 4, 1, 32)
         levels = torch.cat([rows & 15, rows >> 4], dim=3).view(groups, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4)
         levels = levels.reshape(groups * 8, blocks, DOT_BLOCK).float() - 8
         scale = self.scale.permute(0, 2, 1).reshape(groups * 8, blocks, 1).float()
