@@ -8,14 +8,13 @@
      columns of eight outputs. vpmaddubsw takes unsigned x signed bytes: |x| times w with x's sign moved onto w
      (vpsignb). A block's int32 sums are exact; each is scaled by the block's activation scale into a float
      accumulator, and the per-channel scale multiplies the end.
-   - `q4`: 4-bit weights in blocks of 32 inputs per output (GGUF's Q4_0: a float16 scale a block, levels 0..15
-     standing for (q - 8) * scale), [N/8][K/32][144 bytes]: 128 bytes of levels (byte j of the block's 32-byte row
-     r holds quad 2r (low nibble) and quad 2r+1 (high nibble) of the [8 outputs][4 inputs] quads), then the eight
-     outputs' float16 scales: a group of 8 outputs is one sequential stream (one row streams at the memory's
-     pace with fewer streams for the prefetchers to follow).
-     The unsigned levels multiply the signed activations directly (no sign trick: 15 * 127 * 2 fits int16, and a
-     block's eight quads summed in int16 still fit: 30,480); the offset 8 is taken off with the block's
-     activation sum.
+   - `q4`: 4-bit weights in blocks of 32 inputs per output (GGUF's Q4_1: a float16 scale d and min m a block,
+     levels q in 0..15 standing for d * q + m), [N/8][K/32][160 bytes]: 128 bytes of levels (byte j of the block's
+     32-byte row r holds quad 2r (low nibble) and quad 2r+1 (high nibble) of the [8 outputs][4 inputs] quads), then
+     the eight outputs' float16 scales, then their float16 mins: a group of 8 outputs is one sequential stream.
+     The unsigned levels multiply the signed activations directly (15 * 127 * 2 fits int16, and a block's eight
+     quads summed in int16 still fit: 30,480); the min multiplies the block's activation sum (its scale times its
+     integer sum), one more FMA a block.
 
    Every output is one fixed sequence of float operations over the blocks in order (the integer sums are exact),
    whatever the row count, tile or thread, and each row is quantized alone: a row's result does not depend on
@@ -92,7 +91,7 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int x_bf16, activ
 
 #define MAX_ROWS 4
 #define MAX_GROUPS 4
-#define Q4_BYTES 144 /* a q4 block of 8 outputs x 32 inputs: 128 bytes of levels, 8 float16 scales */
+#define Q4_BYTES 160 /* a q4 block of 8 outputs x 32 inputs: 128 bytes of levels, 8 float16 scales, 8 float16 mins */
 #ifndef PREFETCH
 #define PREFETCH 1024
 #endif
@@ -149,7 +148,7 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
     void *y, int64_t y0, int64_t N, int y_bf16)
 {
     const int64_t blocks = K / BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi32(8);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     const uint8_t *group[MAX_GROUPS];
     for (int g = 0; g < groups; g++) group[g] = w + g * blocks * Q4_BYTES;
     __m256 acc[MAX_ROWS][MAX_GROUPS];
@@ -177,15 +176,18 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
                                                                                _mm256_maddubs_epi16(hi[g], x1)));
             }
         }
-        __m256 ws[MAX_GROUPS];
-        for (int g = 0; g < groups; g++)
+        __m256 ws[MAX_GROUPS], wm[MAX_GROUPS];
+        for (int g = 0; g < groups; g++) {
             ws[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + b * Q4_BYTES + 128)));
+            wm[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + b * Q4_BYTES + 144)));
+        }
         for (int m = 0; m < rows; m++) {
-            const __m256 s = _mm256_set1_ps(a->scale[(m0 + m) * blocks + b]);
-            const __m256i offset = _mm256_mullo_epi32(_mm256_set1_epi32(a->sum[(m0 + m) * blocks + b]), eight);
+            const float xs = a->scale[(m0 + m) * blocks + b];
+            const __m256 s = _mm256_set1_ps(xs), s_sum = _mm256_set1_ps(xs * (float)a->sum[(m0 + m) * blocks + b]);
             for (int g = 0; g < groups; g++) {
-                const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(sums[m][g], ones), offset);
+                const __m256i dot = _mm256_madd_epi16(sums[m][g], ones);
                 acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[g], s), acc[m][g]);
+                acc[m][g] = _mm256_fmadd_ps(wm[g], s_sum, acc[m][g]);
             }
         }
     }
@@ -246,7 +248,7 @@ void q8_dot_linear(const void *x, int64_t M, int64_t K, const int8_t *w, const f
     run(0, tile_rows, tile_groups, x, M, K, w, scale, N, y, x_bf16, y_bf16);
 }
 
-/* x [M, K], w [N/8, K/32, 144] uint8 (128 bytes of two 4-bit levels a byte, 8 float16 scales) -> y [M, N];
+/* x [M, K], w [N/8, K/32, 160] uint8 (128 bytes of two 4-bit levels a byte, 8 float16 scales, 8 mins) -> y [M, N];
    `scale` is unused (the scales are in w). */
 void q4_dot_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *scale, int64_t N, void *y,
                    int x_bf16, int y_bf16, int tile_rows, int tile_groups)
