@@ -54,6 +54,7 @@ class ModelSlot:
         """Bytes its engine holds: weights plus the KV cache allocated (0 until its first load)."""
         self.facts: dict = {}
         """What `/v1/models` says of it beyond its settings (modalities, capabilities), known once loaded."""
+        self.watcher: asyncio.Future | None = None
         self.loads = 0
         self.unloads: dict[str, int] = {}
 
@@ -76,7 +77,6 @@ class ModelRouter:
         self.budget = int(policy.memory_budget_gib * 2**30) or int(policy.memory_fraction * available)
         self.on_dead = on_dead
         self._lock: asyncio.Lock | None = None
-        self._unloading: set[int] = set()
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -148,7 +148,7 @@ class ModelRouter:
         slot.facts = {"modalities": ["text", "image"] if vision else ["text"],
                       "capabilities": ["completion", "chat", "tools", "structured_output"] + (["vision"] if vision else [])}
         slot.last_used, slot.loads = time.monotonic(), slot.loads + 1
-        asyncio.ensure_future(self._watch(slot, engine))
+        slot.watcher = asyncio.ensure_future(self._watch(slot, engine))
         log.info("loaded %s (%s) in %.1f s: %d MB by its engine's count, resident %d -> %d MB", slot.name, engine.description,
                  time.monotonic() - started, slot.footprint // MB, before // MB, resident_bytes() // MB)
         if not first:
@@ -181,9 +181,8 @@ class ModelRouter:
             return
         slot.engine = slot.services = None  # no request reaches it from now on
         slot.keep_alive_now = None
-        self._unloading.add(id(engine))
+        slot.watcher.cancel()  # it holds the engine too
         await asyncio.to_thread(engine.shutdown)  # the engine thread joined
-        self._unloading.discard(id(engine))
         del engine
         gc.collect()
         release_free_memory()
@@ -208,9 +207,10 @@ class ModelRouter:
                             await self._unload(slot, "idle")
 
     async def _watch(self, slot: ModelSlot, engine: Engine) -> None:
+        """Until the engine dies (cancelled when it is unloaded)."""
         while engine.alive:
             await asyncio.sleep(0.5)
-        if id(engine) not in self._unloading and slot.engine is engine:
+        if slot.engine is engine:
             self.on_dead(slot, engine)
 
 
