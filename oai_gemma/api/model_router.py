@@ -225,15 +225,19 @@ def _in_thread(work: Callable, one_thread: bool) -> asyncio.Future:
 
             torch.set_num_threads(1)
         try:
-            result = work()
-        except BaseException as exc:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
-        else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            outcome, error = work(), None
+        except BaseException as exc:  # noqa: BLE001  (handed to the awaiting request)
+            outcome, error = None, exc
+        loop.call_soon_threadsafe(_settle, future, outcome, error)
 
     thread = threading.Thread(target=run, name="oai-gemma-loader", daemon=True) if one_thread else compute_thread(run, "oai-gemma-loader")
     thread.start()
     return future
+
+
+def _settle(future: asyncio.Future, outcome, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(outcome)
 
 
 def _mem_available() -> int:

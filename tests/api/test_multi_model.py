@@ -15,12 +15,15 @@ import pytest
 from conftest import NO_TIMEOUTS, ServerProcess, user, wait_for
 
 USER, ADMIN = "user-key", "admin-key"
-BIG, SMALL, VISION = "big", "small-int8", "tiny-vision"
+BIG, SMALL, VISION, BROKEN = "big", "small-int8", "tiny-vision", "broken"
 
 
 @pytest.fixture(scope="module")
 def multi(tiny_vision_dir, tmp_path_factory):
-    config = tmp_path_factory.mktemp("multi") / "models.toml"
+    folder = tmp_path_factory.mktemp("multi")
+    config, broken = folder / "models.toml", folder / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # passes the start's check; its load fails
     config.write_text(f"""
 [router]
 max_loaded = 2
@@ -38,6 +41,9 @@ max_num_seqs = 4
 [models."{VISION}"]
 source = "{tiny_vision_dir}"
 max_num_seqs = 4
+
+[models.{BROKEN}]
+source = "{broken}"
 """)
     env = {**NO_TIMEOUTS, "OAI_GEMMA_API_KEYS": USER}
     with ServerProcess("--config", str(config), "--admin-api-key", ADMIN, "--max-num-seqs", "4", env=env) as proc:
@@ -70,8 +76,8 @@ def chat(proc, model: str, text: str = "Say hi.", **extra):
 
 def test_models_lists_every_model_and_only_the_first_is_loaded(multi):
     cards = {c["id"]: c for c in httpx.get(multi.url + "/v1/models", headers={"Authorization": f"Bearer {USER}"}).json()["data"]}
-    assert list(cards) == [BIG, SMALL, VISION]
-    assert {k: c["status"]["value"] for k, c in cards.items()} == {BIG: "loaded", SMALL: "unloaded", VISION: "unloaded"}
+    assert list(cards) == [BIG, SMALL, VISION, BROKEN]
+    assert {k: c["status"]["value"] for k, c in cards.items()} == {BIG: "loaded", SMALL: "unloaded", VISION: "unloaded", BROKEN: "unloaded"}
     assert cards[SMALL]["max_model_len"] == 512 and cards[BIG]["max_model_len"] == 2048
     assert cards[BIG]["modalities"] == ["text"]
     with pytest.raises(openai.NotFoundError) as err:
@@ -80,13 +86,17 @@ def test_models_lists_every_model_and_only_the_first_is_loaded(multi):
     with pytest.raises(openai.BadRequestError) as err:
         chat(multi, BIG, extra_body={"keep_alive": "soon"})
     assert err.value.param == "keep_alive"
+    with pytest.raises(openai.InternalServerError) as err:  # a model that cannot load: a 503 saying why, the rest serve on
+        chat(multi, BROKEN)
+    assert err.value.status_code == 503 and err.value.code == "model_load_failed" and BROKEN in err.value.message
+    assert chat(multi, BIG).model == BIG
 
 
 def test_first_request_loads_a_model_then_switching_loads_nothing(multi):
     assert chat(multi, SMALL).model == SMALL  # loads it
     for model in (BIG, SMALL, BIG, SMALL):
         assert chat(multi, model).choices[0].message.content is not None
-    assert statuses(multi) == {BIG: "loaded", SMALL: "loaded", VISION: "unloaded"}
+    assert statuses(multi) == {BIG: "loaded", SMALL: "loaded", VISION: "unloaded", BROKEN: "unloaded"}
     assert metric(multi, "oai_gemma:model_loads_total", BIG) == 1 and metric(multi, "oai_gemma:model_loads_total", SMALL) == 1
     assert metric(multi, "oai_gemma:generation_tokens_total", SMALL) > 0  # every series carries its model's name
     with pytest.raises(openai.BadRequestError):  # the int8 one's own context, not the global one
@@ -118,7 +128,7 @@ def test_a_third_model_loads_while_another_streams_evicting_the_idle_one(multi):
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(f"load {ended - started:.1f} s; {len(during)} tokens streamed meanwhile; largest gap {max(gaps):.2f} s")
     assert during, "the stream stalled for the whole load"
-    assert statuses(multi) == {BIG: "loaded", SMALL: "unloaded", VISION: "loaded"}
+    assert statuses(multi) == {BIG: "loaded", SMALL: "unloaded", VISION: "loaded", BROKEN: "unloaded"}
     assert metric(multi, "oai_gemma:model_unloads_total", SMALL, ',reason="evicted"') == 1
 
 
@@ -153,7 +163,7 @@ def test_load_and_unload_endpoints(multi):
     assert post("/models/unload", ADMIN, json={"model": VISION}).json() == {"success": True, "model": VISION, "status": "unloaded"}
     assert post("/models/unload", ADMIN, json={"model": VISION}).status_code == 200  # already unloaded: nothing to do
     assert post("/models/load", ADMIN, json={"model": SMALL}).json()["status"] == "loaded"
-    assert statuses(multi) == {BIG: "loaded", SMALL: "loaded", VISION: "unloaded"}
+    assert statuses(multi) == {BIG: "loaded", SMALL: "loaded", VISION: "unloaded", BROKEN: "unloaded"}
     assert httpx.get(multi.url + "/models/load", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 405
 
 
