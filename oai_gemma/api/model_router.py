@@ -54,7 +54,6 @@ class ModelSlot:
         """Bytes its engine holds: weights plus the KV cache allocated (0 until its first load)."""
         self.facts: dict = {}
         """What `/v1/models` says of it beyond its settings (modalities, capabilities), known once loaded."""
-        self.watcher: asyncio.Future | None = None
         self.loads = 0
         self.unloads: dict[str, int] = {}
 
@@ -148,7 +147,7 @@ class ModelRouter:
         slot.facts = {"modalities": ["text", "image"] if vision else ["text"],
                       "capabilities": ["completion", "chat", "tools", "structured_output"] + (["vision"] if vision else [])}
         slot.last_used, slot.loads = time.monotonic(), slot.loads + 1
-        slot.watcher = asyncio.ensure_future(self._watch(slot, engine))
+        asyncio.ensure_future(self._watch(slot, slot.loads))
         log.info("loaded %s (%s) in %.1f s: %d MB by its engine's count, resident %d -> %d MB", slot.name, engine.description,
                  time.monotonic() - started, slot.footprint // MB, before // MB, resident_bytes() // MB)
         if not first:
@@ -181,7 +180,6 @@ class ModelRouter:
             return
         slot.engine = slot.services = None  # no request reaches it from now on
         slot.keep_alive_now = None
-        slot.watcher.cancel()  # it holds the engine too
         await asyncio.to_thread(engine.shutdown)  # the engine thread joined
         del engine
         gc.collect()
@@ -206,12 +204,13 @@ class ModelRouter:
                         if slot.engine is not None and not slot.busy:
                             await self._unload(slot, "idle")
 
-    async def _watch(self, slot: ModelSlot, engine: Engine) -> None:
-        """Until the engine dies (cancelled when it is unloaded)."""
-        while engine.alive:
+    async def _watch(self, slot: ModelSlot, load: int) -> None:
+        """Until the engine of the slot's `load`-th load dies, or is unloaded. It holds no reference to the engine
+        across its sleeps (a cancelled task's traceback would keep it, and its memory, alive)."""
+        while slot.loads == load and slot.engine is not None and slot.engine.alive:
             await asyncio.sleep(0.5)
-        if slot.engine is engine:
-            self.on_dead(slot, engine)
+        if slot.loads == load and slot.engine is not None:
+            self.on_dead(slot, slot.engine)
 
 
 def _in_thread(work: Callable, one_thread: bool) -> asyncio.Future:
