@@ -24,7 +24,7 @@ from .connections import body_timeout_middleware
 from .errors import APIError
 from .metrics import ServerMetrics, merge_expositions
 from .model_router import ModelRouter, ModelSlot
-from .model_routes import MODEL_ROUTES, router_metrics, routing_of
+from .model_routes import model_routes, router_metrics, routing_of
 from .openapi import add_wire_components
 from .playground import playground_paths, playground_routes
 from .responses.store import ResponseStore, owner_of
@@ -253,7 +253,7 @@ def create_app(settings: Settings) -> Litestar:
         log.warning("no API key configured: the server is open to anyone who can reach it")
     app = Litestar(
         before_request=_require_key(keys, open_paths) if keys else None,
-        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *playground_routes(settings), *lora_routes(settings), *MODEL_ROUTES],
+        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *playground_routes(settings), *lora_routes(settings), *model_routes(len(state.router.slots))],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},

@@ -1,4 +1,5 @@
-"""`POST /models/load` and `POST /models/unload` (llama-server's router shapes: body `{"model": "<id>"}`), a request's
+"""`POST /models/load` and `POST /models/unload` (llama-server's router shapes: body `{"model": "<id>"}`; served only
+with several models), a request's
 `model` and `keep_alive` read before its service decodes it, and the router's metrics (api/model_router.py).
 
 The endpoints are guarded as the LoRA ones are (lora_routes.py): with API keys configured they take an admin key.
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .errors import decode_body, invalid_request, model_not_found
 from .lora_routes import require_admin
+from .openapi import documented
 from .protocol import encoder
 
 JSON = "application/json"
@@ -22,6 +24,13 @@ JSON = "application/json"
 
 class ModelRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str
+
+
+class ModelStatus(msgspec.Struct):
+    success: bool
+    model: str
+    status: str
+    """`loaded` or `unloaded`."""
 
 
 class _Routing(msgspec.Struct):
@@ -70,7 +79,7 @@ async def _admin_body(request: Request) -> ModelRequest:
     return decode_body(_model_decoder, await request.body())
 
 
-@post("/models/load", status_code=200)
+@post("/models/load", status_code=200, operation_class=documented(ModelStatus, request=ModelRequest, errors=(400, 401, 403, 404, 503)))
 async def load_model(request: Request) -> Response:
     body = await _admin_body(request)
     slot = _slot(request, body)
@@ -79,18 +88,20 @@ async def load_model(request: Request) -> Response:
         await request.app.state.server._ready(slot)
     finally:
         slot.pending -= 1
-    return Response(encoder.encode({"success": True, "model": slot.name, "status": slot.status}), media_type=JSON)
+    return Response(encoder.encode(ModelStatus(True, slot.name, slot.status)), media_type=JSON)
 
 
-@post("/models/unload", status_code=200)
+@post("/models/unload", status_code=200, operation_class=documented(ModelStatus, request=ModelRequest, errors=(400, 401, 403, 404, 503)))
 async def unload_model(request: Request) -> Response:
     body = await _admin_body(request)
     slot = _slot(request, body)
     await request.app.state.server.router.unload(slot, "request")
-    return Response(encoder.encode({"success": True, "model": slot.name, "status": slot.status}), media_type=JSON)
+    return Response(encoder.encode(ModelStatus(True, slot.name, slot.status)), media_type=JSON)
 
 
-MODEL_ROUTES = [load_model, unload_model]
+def model_routes(models: int) -> list:
+    """The endpoints, when several models are served (llama-server's router mode); else they are not there (404)."""
+    return [load_model, unload_model] if models > 1 else []
 
 
 class _RouterCollector:
