@@ -74,6 +74,28 @@ def chat(proc, model: str, text: str = "Say hi.", **extra):
     return client(proc).chat.completions.create(model=model, messages=user(text), max_tokens=4, temperature=0, **extra)
 
 
+def test_model_flags_and_tables_give_each_model_its_own_settings(tmp_path):
+    from oai_gemma import cli
+    from oai_gemma.settings import load_settings, served_models
+
+    def models(argv: list[str], config=None) -> dict:
+        settings = load_settings(config, cli._overrides(cli.build_parser().parse_args(["serve", *argv])), environ={})
+        return {name: (own.model.source, own.model.max_model_len, own.engine.max_num_seqs, keep) for name, (own, keep) in served_models(settings).items()}
+
+    assert models(["--model", "embedded"]) == {"gemma-3-270m": ("embedded", 8192, 32, -1.0)}  # as ever
+    assert models(["--model", "a=embedded", "--model", "b=/m/b", "--max-model-len", "512"]) == {
+        "a": ("embedded", 512, 32, -1.0), "b": ("/m/b", 512, 32, -1.0)}
+    config = tmp_path / "models.toml"
+    config.write_text('[engine]\nmax_num_seqs = 4\n[models.x]\nmax_model_len = 1024\nkeep_alive = 60\n[models.y]\nmax_num_seqs = 2\n')
+    assert models([], config) == {"x": ("embedded", 1024, 4, 60.0), "y": ("embedded", 8192, 2, -1.0)}
+    config.write_text('[models.x]\nmax_num_seq = 4\n')
+    with pytest.raises(Exception, match="max_num_seq.*models.x"):
+        models([], config)
+    config.write_text('[models.x]\nmax_num_seqs = 0\n')
+    with pytest.raises(Exception, match="models.x"):
+        models([], config)
+
+
 def test_models_lists_every_model_and_only_the_first_is_loaded(multi):
     cards = {c["id"]: c for c in httpx.get(multi.url + "/v1/models", headers={"Authorization": f"Bearer {USER}"}).json()["data"]}
     assert list(cards) == [BIG, SMALL, VISION, BROKEN]
