@@ -135,13 +135,17 @@ class ModelRouter:
         loop, started, before = asyncio.get_running_loop(), time.monotonic(), resident_bytes()
         slot.loading = True
         beside = any(s.engine is not None for s in self.slots.values())
+        def build() -> tuple[Engine, Services]:  # all of it off the event loop, which delivers the others' tokens
+            engine = load_engine(slot.settings)
+            return engine, Services.build(engine, slot.settings, self.store)
+
         try:  # beside loaded models a load computes on one thread, so their steps keep the cores
-            engine = await _in_thread(lambda: load_engine(slot.settings), one_thread=beside)
+            engine, services = await _in_thread(build, one_thread=beside)
         finally:
             slot.loading = False
         engine.observer = slot.metrics
         engine.start(loop)
-        slot.engine, slot.services = engine, Services.build(engine, slot.settings, self.store)
+        slot.engine, slot.services = engine, services
         slot.footprint = engine.weight_bytes + engine.core.runner.cache.nbytes
         vision = engine.processor is not None
         slot.facts = {"modalities": ["text", "image"] if vision else ["text"],
