@@ -68,6 +68,10 @@ class ServerState:
         """The default model's engine, None while it is not loaded."""
         return self.router.default.engine
 
+    @engine.setter
+    def engine(self, engine: Engine | None) -> None:
+        self.router.default.engine = engine
+
     @property
     def services(self) -> Services | None:
         return self.router.default.services

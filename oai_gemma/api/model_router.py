@@ -100,8 +100,9 @@ class ModelRouter:
         if slot.services is not None:
             return slot.services
         slot.waiting += 1
-        position = sum(s.waiting for s in self.slots.values())
-        log.info("a request for %s waits for its load (place %d in the load line)", slot.name, position)
+        if not first:
+            position = sum(s.waiting for s in self.slots.values())
+            log.info("a request for %s waits for its load (place %d in the load line)", slot.name, position)
         try:
             async with self.lock:
                 if slot.services is None:
