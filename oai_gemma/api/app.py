@@ -180,7 +180,7 @@ class ServerState:
     async def _after_death(self, slot: ModelSlot, engine: Engine) -> None:
         """Once an engine thread has died (its requests already failed): say so, and with
         `server.exit_on_engine_failure` exit non-zero once the streams have sent their error events."""
-        log.error("the engine of %s died: %s; /health and new requests answer 503", slot.name, engine.dead_reason)
+        log.error("the engine died: %s (model %s); /health and new requests answer 503", engine.dead_reason, slot.name)
         if self.settings.server.exit_on_engine_failure:
             await _until(lambda: engine.in_flight == 0, 10.0)
             log.error("exiting (server.exit_on_engine_failure), so that the supervisor restarts the server")
