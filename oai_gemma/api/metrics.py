@@ -196,12 +196,12 @@ def merge_expositions(parts: list[bytes]) -> bytes:
     families: dict[str, list[bytes]] = {}
     current: list[bytes] | None = None
     for part in parts:
+        earlier = set(families)  # families an earlier part opened: their header lines are there already
         for line in part.splitlines():
             if line.startswith(b"# HELP ") or line.startswith(b"# TYPE "):
                 name = line.split(b" ", 3)[2].decode()
-                known = name in families
                 current = families.setdefault(name, [])
-                if not known:
+                if name not in earlier:
                     current.append(line)
             elif line and current is not None:
                 current.append(line)

@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import NO_TIMEOUTS, ServerProcess, user, wait_for
 
@@ -121,6 +122,9 @@ def test_first_request_loads_a_model_then_switching_loads_nothing(multi):
     assert statuses(multi) == {BIG: "loaded", SMALL: "loaded", VISION: "unloaded", BROKEN: "unloaded"}
     assert metric(multi, "oai_gemma:model_loads_total", BIG) == 1 and metric(multi, "oai_gemma:model_loads_total", SMALL) == 1
     assert metric(multi, "oai_gemma:generation_tokens_total", SMALL) > 0  # every series carries its model's name
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(multi.url + "/metrics").text)}
+    tokens = families["oai_gemma:generation_tokens"]  # one family, typed, both models' series in it
+    assert tokens.type == "counter" and {s.labels["model_name"] for s in tokens.samples} == {BIG, SMALL, VISION, BROKEN}
     with pytest.raises(openai.BadRequestError):  # the int8 one's own context, not the global one
         chat(multi, SMALL, "word " * 600)
 
