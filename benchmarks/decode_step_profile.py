@@ -117,7 +117,7 @@ def main() -> None:
     loaded = load(settings.model)
     config = configure(settings, loaded)
     weights = load_weights(loaded, config.model)
-    runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config))
+    runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config)[0])
     clock = Clock()
     instrument(runner, clock)
     for threads in (int(t) for t in args.threads.split(",")):

@@ -13,7 +13,7 @@ import msgspec.inspect
 
 from .cpu import configure_cpu
 from .logs import configure_logging
-from .settings import SECTIONS, ServerSettings, field_docs, load_settings, model_source_problem
+from .settings import SECTIONS, ModelSettings, ServerSettings, Settings, field_docs, load_settings, model_source_problem, served_models
 from .version import version_line
 
 # The settings operators change most, as flags of `serve` and `prepare`: (section, field, flag name when it is
@@ -44,6 +44,9 @@ SETTINGS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
     ("engine", "speculative_budget", None),
     ("engine", "speculative_ngram_max", None),
     ("engine", "speculative_ngram_min", None),
+    ("router", "max_loaded", None),
+    ("router", "memory_budget_gib", None),
+    ("router", "keep_alive", None),
 )
 MULTI_VALUE_FLAGS = {"--lora-modules"}
 """List settings whose flag takes several values at once (vLLM's `--lora-modules a=/x b=/y`), repeatable too."""
@@ -85,6 +88,9 @@ def _add_setting_flag(parser: argparse.ArgumentParser, section: str, field: str,
     elif not isinstance(kind, msgspec.inspect.StrType):
         raise TypeError(f"no flag for {section}.{field} of type {kind}")
     doc = field_docs(section).get(field, "")
+    if (section, field) == ("model", "source"):  # repeated as `--model ID=SOURCE`: several models (_overrides)
+        kwargs["action"] = "append"
+        doc += " Repeat as `--model ID=SOURCE` to serve several, each under its ID (`[models.<id>]` in a settings file)."
     shown = default if isinstance(default, str) and default.startswith("none;") else repr(default)
     kwargs["help"] = f"{doc} [{section}.{field}, default: {shown}]".strip().replace("%", "%%")
     parser.add_argument(flag_name(section, field, name), **kwargs)
@@ -94,9 +100,26 @@ def _overrides(args: argparse.Namespace) -> dict:
     tree: dict = {}
     for section, field, _ in SETTINGS_FLAGS + SERVE_ONLY_FLAGS:
         value = getattr(args, _dest(section, field), None)
-        if value is not None:
+        if value is not None and (section, field) == ("model", "source"):
+            _model_sources(tree, value)
+        elif value is not None:
             tree.setdefault(section, {})[field] = value
     return tree
+
+
+def _model_sources(tree: dict, values: list[str]) -> None:
+    """`--model SOURCE` (as ever) and `--model ID=SOURCE` (several models, each a `[models.<id>]` table; a plain one
+    beside them is served too, under its own name). An existing path with `=` in it stays a plain source."""
+    named = [v.partition("=") for v in values if "=" in v and not os.path.exists(v)]
+    plain = [v for v in values if "=" not in v or os.path.exists(v)]
+    if plain:
+        tree.setdefault("model", {})["source"] = plain[-1]
+    if named:
+        models = tree.setdefault("models", {})
+        if plain:  # the plain one first, under its own name: it stays the default model
+            models[Settings(model=ModelSettings(source=plain[-1])).served_model_name] = {"source": plain[-1]}
+        for name, _, source in named:
+            models[name.strip()] = {"source": source.strip()}
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, flags=SETTINGS_FLAGS) -> None:
@@ -115,9 +138,14 @@ def _settings(args: argparse.Namespace):
 def serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     configure_logging(settings.server.log_level, settings.server.log_format)
-    problem = model_source_problem(settings.model.source, settings.model.mmproj)
-    if problem:  # seconds, not a minute of loading, to say what is wrong
-        return _failed_start(problem)
+    try:
+        models = served_models(settings)
+    except msgspec.ValidationError as exc:
+        sys.exit(f"oai-gemma: bad settings: {exc}")
+    for own, _ in models.values():
+        problem = model_source_problem(own.model.source, own.model.mmproj)
+        if problem:  # seconds, not a minute of loading, to say what is wrong
+            return _failed_start(problem)
     replicas = bool(args.replicas or args.max_replicas)  # Ray Serve's proxy listens then, not this process
     try:
         listener = None if replicas else _listen(settings.server.host, settings.server.port)

@@ -73,6 +73,11 @@ def configure_cpu(settings: EngineSettings) -> int:
     return threads
 
 
+STEP_TURNS = threading.Lock()
+"""Held for each engine step: engines of one process (several models, api/model_router.py) take turns, since each
+engine thread's OpenMP team would otherwise use every core at once beside the others'."""
+
+
 def compute_thread_count() -> int:
     """The compute threads' thread count: `configure_cpu`'s, else this thread's."""
     import torch

@@ -229,6 +229,24 @@ class ResponsesSettings(msgspec.Struct, forbid_unknown_fields=True):
         return Path(self.store_path).expanduser() if self.store_path else Path.home() / ".cache" / "oai-gemma" / "responses.sqlite3"
 
 
+class RouterSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """Several models behind one base URL (`[models.<id>]` tables, `--model ID=SOURCE`): when they load and unload."""
+
+    max_loaded: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Models loaded at once; a load past it first unloads the least recently used idle one. 0: no limit."""
+    memory_budget_gib: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Bytes the loaded models may hold (each model's weights plus its KV cache, as its engine counts them); a load
+    past it first unloads the least recently used idle ones. 0: `memory_fraction` of the memory available at start."""
+    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
+    """The default budget's share of the memory available (MemAvailable) when the server starts."""
+    keep_alive: float = -1.0
+    """Seconds an idle model stays loaded after its last request (Ollama's `keep_alive`; a `[models.<id>]` table and a
+    request's `keep_alive` field override it). Negative: for ever; 0: unloaded as soon as it is idle."""
+    load_wait: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    """Seconds a load waits for a model to unload when every loaded one has requests in flight; then a 503 with
+    Retry-After."""
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelSettings = msgspec.field(default_factory=ModelSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
@@ -236,6 +254,10 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     images: ImageSettings = msgspec.field(default_factory=ImageSettings)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     responses: ResponsesSettings = msgspec.field(default_factory=ResponsesSettings)
+    router: RouterSettings = msgspec.field(default_factory=RouterSettings)
+    models: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    """`[models.<id>]` tables: each a model served as `<id>`, with `source` and any `model`, `engine` or
+    `keep_alive` setting of its own over the global ones (`served_models`)."""
 
     @property
     def served_model_name(self) -> str:
@@ -246,6 +268,30 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
         if self.model.source.endswith(".gguf"):
             return Path(self.model.source).stem
         return Path(self.model.source.rstrip("/")).name if os.path.isdir(self.model.source) else self.model.source
+
+
+def served_models(settings: Settings) -> dict[str, tuple[Settings, float]]:
+    """Each model served, by id, in order (the first is the default): its own settings (its table's `model` and
+    `engine` fields over the global ones) and its keep_alive. No `[models.*]` table: the one `model` section, as ever.
+    Raises `msgspec.ValidationError` naming a table's bad field."""
+    if not settings.models:
+        return {settings.served_model_name: (settings, settings.router.keep_alive)}
+    out = {}
+    model_fields, engine_fields = set(ModelSettings.__struct_fields__), set(EngineSettings.__struct_fields__)
+    for name, table in settings.models.items():
+        unknown = set(table) - model_fields - engine_fields - {"keep_alive"}
+        if unknown:
+            raise msgspec.ValidationError(f"unknown field(s) {sorted(unknown)} in `models.{name}`")
+        try:
+            model = msgspec.convert({**msgspec.to_builtins(settings.model), "served_name": name,
+                                     **{k: v for k, v in table.items() if k in model_fields}}, ModelSettings, strict=False)
+            engine = msgspec.convert({**msgspec.to_builtins(settings.engine),
+                                      **{k: v for k, v in table.items() if k in engine_fields}}, EngineSettings, strict=False)
+            keep_alive = msgspec.convert(table.get("keep_alive", settings.router.keep_alive), float, strict=False)
+        except msgspec.ValidationError as exc:
+            raise msgspec.ValidationError(f"{exc} in `models.{name}`") from None
+        out[name] = (msgspec.structs.replace(settings, model=model, engine=engine, models={}), keep_alive)
+    return out
 
 
 def model_source_problem(source: str, mmproj: str = "") -> str | None:
@@ -281,7 +327,7 @@ ENV_PREFIX = "OAI_GEMMA_"
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelSettings, "engine": EngineSettings, "server": ServerSettings, "images": ImageSettings,
-    "lora": LoraSettings,
+    "lora": LoraSettings, "router": RouterSettings,
 }
 
 

@@ -42,17 +42,18 @@ def _server(request: Request):
     """The ready server's state (503 while it loads), for an admin."""
     state = request.app.state.server
     state.require_ready()
-    _require_admin(state.settings, request)
+    require_admin(state.settings, request, "Loading and unloading LoRA adapters")
     return state
 
 
-def _require_admin(settings: Settings, request: Request) -> None:
+def require_admin(settings: Settings, request: Request, what: str) -> None:
+    """With API keys configured, a 403 unless the request carries an admin key (`server.admin_api_keys`)."""
     server = settings.server
     if not (server.api_keys or server.admin_api_keys):
         return
     given = request.headers.get("authorization", "").partition(" ")[2].strip().encode()
     if not any([hmac.compare_digest(given, key.encode()) for key in server.admin_api_keys]):
-        raise APIError(403, "Loading and unloading LoRA adapters needs an admin API key (--admin-api-key).",
+        raise APIError(403, f"{what} needs an admin API key (--admin-api-key).",
                        "invalid_request_error", None, "permission_denied")
 
 

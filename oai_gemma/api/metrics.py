@@ -188,3 +188,21 @@ class _StatsCollector:
         )
         vision.add_metric([self.model_name], stats.get("vision_encodes", 0), stats.get("vision_seconds", 0.0))
         yield vision
+
+
+def merge_expositions(parts: list[bytes]) -> bytes:
+    """Several registries' text (one per model, api/model_router.py) as one exposition: each family's `# HELP` and
+    `# TYPE` once, then every registry's samples of it (a family named twice is invalid to Prometheus)."""
+    families: dict[str, list[bytes]] = {}
+    current: list[bytes] | None = None
+    for part in parts:
+        earlier = set(families)  # families an earlier part opened: their header lines are there already
+        for line in part.splitlines():
+            if line.startswith(b"# HELP ") or line.startswith(b"# TYPE "):
+                name = line.split(b" ", 3)[2].decode()
+                current = families.setdefault(name, [])
+                if name not in earlier:
+                    current.append(line)
+            elif line and current is not None:
+                current.append(line)
+    return b"".join(line + b"\n" for lines in families.values() for line in lines)

@@ -29,6 +29,7 @@ REF = "#/components/schemas/{name}"
 ERRORS = {
     400: "Invalid request: malformed JSON, a value out of range, `context_length_exceeded`, an unsupported parameter",
     401: "Missing or wrong API key (only when the server is started with API keys)",
+    403: "`permission_denied`: the endpoint needs an admin API key (`server.admin_api_keys`)",
     404: "`model_not_found`: the request names a model this server does not serve",
     413: "The request body is larger than `server.max_body_bytes`",
     429: "`rate_limit_exceeded`: the batch and its waiting line are full; retry after `Retry-After` seconds",
@@ -43,7 +44,7 @@ def _ref(wire_type: Any) -> dict[str, str] | Any:
 
 
 def documented(
-    response: Any, *, request: type | None = None, stream: type | None = None, errors: tuple[int, ...] = tuple(ERRORS),
+    response: Any, *, request: type | None = None, stream: type | None = None, errors: tuple[int, ...] = tuple(s for s in ERRORS if s != 403),
     also: tuple[int, ...] = (), media_type: str = JSON,
 ) -> type[Operation]:
     """An `operation_class` for a route: its request body, its 200 (JSON, and SSE chunks when it streams), its errors.

@@ -32,49 +32,54 @@ def _json(payload, status: int = 200) -> Response:
 
 @post("/v1/chat/completions", status_code=200, operation_class=documented(ChatCompletion, request=ChatCompletionRequest, stream=ChatCompletionChunk))
 async def chat_completions(request: Request) -> Response:
-    arrival = time.perf_counter()
-    chat, exchange = _state(request).require_ready().chat, exchange_of(request.scope)
-    prepared = await chat.prepare(await request.body(), arrival, _state(request).cache_scope(request))
-    if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
-        return Stream(chat.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
-    return Response(content=await unless_disconnected(request, chat.complete(prepared, exchange)), media_type=JSON)
+    arrival, body = time.perf_counter(), await request.body()
+    async with _state(request).use(body) as services:  # the model `model` names, loaded if need be
+        chat, exchange = services.chat, exchange_of(request.scope)
+        prepared = await chat.prepare(body, arrival, _state(request).cache_scope(request))
+        if prepared.request.stream:  # a stream notices a gone client when a write fails; Litestar then closes it
+            return Stream(chat.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await unless_disconnected(request, chat.complete(prepared, exchange)), media_type=JSON)
 
 
 @post("/v1/completions", status_code=200, operation_class=documented(Completion, request=CompletionRequest, stream=Completion))
 async def completions(request: Request) -> Response:
-    arrival = time.perf_counter()
-    service, exchange = _state(request).require_ready().completions, exchange_of(request.scope)
-    prepared = await service.prepare(await request.body(), arrival, _state(request).cache_scope(request))
-    if prepared.request.stream:
-        return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
-    return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
+    arrival, body = time.perf_counter(), await request.body()
+    async with _state(request).use(body) as services:
+        service, exchange = services.completions, exchange_of(request.scope)
+        prepared = await service.prepare(body, arrival, _state(request).cache_scope(request))
+        if prepared.request.stream:
+            return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
 
 
 @post("/tokenize", status_code=200, operation_class=documented(TokenizeResponse, request=TokenizeRequest))  # vLLM's extensions, at the root as vLLM serves them
 async def tokenize_route(request: Request) -> Response:
-    service = _state(request).require_ready().tokenize
-    return Response(content=await service.tokenize(await request.body()), media_type=JSON)
+    body = await request.body()
+    async with _state(request).use(body) as services:
+        return Response(content=await services.tokenize.tokenize(body), media_type=JSON)
 
 
 @post("/detokenize", status_code=200, operation_class=documented(DetokenizeResponse, request=DetokenizeRequest))
 async def detokenize_route(request: Request) -> Response:
-    service = _state(request).require_ready().tokenize
-    return Response(content=service.detokenize(await request.body()), media_type=JSON)
+    body = await request.body()
+    async with _state(request).use(body) as services:
+        return Response(content=services.tokenize.detokenize(body), media_type=JSON)
 
 
 def _cards(state) -> list[ModelCard]:
-    """The base model, then each LoRA adapter with `parent` = its base (vLLM's shape); each says what it reads and
-    does, and whether it answers yet (what agent tools read instead of guessing)."""
-    facts = {"max_model_len": state.settings.model.max_model_len, "status": {"value": "loaded" if state.ready else "loading"}}
-    if state.engine is not None:
-        vision = state.engine.processor is not None
-        facts |= {"modalities": ["text", "image"] if vision else ["text"],
-                  "capabilities": ["completion", "chat", "tools", "structured_output"] + (["vision"] if vision else [])}
-    adapters = state.engine.adapters if state.engine is not None and state.engine.adapters is not None else None
-    return [ModelCard(id=state.served_name, created=state.created, **facts)] + [
-        ModelCard(id=r.name, created=state.created, root=r.module.path, parent=r.module.base_model_name or state.served_name, **facts)
-        for r in (adapters.known.copy().values() if adapters is not None else ())
-    ]
+    """Each configured model (loaded or not), then each loaded one's LoRA adapters with `parent` = its base (vLLM's
+    shape); each says what it reads and does, and whether it answers now (what agent tools read instead of
+    guessing)."""
+    cards = []
+    for slot in state.router.slots.values():
+        facts = {"max_model_len": slot.settings.model.max_model_len, "status": {"value": slot.status}, **slot.facts}
+        cards.append(ModelCard(id=slot.name, created=state.created, **facts))
+        adapters = slot.engine.adapters if slot.engine is not None else None
+        cards += [
+            ModelCard(id=r.name, created=state.created, root=r.module.path, parent=r.module.base_model_name or slot.name, **facts)
+            for r in (adapters.known.copy().values() if adapters is not None else ())
+        ]
+    return cards
 
 
 @get("/v1/models", operation_class=documented(ModelList, errors=(401,)))
@@ -87,7 +92,7 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
     state = _state(request)
     card = next((c for c in _cards(state) if c.id == model_id.lstrip("/")), None)
     if card is None:
-        raise model_not_found(model_id.lstrip("/"), state.served_name)
+        raise model_not_found(model_id.lstrip("/"), ", ".join(state.router.slots))
     return _json(card)
 
 
@@ -95,8 +100,10 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.ready and not state.draining:
-        return _json({"status": "ok", "model": state.served_name, **state.engine.stats(), **state.engine.server_info(),
-                      "kv_cache_resident_bytes": state.engine.kv_cache_resident_bytes()})
+        engine, slots = state.engine, state.router.slots
+        models = {"models": {name: slot.status for name, slot in slots.items()}} if len(slots) > 1 else {}
+        default = {**engine.stats(), **engine.server_info(), "kv_cache_resident_bytes": engine.kv_cache_resident_bytes()} if engine else {}
+        return _json({"status": "ok", "model": state.served_name, **default, **models})
     reason = "shutting down" if state.draining else state.load_error or (state.engine and state.engine.dead_reason) or "loading"
     return _json({"status": "unavailable", "reason": reason}, status=503)
 
@@ -112,7 +119,7 @@ async def server_info(request: Request) -> Response:
 @get("/metrics", operation_class=documented({"type": "string"}, media_type=METRICS_CONTENT_TYPE, errors=(401,)))
 async def metrics(request: Request) -> Response:
     # the header given whole: Litestar would append a second `charset` to a `text/` media type that has one
-    return Response(content=_state(request).metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
+    return Response(content=_state(request).render_metrics(), headers={"content-type": METRICS_CONTENT_TYPE})
 
 
 ROUTES = [

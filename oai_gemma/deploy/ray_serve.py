@@ -85,7 +85,7 @@ class EngineReplica:
             await asyncio.sleep(0.1)
         context = serve.get_replica_context()
         self.replica, self.app_name = context.replica_id.unique_id, context.app_name
-        self.pusher = asyncio.ensure_future(push_forever(self.app_name, self.replica, self.state.metrics.render))
+        self.pusher = asyncio.ensure_future(push_forever(self.app_name, self.replica, self.state.render_metrics))
 
     async def handle(self, call: HTTPCall):
         async for batch in serve_call(self.app, call, self.replica):

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..cpu import compute_thread
+from ..cpu import STEP_TURNS, compute_thread
 from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
 from .sampling.grammar import GrammarMasks
 from .model.loader import LoadedModel
@@ -161,7 +161,11 @@ class EngineCore:
                     # nothing ran last turn (nothing waiting can start, a request parked on its adapter's read
                     # included): only a message can change that, so sleep until one comes
                     self._take_inbox(block=not stepped)
-                    stepped = self._busy() and self._step()
+                    if self._busy():
+                        with STEP_TURNS:  # one engine steps at a time: torch's threads serve the whole process
+                            stepped = self._step()
+                    else:
+                        stepped = False
         except BaseException as exc:  # the loop itself broke: fail everyone, report dead
             self.dead_reason = f"engine loop died: {exc!r}"
             log.exception("engine loop died")

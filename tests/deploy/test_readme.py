@@ -48,6 +48,7 @@ NOT_RUN = {  # the first line of a block that does not target a server run here 
     "{ command -v chromium": "installs and runs this suite",
     'client.chat.completions.create(model="gemma-3-4b-it"': "images need a multimodal model (the text says so)",
     "oai-gemma serve --model /models/gemma-3-4b-it --served-model-name gemma-3-4b-it": "starts other models",
+    "oai-gemma serve --config models.toml": "starts several models (tests/api/test_multi_model.py serves three)",
     "oai-gemma serve --model ~/models/gemma-3-4b-it-Q4_K_M.gguf": "a GGUF the reader has (tests/engine/test_gguf.py serves one)",
     "pip install torch            # the CUDA build from PyPI": "GPU install",
     "python3 benchmarks/gpu_check.py --out results/": "GPU benchmark",

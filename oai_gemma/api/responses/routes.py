@@ -32,13 +32,14 @@ def _owner(request: Request) -> str:
 
 @post("/v1/responses", status_code=200, operation_class=documented(ResponseObject, request=ResponsesRequest, stream=STREAM_EVENTS))
 async def create_response(request: Request) -> Response:
-    arrival = time.perf_counter()
-    service = _service(request)
-    prepared = await service.prepare(await request.body(), arrival, _owner(request), request.app.state.server.cache_scope(request))
-    exchange = exchange_of(request.scope)
-    if prepared.request.stream:
-        return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
-    return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
+    arrival, body, state = time.perf_counter(), await request.body(), request.app.state.server
+    async with state.use(body) as services:  # the model `model` names, loaded if need be
+        service = services.responses
+        prepared = await service.prepare(body, arrival, _owner(request), state.cache_scope(request))
+        exchange = exchange_of(request.scope)
+        if prepared.request.stream:
+            return Stream(service.stream(prepared, exchange), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(content=await unless_disconnected(request, service.complete(prepared, exchange)), media_type=JSON)
 
 
 @get("/v1/responses/{response_id:str}", operation_class=documented(ResponseObject, errors=(401, 404)))

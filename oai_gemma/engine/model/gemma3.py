@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import native
+from ..ops.fused import projections
 
 NATIVE_NORM_DTYPES = (torch.float32, torch.bfloat16)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -100,9 +101,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def pre_attention(hidden, w: LayerWeights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, linear=F.linear):
     """hidden [B, H] -> q [B, heads, D], k and v [B, kv_heads, D], normed and rotated."""
     x = rms_norm(hidden, w.input_norm, eps)
-    q = rms_norm(linear(x, w.q).view(-1, heads, head_dim), w.q_norm, eps)
-    k = rms_norm(linear(x, w.k).view(-1, kv_heads, head_dim), w.k_norm, eps)
-    v = linear(x, w.v).view(-1, kv_heads, head_dim)
+    q, k, v = projections(linear, x, (w.q, w.k, w.v))  # one kernel call where they are fused (engine/ops/fused.py)
+    q = rms_norm(q.contiguous().view(-1, heads, head_dim), w.q_norm, eps)
+    k = rms_norm(k.contiguous().view(-1, kv_heads, head_dim), w.k_norm, eps)
+    v = v.reshape(-1, kv_heads, head_dim)
     return rope(q, cos, sin), rope(k, cos, sin), v
 
 
@@ -110,5 +112,6 @@ def post_attention(hidden, attn, w: LayerWeights, eps: float, linear=F.linear):
     """Output projection, residuals and the gated-GELU MLP of one layer."""
     hidden = hidden + rms_norm(linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps)
     x = rms_norm(hidden, w.pre_feedforward_norm, eps)
-    mlp = linear(F.gelu(linear(x, w.gate), approximate="tanh") * linear(x, w.up), w.down)
+    gate, up = projections(linear, x, (w.gate, w.up))
+    mlp = linear(F.gelu(gate, approximate="tanh") * up, w.down)
     return hidden + rms_norm(mlp, w.post_feedforward_norm, eps)

@@ -29,6 +29,7 @@ from .streamed import from_safetensors
 from .vision_weights import from_modules as vision_from_modules, image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
 from ..ops.invariance import Invariance, TiledLinear, tiled
+from ..ops.fused import fuse_layers
 from ..ops.linear import call_linear
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import FULL, SLIDING, Gemma3Shape
@@ -321,6 +322,9 @@ def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemm
     layout = Layout(config.quantization, dtype)
     if streamed:
         inner = getattr(model, "model", None)
-        return from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
-                                getattr(text_config, "tie_word_embeddings", True), vision_from_modules(inner))
-    return from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
+        weights = from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
+                                   getattr(text_config, "tie_word_embeddings", True), vision_from_modules(inner))
+    else:
+        weights = from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
+    fuse_layers(weights.layers)  # q/k/v and gate/up one kernel call each where their layout allows (same bits)
+    return weights

@@ -59,6 +59,9 @@ def tiled(linear, x: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
 class TiledLinear:
     """`linear` for engine/model/gemma3.py's layer functions in this mode: calls of at most `tile` rows."""
 
+    fuses = True
+    """Fused projections (engine/ops/fused.py) are tiled as one: each output's bits are its own either way."""
+
     def __init__(self, tile: int):
         self.tile = tile
 

@@ -47,3 +47,7 @@ class FrozenLinear:
 def call_linear(x: torch.Tensor, linear: FrozenLinear) -> torch.Tensor:
     """`linear` for engine/model/gemma3.py's layer functions when the projections are FrozenLinears."""
     return linear(x)
+
+
+call_linear.fuses = True
+"""A plain call: fused projections (engine/ops/fused.py) may be called as one."""

@@ -8,12 +8,13 @@
      columns of eight outputs. vpmaddubsw takes unsigned x signed bytes: |x| times w with x's sign moved onto w
      (vpsignb). A block's int32 sums are exact; each is scaled by the block's activation scale into a float
      accumulator, and the per-channel scale multiplies the end.
-   - `q4`: 4-bit weights in blocks of 32 inputs per output (GGUF's Q4_0: a float16 scale a block, levels 0..15
-     standing for (q - 8) * scale), [N/8][K/32][128 bytes]: byte j of the block's 32-byte row r holds quad 2r
-     (low nibble) and quad 2r+1 (high nibble) of the [8 outputs][4 inputs] quads; scales [N/8][K/32][8] float16.
-     The unsigned levels multiply the signed activations directly (no sign trick: 15 * 127 * 2 fits int16, and a
-     block's eight quads summed in int16 still fit: 30,480); the offset 8 is taken off with the block's
-     activation sum.
+   - `q4`: 4-bit weights in blocks of 32 inputs per output (GGUF's Q4_1: a float16 scale d and min m a block,
+     levels q in 0..15 standing for d * q + m), [N/8][K/32][160 bytes]: 128 bytes of levels (byte j of the block's
+     32-byte row r holds quad 2r (low nibble) and quad 2r+1 (high nibble) of the [8 outputs][4 inputs] quads), then
+     the eight outputs' float16 scales, then their float16 mins: a group of 8 outputs is one sequential stream.
+     The unsigned levels multiply the signed activations directly (15 * 127 * 2 fits int16, and a block's eight
+     quads summed in int16 still fit: 30,480); the min multiplies the block's activation sum (its scale times its
+     integer sum), one more FMA a block.
 
    Every output is one fixed sequence of float operations over the blocks in order (the integer sums are exact),
    whatever the row count, tile or thread, and each row is quantized alone: a row's result does not depend on
@@ -37,40 +38,69 @@ typedef struct {
     int32_t *sum;
 } activations;
 
+/* One block of 32 values (float32) quantized: the scalar steps (r = v * (127 / amax); q = (int8)(r +- 0.5f), truncated)
+   in eight lanes at a time, so the same bits. */
+static inline __attribute__((always_inline)) void quantize_block(const __m256 v[4], int8_t *q, int8_t *magnitude,
+                                                                 float *scale, int32_t *sum)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 inverse = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f), half = _mm256_set1_ps(0.5f);
+    __m256i q32[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 r = _mm256_mul_ps(v[i], inverse);
+        q32[i] = _mm256_cvttps_epi32(_mm256_add_ps(r, _mm256_or_ps(half, _mm256_and_ps(sign, r))));
+    }
+    /* packs interleave 128-bit lanes: the permute puts the 32 values back in order */
+    const __m256i q16a = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, q8);
+    _mm256_storeu_si256((__m256i *)magnitude, _mm256_abs_epi8(q8));
+    const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q32[0], q32[1]), _mm256_add_epi32(q32[2], q32[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    *scale = amax / 127.0f;
+    *sum = _mm_cvtsi128_si32(t);
+}
+
 static void quantize_rows(const void *x, int64_t M, int64_t K, int x_bf16, activations *a)
 {
     const int64_t blocks = K / BLOCK;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < blocks; b++) {
-            float v[BLOCK], amax = 0.0f;
-            for (int i = 0; i < BLOCK; i++) {
-                const int64_t at = m * K + b * BLOCK + i;
+            const int64_t at = m * K + b * BLOCK;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) {
                 if (x_bf16) {
-                    const uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
-                    memcpy(v + i, &bits, sizeof(float));
+                    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at + i * 8));
+                    v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
                 } else {
-                    v[i] = ((const float *)x)[at];
+                    v[i] = _mm256_loadu_ps((const float *)x + at + i * 8);
                 }
-                const float abs = v[i] < 0 ? -v[i] : v[i];
-                if (abs > amax) amax = abs;
             }
-            const float inverse = amax > 0 ? 127.0f / amax : 0.0f;
-            int32_t sum = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                const float r = v[i] * inverse;
-                const int8_t q = (int8_t)(r < 0 ? r - 0.5f : r + 0.5f);
-                a->q[m * K + b * BLOCK + i] = q;
-                a->magnitude[m * K + b * BLOCK + i] = (int8_t)(q < 0 ? -q : q);
-                sum += q;
-            }
-            a->scale[m * blocks + b] = amax / 127.0f;
-            a->sum[m * blocks + b] = sum;
+            quantize_block(v, a->q + at, a->magnitude + at, a->scale + m * blocks + b, a->sum + m * blocks + b);
         }
     }
 }
 
 #define MAX_ROWS 4
 #define MAX_GROUPS 4
+#define Q4_BYTES 160 /* a q4 block of 8 outputs x 32 inputs: 128 bytes of levels, 8 float16 scales, 8 float16 mins */
+#ifndef PREFETCH
+#define PREFETCH 1024
+#endif
+/* Software prefetch PREFETCH bytes ahead of a stream (0: none), the `bytes` a block of it reads: one line per 64. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *at, int bytes)
+{
+    if (PREFETCH == 0) return;
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)at + PREFETCH + i, _MM_HINT_T0);
+}
 
 /* ---- q8: int8 weights per output channel --------------------------------------------------------------------- */
 static inline __attribute__((always_inline)) void tile_q8(
@@ -86,6 +116,7 @@ static inline __attribute__((always_inline)) void tile_q8(
         __m256i sums[MAX_ROWS][MAX_GROUPS];
         for (int m = 0; m < rows; m++)
             for (int g = 0; g < groups; g++) sums[m][g] = _mm256_setzero_si256();
+        for (int g = 0; g < groups; g++) prefetch_ahead(w + (g * quads + b * (BLOCK / 4)) * 32, BLOCK * 8);
         for (int64_t kq = b * (BLOCK / 4); kq < (b + 1) * (BLOCK / 4); kq++) {
             __m256i wv[MAX_GROUPS];
             for (int g = 0; g < groups; g++) wv[g] = _mm256_loadu_si256((const __m256i *)(w + (g * quads + kq) * 32));
@@ -114,10 +145,12 @@ static inline __attribute__((always_inline)) void tile_q8(
 /* ---- q4: 4-bit weights in blocks of 32, a float16 scale a block (F16C widens them) ---------------------------- */
 static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
     const int rows, const int groups, const activations *a, int64_t m0, int64_t K, const uint8_t *w,
-    const uint16_t *wscale, void *y, int64_t y0, int64_t N, int y_bf16)
+    void *y, int64_t y0, int64_t N, int y_bf16)
 {
     const int64_t blocks = K / BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi32(8);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const uint8_t *group[MAX_GROUPS];
+    for (int g = 0; g < groups; g++) group[g] = w + g * blocks * Q4_BYTES;
     __m256 acc[MAX_ROWS][MAX_GROUPS];
     for (int m = 0; m < rows; m++)
         for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
@@ -125,10 +158,11 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
         __m256i sums[MAX_ROWS][MAX_GROUPS];
         for (int m = 0; m < rows; m++)
             for (int g = 0; g < groups; g++) sums[m][g] = _mm256_setzero_si256();
+        for (int g = 0; g < groups; g++) prefetch_ahead(group[g] + b * Q4_BYTES, Q4_BYTES);
         for (int r = 0; r < 4; r++) {
             __m256i lo[MAX_GROUPS], hi[MAX_GROUPS];
             for (int g = 0; g < groups; g++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + ((g * blocks + b) * 4 + r) * 32));
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(group[g] + b * Q4_BYTES + r * 32));
                 lo[g] = _mm256_and_si256(packed, low);
                 hi[g] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
             }
@@ -142,15 +176,18 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
                                                                                _mm256_maddubs_epi16(hi[g], x1)));
             }
         }
-        __m256 ws[MAX_GROUPS];
-        for (int g = 0; g < groups; g++)
-            ws[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wscale + (g * blocks + b) * 8)));
+        __m256 ws[MAX_GROUPS], wm[MAX_GROUPS];
+        for (int g = 0; g < groups; g++) {
+            ws[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + b * Q4_BYTES + 128)));
+            wm[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + b * Q4_BYTES + 144)));
+        }
         for (int m = 0; m < rows; m++) {
-            const __m256 s = _mm256_set1_ps(a->scale[(m0 + m) * blocks + b]);
-            const __m256i offset = _mm256_mullo_epi32(_mm256_set1_epi32(a->sum[(m0 + m) * blocks + b]), eight);
+            const float xs = a->scale[(m0 + m) * blocks + b];
+            const __m256 s = _mm256_set1_ps(xs), s_sum = _mm256_set1_ps(xs * (float)a->sum[(m0 + m) * blocks + b]);
             for (int g = 0; g < groups; g++) {
-                const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(sums[m][g], ones), offset);
+                const __m256i dot = _mm256_madd_epi16(sums[m][g], ones);
                 acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[g], s), acc[m][g]);
+                acc[m][g] = _mm256_fmadd_ps(wm[g], s_sum, acc[m][g]);
             }
         }
     }
@@ -161,7 +198,7 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
 #define CASES(T, R) case (R) * 16 + 1: T(R, 1); break; case (R) * 16 + 2: T(R, 2); break; \
                     case (R) * 16 + 3: T(R, 3); break; case (R) * 16 + 4: T(R, 4); break;
 #define Q8(r, g) tile_q8(r, g, a, m0, K, (const int8_t *)w, (const float *)scale, y, y0, N, y_bf16)
-#define Q4(r, g) tile_q4(r, g, a, m0, K, (const uint8_t *)w, (const uint16_t *)scale, y, y0, N, y_bf16)
+#define Q4(r, g) tile_q4(r, g, a, m0, K, (const uint8_t *)w, y, y0, N, y_bf16)
 
 __attribute__((target("f16c")))
 static void tile_of(int q4, int r, int g, const activations *a, int64_t m0, int64_t K, const void *w,
@@ -186,13 +223,12 @@ static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M
     a.sum = malloc(M * blocks * sizeof(int32_t));
     quantize_rows(x, M, K, x_bf16, &a);
     const int64_t groups = N / 8, tiles = (groups + tile_groups - 1) / tile_groups;
-    /* a group's weight bytes: K (q8) or K/2 + K/16 scales' 2 bytes per 8 (q4, separate arrays) */
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g0 = t * tile_groups;
         const int g = groups - g0 < tile_groups ? (int)(groups - g0) : tile_groups;
-        const void *wt = q4 ? (const void *)((const uint8_t *)w + g0 * K * 4) : (const void *)((const int8_t *)w + g0 * K * 8);
-        const void *st = q4 ? (const void *)((const uint16_t *)scale + g0 * blocks * 8) : (const void *)((const float *)scale + g0 * 8);
+        const void *wt = q4 ? (const void *)((const uint8_t *)w + g0 * blocks * Q4_BYTES) : (const void *)((const int8_t *)w + g0 * K * 8);
+        const void *st = q4 ? NULL : (const void *)((const float *)scale + g0 * 8);
         for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
             const int r = M - m0 < tile_rows ? (int)(M - m0) : tile_rows;
             tile_of(q4, r, g, &a, m0, K, wt, st, y, m0 * N + g0 * 8, N, y_bf16);
@@ -212,7 +248,8 @@ void q8_dot_linear(const void *x, int64_t M, int64_t K, const int8_t *w, const f
     run(0, tile_rows, tile_groups, x, M, K, w, scale, N, y, x_bf16, y_bf16);
 }
 
-/* x [M, K], w [N/8, K/32, 128] uint8 (two 4-bit levels a byte), scale [N/8, K/32, 8] float16 -> y [M, N]. */
+/* x [M, K], w [N/8, K/32, 160] uint8 (128 bytes of two 4-bit levels a byte, 8 float16 scales, 8 mins) -> y [M, N];
+   `scale` is unused (the scales are in w). */
 void q4_dot_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *scale, int64_t N, void *y,
                    int x_bf16, int y_bf16, int tile_rows, int tile_groups)
 {

@@ -1,0 +1,86 @@
+"""A loaded model's inter-token latency while another model loads beside it (issue 41's target: ITL p99 during the
+load at most 2x the ITL alone), on one `oai-gemma serve` with two models.
+
+    PYTHONPATH=. python benchmarks/multi_model_load_itl.py [--second SOURCE] [--tokens 400]
+
+It starts a server with `first` (the embedded 270M, loaded at start) and `second` (default: the embedded 270M again,
+int8; `--second /path/to/gemma-3-1b-it` for a real checkpoint), streams `--tokens` tokens from `first` alone (speculative decoding off: one token per step), then
+streams again while `POST /models/load` loads `second` (unloaded again before each run), and prints ITL p50/p99/max
+alone and during the load, their ratio, and the wall-clock times of gaps over 0.5 s (to compare with the server
+log's start-up phases). Run it in a quiet window: figures taken under other load are void.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import ServerProcess  # noqa: E402
+
+
+def stream_times(url: str, tokens: int, times: list[float] | None = None) -> list[float]:
+    body = {"model": "first", "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    times = [] if times is None else times
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content":"' in line:
+                times.append(time.time())
+    return times
+
+
+def summary(times: list[float], start: float = 0.0, end: float = float("inf")) -> dict[str, float]:
+    """Gaps between tokens that overlap [start, end]."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if b >= start and a <= end)
+    if not gaps:
+        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan"), "n": 0}
+    return {"p50": statistics.median(gaps), "p99": gaps[int(0.99 * (len(gaps) - 1))], "max": gaps[-1], "n": len(gaps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--second", default="embedded")
+    parser.add_argument("--quantization", default="int8")
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    config = Path(tempfile.mkdtemp()) / "models.toml"
+    config.write_text(f'[models.first]\nsource = "embedded"\n\n[models.second]\nsource = "{args.second}"\n'
+                      f'quantization = "{args.quantization}"\n')
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    with ServerProcess("--config", str(config), "--max-num-seqs", "4", "--speculative", "off", log=log) as server:
+        httpx.post(server.url + "/models/load", json={"model": "second"}, timeout=600)  # quantized once into the cache
+        for run in range(args.runs):
+            httpx.post(server.url + "/models/unload", json={"model": "second"}, timeout=600)
+            alone = summary(stream_times(server.url, args.tokens))
+            times: list[float] = []
+            streaming = threading.Thread(target=stream_times, args=(server.url, args.tokens, times))
+            streaming.start()
+            while not times:
+                time.sleep(0.05)
+            started = time.time()
+            httpx.post(server.url + "/models/load", json={"model": "second"}, timeout=600).raise_for_status()
+            ended = time.time()
+            streaming.join()
+            during = summary(times, started, ended)
+            print(f"run {run}: {len(times)} tokens, the last {times[-1] - ended:+.1f} s after the load ended")
+            print(f"run {run}: load {ended - started:.1f} s; ITL alone p50 {alone['p50'] * 1e3:.1f} ms p99 "
+                  f"{alone['p99'] * 1e3:.1f} ms; during the load ({during['n']} gaps) p50 {during['p50'] * 1e3:.1f} ms p99 "
+                  f"{during['p99'] * 1e3:.1f} ms max {during['max'] * 1e3:.0f} ms; p99 ratio {during['p99'] / alone['p99']:.2f} (target <= 2)")
+            for a, b in zip(times, times[1:]):
+                if b - a > 0.5 and b >= started and a <= ended:
+                    print(f"  gap {b - a:.2f} s ending {datetime.fromtimestamp(b).strftime('%H:%M:%S.%f')[:-3]}")
+    print(f"server log: {log}")
+
+
+if __name__ == "__main__":
+    main()
