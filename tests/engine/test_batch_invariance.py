@@ -197,11 +197,32 @@ def test_row_exact_kernels_give_a_row_the_same_bits_alone_and_in_any_batch(layou
     assert not torch.equal(linear(x[:512]), alone[:512]), "the plain call's prefill path differs: this test can fail"
 
 
+def row_count_dependent(self, x, out_dtype=torch.float32):
+    """A prefill path whose rows depend on the call's row count (its last bits), as oneDNN's do below 12 rows here."""
+    out = self.dequantized_call(x, out_dtype)
+    return out if x.shape[0] % 2 == 0 else out * (1 + 2**-20)
+
+
+def test_the_start_up_check_holds_the_prefill_path_to_its_rows_and_can_fail(monkeypatch):
+    """By role, prompt rows take the dequantized matmul (the plain call's prefill path), decode rows the row-exact
+    kernel: start-up checks the prefill path's rows at every chunk size and place among other rows. A path whose rows
+    depend on the row count fails the check, and the mode then runs every row in the row-exact kernel."""
+    weights, _ = weights_of("float32", "int8")
+    config = EngineConfig(quantization="int8", max_num_seqs=8, max_prefill_tokens=512)
+    invariance, _ = measure_invariance(weights, config)
+    assert invariance is not None and invariance.by_role
+    monkeypatch.setattr(NativeInt8Linear, "prefill", row_count_dependent)
+    invariance, _ = measure_invariance(weights, config)
+    assert invariance is not None and not invariance.by_role
+
+
 def test_where_auto_leaves_the_mode_off_start_up_says_what_it_would_cost(caplog, monkeypatch):
-    """Where the row-exact kernel lags on a prefill chunk (the AVX512 loop: no panels), `auto` stays off and says by
-    how much the mode would slow a prefill chunk's linears and how to turn it on (the figure is a timing: only its
-    presence and type are checked). The AVX512 case is stood in for here by its flag."""
+    """Where the prefill path's rows are not exact and the row-exact kernel lags on a prefill chunk (the AVX512 loop:
+    no panels), `auto` stays off and says by how much the mode would slow a prefill chunk's linears and how to turn
+    it on (the figure is a timing: only its presence and type are checked). The AVX512 case is stood in for here by
+    its flag."""
     monkeypatch.setattr(NativeInt8Linear, "prefill_rowwise", property(lambda self: False))
+    monkeypatch.setattr(NativeInt8Linear, "prefill", row_count_dependent)
     weights, _ = weights_of("float32", "int8")
     with caplog.at_level("INFO", logger="oai_gemma"):
         invariance, cost = measure_invariance(weights, EngineConfig(quantization="int8", max_num_seqs=8, max_prefill_tokens=512))

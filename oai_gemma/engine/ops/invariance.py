@@ -25,6 +25,9 @@ TILE_ROWS = 32
 MIN_ROWS = 2
 KEY_GRID = 512
 MIN_QUERY_ROWS = 32
+PREFILL_MIN_ROWS = 16
+"""Fewest rows the prefill path's matmul is called with (measured, AVX2 EPYC, float32: 1-3, 5-7 and 9-11 rows
+give a row other bits than at 12 to 600, where they agree; a shorter chunk is padded)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class Invariance:
     """Most rows per linear call."""
     span_step: int
     """Decode spans are padded to a multiple of this."""
+    by_role: bool = False
+    """Rows computed by role (`by_role`): prefill rows through the layouts' fast `prefill` path, decode rows through
+    their row-exact kernel; False: every row through the kernel (`tiled`)."""
 
 
 def round_up(n: int, step: int) -> int:
@@ -54,6 +60,45 @@ def tiled(linear, x: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
         return linear(x)
     tiles = list(x.split(tile))
     return torch.cat([linear(t) for t in tiles[:-1]] + [tiled(linear, tiles[-1], tile)])
+
+
+def prefill_call(linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear.prefill(x)` (a layout's prefill path: its weight dequantized, oneDNN's float32 matmul) at no fewer than
+    PREFILL_MIN_ROWS rows (a short chunk's last row repeated, the copies dropped), where each row's bits are its own."""
+    rows = x.shape[0]
+    if rows < PREFILL_MIN_ROWS:
+        x = torch.cat((x, x[-1:].expand(PREFILL_MIN_ROWS - rows, -1)))
+    return linear.prefill(x)[:rows]
+
+
+def by_role(linear, x: torch.Tensor, prefill_rows: int, real_rows: int, tile: int = TILE_ROWS) -> torch.Tensor:
+    """`linear(x)` for a step whose rows are `prefill_rows` prompt rows, then decode rows up to `real_rows`, then
+    padding: each row by its role, never by its neighbours. Prompt rows through the layout's prefill path (as fast
+    as mode off's), decode rows (drafts included) through its row-exact kernel (`rowwise`), padding beside the
+    prompt rows or zero. Layouts without a prefill path: `tiled`."""
+    if prefill_rows == 0 and real_rows == x.shape[0] or not hasattr(linear, "prefill"):
+        return tiled(linear, x, tile)
+    if prefill_rows == real_rows:  # no decode rows: the padding rides with the prompt rows
+        return prefill_call(linear, x)
+    parts = [linear.rowwise(x[prefill_rows:real_rows])]
+    if prefill_rows:
+        parts.insert(0, prefill_call(linear, x[:prefill_rows]))
+    if real_rows < x.shape[0]:
+        parts.append(parts[-1].new_zeros(x.shape[0] - real_rows, parts[-1].shape[1]))
+    return torch.cat(parts)
+
+
+class RoleLinear:
+    """`linear` for engine/model/gemma3.py's layer functions in this mode when the step's rows go `by_role`; a call
+    on other rows than the step's (a LoRA adapter's linears) is `tiled`."""
+
+    def __init__(self, tile: int, prefill_rows: int, real_rows: int, rows: int):
+        self.tile, self.prefill_rows, self.real_rows, self.rows = tile, prefill_rows, real_rows, rows
+
+    def __call__(self, x: torch.Tensor, linear) -> torch.Tensor:
+        if x.shape[0] != self.rows:
+            return tiled(linear, x, self.tile)
+        return by_role(linear, x, self.prefill_rows, self.real_rows, self.tile)
 
 
 class TiledLinear:
@@ -131,6 +176,28 @@ def tile_rows(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype, w
     return max(most for _, _, most in linears.values()) if whole else TILE_ROWS
 
 
+PREFILL_COUNTS = (1, 2, 3, 5, 9, 11, 16, 17, 31, 100, 129)
+"""Row counts of a prompt chunk held against the whole chunk: below, at and above PREFILL_MIN_ROWS and the kernels'
+row blocks."""
+
+
+def prefill_rows_exact(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype) -> bool:
+    """Whether the layouts' prefill path (`prefill_call`) gives a row the same bits at every prompt-chunk row count and
+    at any place among the other rows, for linears {name: (linear, in_features, most rows)}: random rows picked in
+    random order, held against the same rows in one call of the most rows. False where a linear has no such path."""
+    generator = torch.Generator().manual_seed(3)
+    for linear, features, most in linears.values():
+        if not hasattr(linear, "prefill"):
+            return False
+        x = torch.randn(most, features, generator=generator).to(dtype)
+        whole = prefill_call(linear, x)
+        for rows in sorted({count for count in (*PREFILL_COUNTS, most - 1) if 0 < count < most}):
+            picked = torch.randperm(most, generator=generator)[:rows]
+            if not torch.equal(prefill_call(linear, x[picked]), whole[picked]):
+                return False
+    return True
+
+
 def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
     """The finest padding of decode spans at which a decode row's result ignores the batch's longer rows, or
     None; and None too when chunked prefill rows differ from whole ones (random inputs)."""
@@ -167,19 +234,26 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
 
 COST_ROWS = 512
 """Rows of the prefill chunk whose linears start-up times with the mode and without (the default chunk)."""
+COST_DECODE_ROWS = 8
+"""Of them, decode rows (by role: the mode's dearest step, a prompt chunk beside decodes, each part in its own call)."""
 
 
 def prefill_cost(linears: list, features: list[int], dtype: torch.dtype, tile: int, rows: int = COST_ROWS,
-                 repeats: int = 3) -> float:
+                 repeats: int = 3, decode_rows: int = 0) -> float:
     """What the mode adds to a prefill chunk's linears, as a fraction of their time without it (0.021: 2.1%
     slower): one layer's `linears` (each taking `features` inputs) called on `rows` random rows as the mode calls
-    them (`tiled`) and as they are called without it, interleaved, the median of `repeats` rounds. Only the
-    linears: attention's padding and a decode step's doubled row are not in it (docs/engine.md measures those)."""
+    them (`tiled`; with `decode_rows`, the last of them decode rows, `by_role`) and as they are called without it,
+    interleaved, the median of `repeats` rounds. Only the linears: attention's padding and a decode step's doubled
+    row are not in it (docs/engine.md measures those)."""
     generator = torch.Generator().manual_seed(2)
     xs = [torch.randn(rows, k, generator=generator).to(dtype) for k in features]
+
+    def mode(lin, x):
+        return by_role(lin, x, rows - decode_rows, rows, tile) if decode_rows else tiled(lin, x, tile)
+
     on, off = [], []
     for _ in range(repeats):
-        for times, call in ((off, lambda lin, x: lin(x)), (on, lambda lin, x: tiled(lin, x, tile))):
+        for times, call in ((off, lambda lin, x: lin(x)), (on, mode)):
             started = time.perf_counter()
             for linear, x in zip(linears, xs):
                 call(linear, x)
