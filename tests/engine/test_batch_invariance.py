@@ -156,6 +156,25 @@ def small_runner(dtype: str, quantization: str, mode: str) -> ModelRunner:
     return runner(dtype, quantization, mode, max_num_seqs=8, max_model_len=1024, max_prefill_tokens=56)[0]  # 64 tokens a step
 
 
+def decode_row_beside(built: ModelRunner, lengths: list[int]) -> torch.Tensor:
+    """The logits of a decode row at position lengths[0] (slot 0) in one step beside decode rows at the other
+    positions (slots 1...), their prompts prefilled first in 48-token chunks."""
+    for slot, length in enumerate(lengths):
+        for start in range(0, length, 48):
+            end = min(length, start + 48)
+            built.forward([StepItem(built.sequence_blocks(slot), list(range(100 + start, 100 + end)), start, False)], [])
+    rows = [StepItem(built.sequence_blocks(slot), [7], length) for slot, length in enumerate(lengths)]
+    return built.forward([], rows)[0].clone()
+
+
+def test_a_decode_row_ignores_longer_rows_beside_it():
+    """Decode spans are padded to the step start-up measured (`span_step`): a row of 200 keys (where padding to 256
+    gave a row other bits alone than beside a longer one here) and one of 700, alone and beside rows of 400 and 900."""
+    built = small_runner("float32", "int8", "auto")
+    for length in (200, 700):
+        assert torch.equal(decode_row_beside(built, [length]), decode_row_beside(built, [length, 400, 900])), length
+
+
 @pytest.mark.parametrize("dtype, quantization, mode", [
     ("float32", "int8", "auto"), ("float32", "none", "auto"), ("bfloat16", "none", "on"), ("bfloat16", "per-step", "on"),
 ])

@@ -143,7 +143,10 @@ SMALL_TILES = (2, 4, 8, 16, 32)
 """Row counts a tile can have: steps are padded to token buckets (1, 2, 4, ... 64, then multiples of 64)."""
 SAMPLE_ROWS = (0, 1, 2, 3, 7, 8, 15, 16, 31)
 """Rows held against themselves computed alone: each place in a kernel's row blocks of 1 to 16."""
-SPAN_STEPS = (16, 64, 256)
+SPAN_STEPS = (16, 64, 256, 512)
+DECODE_LENGTHS = (5, 130, 250, 300, 520, 700, 1000)
+"""A decode row's keys held alone against beside longer rows: every part of a 512-key block (measured, AVX2 EPYC, torch
+2.13: padded to 256, a row of 129-256 or 641-768 keys differs alone from beside a longer row; to 512 none does)."""
 
 
 def tile_rows(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype, whole_only: bool = False) -> int | None:
@@ -204,8 +207,8 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
     generator = torch.Generator().manual_seed(1)
     n = 600
     q = torch.randn(n, heads, head_dim, generator=generator).to(dtype)
-    keys = torch.randn(kv_heads, 2 * KEY_GRID, head_dim, generator=generator).to(dtype)
-    values = torch.randn(kv_heads, 2 * KEY_GRID, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(kv_heads, 4 * KEY_GRID, head_dim, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, 4 * KEY_GRID, head_dim, generator=generator).to(dtype)
 
     def prefill(start: int, end: int) -> torch.Tensor:
         span = round_up(end, KEY_GRID)
@@ -225,9 +228,12 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
         mask = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=0.0625)[0]
 
+    def agrees(length: int, step: int) -> bool:
+        alone = decode([length], step)
+        return all(torch.equal(decode([length, *others], step), alone) for others in ([length + 30], [1500], [5, 700, 1900]))
+
     for step in SPAN_STEPS:
-        alone = decode([300], step)
-        if all(torch.equal(decode([300, *others], step), alone) for others in ([330], [900], [5, 700, 1000])):
+        if all(agrees(length, step) for length in DECODE_LENGTHS):
             return step
     return None
 
