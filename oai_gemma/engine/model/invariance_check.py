@@ -24,7 +24,8 @@ from .weights import Gemma3Weights
 from ..config import ConfigError, EngineConfig
 from ..ops import invariance as ops_invariance
 from ..ops.invariance import (COST_DECODE_ROWS, COST_ROWS, TILE_ROWS, Invariance, prefill_cost, prefill_rows_exact, span_step,
-                              tile_rows)
+                              tile_rows, window_blocks)
+from ..cache.kv_cache import BLOCK_SIZE
 from ..ops.native.sources import FAMILIES, library_name
 
 log = logging.getLogger("oai_gemma.engine")
@@ -71,7 +72,7 @@ def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
         why = "their exact kernel lags the dequantized matmul on a prefill chunk" if slow else "they need row tiles"
         return _verdict(None, None, cost, "info", f"batch-invariant mode off (auto): this CPU's linears would make a "
                         f"{COST_ROWS}-token prefill chunk's linears {100 * cost:+.1f}% slower ({why}); on with --batch-invariant on")
-    step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype)
+    step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype, window_blocks(text.sliding_window, BLOCK_SIZE) * BLOCK_SIZE)
     if tile is None or step is None:
         if setting == "on":
             raise ConfigError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")

@@ -111,6 +111,19 @@ class TiledLinear:
         return tiled(linear, x, self.tile)
 
 
+def window_blocks(window: int, size: int) -> int:
+    """The most blocks of `size` positions a decode row of a sliding layer of `window` reads."""
+    return -(-(window - 1) // size) + 1
+
+
+def padded_blocks(count: int, size: int, step: int, most: int | None = None) -> int:
+    """Blocks a decode step's keys are padded to: `count` rounded up to `step` positions; in a sliding layer at most
+    `most` (`window_blocks`: what any row there reads) where those are at least `step` positions, so a row past
+    its window reads 528 keys there as without the mode, not 1024 (start-up checks that span too: `span_step`)."""
+    padded = round_up(count * size, step) // size
+    return min(padded, most) if most is not None and most * size >= step else padded
+
+
 def pad_keys(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [..., positions, D] padded with zeros to `span` positions (the mask hides them)."""
     missing = span - keys.shape[-2]
@@ -201,9 +214,10 @@ def prefill_rows_exact(linears: dict[str, tuple[object, int, int]], dtype: torch
     return True
 
 
-def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
+def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, most_span: int | None = None) -> int | None:
     """The finest padding of decode spans at which a decode row's result ignores the batch's longer rows, or
-    None; and None too when chunked prefill rows differ from whole ones (random inputs)."""
+    None; and None too when chunked prefill rows differ from whole ones (random inputs). `most_span`: a sliding
+    layer's cap on the padded span (`padded_blocks`), held against the padded span too."""
     generator = torch.Generator().manual_seed(1)
     n = 600
     q = torch.randn(n, heads, head_dim, generator=generator).to(dtype)
@@ -219,8 +233,8 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
         if not torch.equal(torch.cat([prefill(a, b) for a, b in zip((0, *cuts), (*cuts, end))]), prefill(0, end)):
             return None
 
-    def decode(lengths: list[int], step: int) -> torch.Tensor:
-        span = round_up(max(lengths), step)
+    def decode(lengths: list[int], step: int, span: int = 0) -> torch.Tensor:
+        span = span or round_up(max(lengths), step)
         rows = len(lengths)
         qg = q[:rows].view(rows, kv_heads, heads // kv_heads, head_dim)
         k = keys[None, :, :span].expand(rows, -1, -1, -1)
@@ -230,7 +244,9 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
 
     def agrees(length: int, step: int) -> bool:
         alone = decode([length], step)
-        return all(torch.equal(decode([length, *others], step), alone) for others in ([length + 30], [1500], [5, 700, 1900]))
+        capped = most_span is not None and round_up(length, step) < most_span
+        return all(torch.equal(decode([length, *others], step), alone) for others in ([length + 30], [1500], [5, 700, 1900])) and (
+            not capped or torch.equal(decode([length], step, most_span), alone))
 
     for step in SPAN_STEPS:
         if all(agrees(length, step) for length in DECODE_LENGTHS):
