@@ -15,7 +15,7 @@ import platform
 
 import torch
 
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import ModelSettings
@@ -23,8 +23,11 @@ from weight_only_kernels import timed  # this folder's: median ms after warm-up 
 
 
 def step_times(loaded, mode: str, quantization: str) -> dict[str, float]:
-    runner = ModelRunner.of(loaded, EngineConfig(dtype=str(loaded.dtype).removeprefix("torch."), quantization=quantization, max_num_seqs=32,
-                                                 max_model_len=2048, max_prefill_tokens=512, batch_invariant=mode))
+    runner = ModelRunner.of(loaded, EngineConfig(
+        model=ModelConfig(dtype=str(loaded.dtype).removeprefix("torch."), quantization=quantization, max_model_len=2048,
+                          batch_invariant=mode),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_prefill_tokens=512),
+    ))
     assert runner.batch_invariant == (mode == "on")
     if runner.invariance:
         print(f"mode on: {runner.invariance}, start-up's figure {runner.invariance_cost:+.3f}")

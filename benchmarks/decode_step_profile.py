@@ -116,14 +116,14 @@ def main() -> None:
         engine=EngineSettings(max_num_seqs=max(8, args.rows)))
     loaded = load(settings.model)
     config = configure(settings, loaded)
-    weights = load_weights(loaded, config)
+    weights = load_weights(loaded, config.model)
     runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config))
     clock = Clock()
     instrument(runner, clock)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         times = profile(runner, clock, args.rows, args.context, args.steps)
-        report(times, clock, f"{config.quantization}, {args.rows} rows at context ~{args.context}, {threads} threads")
+        report(times, clock, f"{config.model.quantization}, {args.rows} rows at context ~{args.context}, {threads} threads")
 
 
 if __name__ == "__main__":

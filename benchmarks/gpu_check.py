@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from oai_gemma.engine.config import EngineConfig  # noqa: E402
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from oai_gemma.engine.engine import Engine  # noqa: E402
 from oai_gemma.engine.model.loader import load  # noqa: E402
 from oai_gemma.engine.model.runner import StepItem  # noqa: E402
@@ -219,8 +219,8 @@ def engine_numbers(driver: Driver, p: dict) -> dict:
 def measure_mode(loaded, p: dict, compile_mode: str, report: dict) -> None:
     started = time.perf_counter()
     engine = Engine(loaded, EngineConfig(
-        max_num_seqs=p["max_num_seqs"], max_prefill_tokens=p["max_prefill_tokens"], max_model_len=p["max_model_len"],
-        compile=compile_mode != "off", static_decode=True,
+        model=ModelConfig(max_model_len=p["max_model_len"], compile=compile_mode != "off", static_decode=True),
+        scheduler=SchedulerConfig(max_num_seqs=p["max_num_seqs"], max_prefill_tokens=p["max_prefill_tokens"]),
     ))
     engine.warm_up()
     runner = engine.core.runner

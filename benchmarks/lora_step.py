@@ -75,7 +75,7 @@ def main() -> None:
         "prefill 512 tokens, base": prefill(0),
         "prefill 512 tokens, one adapter": prefill(slots[0]),
     }
-    print(f"{config.dtype}, quantization {config.quantization}, rank {args.rank}, {torch.get_num_threads()} threads")
+    print(f"{config.model.dtype}, quantization {config.model.quantization}, rank {args.rank}, {torch.get_num_threads()} threads")
     results = {name: median_ms(run, args.repeat) for name, run in cases.items()}
     for name, ms in results.items():
         base = next(v for k, v in results.items() if k.split(",")[0] == name.split(",")[0])

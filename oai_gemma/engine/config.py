@@ -1,11 +1,15 @@
-"""The engine's configuration: every setting it runs with, each `auto` decided, in one frozen object.
+"""The engine's configuration: every setting it runs with, each `auto` decided, in one frozen object of frozen parts.
 
 `resolve(settings, machine)` is the one place that turns the settings tree and what start-up found on this machine
 and in the loaded model (`Machine`: device, dtype, the model's shape, whether the native kernel runs; filled by
-engine/factory.py's `probe`, the one step that builds or measures anything) into an `EngineConfig`; `Engine`,
-`EngineCore` and `ModelRunner` are built from that object and each reads the fields it needs. It is logged once at
-start-up and served by `/health` and `/v1/server_info`, so a user sees what `auto` became. New capabilities
-(speculative decoding, adapters) add their fields here, not new arguments down three constructors. Settings this
+engine/factory.py's `probe`, the one step that builds or measures anything) into an `EngineConfig`. As vLLM's
+VllmConfig, it holds one frozen sub-config per reader: `model` (device, dtype, weight layout, decode path, context
+length: engine/model/), `cache` (KV blocks, prefix caching), `scheduler` (batch rows, prefill chunk, waiting line),
+`speculative` (drafting), `lora` (adapters) and `server` (a request's timeouts and backlog, enforced by the facade).
+`Engine`, `EngineCore` and `ModelRunner` are built from the whole; a room that needs one part gets that part (the
+speculator its `SpeculativeConfig`, `load_weights` the `ModelConfig`). It is logged once at start-up and served by
+`/health` and `/v1/server_info` as one flat object (`as_dict`), so a user sees what `auto` became. New capabilities
+add their fields to a sub-config here, not new arguments down three constructors. Settings this
 machine cannot honour (an explicit `int8` without the native kernel, batch-invariant `on` off the CPU path, a KV
 budget that cannot hold one sequence) raise `ConfigError` here, before the engine is built.
 
@@ -94,8 +98,8 @@ class Machine:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Defaults suit an engine built by hand (tests, benchmarks) on a CPU; the server's comes from `resolve`."""
+class ModelConfig:
+    """What runs the model and how: device, dtypes, weight layout, decode path (read by engine/model/)."""
 
     device: str = "cpu"
     dtype: str = "float32"
@@ -109,70 +113,129 @@ class EngineConfig:
     """torch.compile the static decode's layer functions."""
     batch_invariant: str = "auto"
     """`engine.batch_invariant`: `off`, `on`, or `auto` (on where the start-up check on the weights finds it cheap:
-    engine/model/invariance_check.py's `measure_invariance`, which engine/factory.py runs on the weights before the runner is
-    built, leaving `on` or `off` here; an engine built by hand with `auto` has `ModelRunner.of` decide). Off the CPU
-    path `resolve` makes it `off`."""
-    max_num_seqs: int = 32
-    """Batch rows: sequences decoded together, also the most choices (`n`) one request may ask for."""
+    engine/model/invariance_check.py's `measure_invariance`, which engine/factory.py runs on the weights before the
+    runner is built, leaving `on` or `off` here; an engine built by hand with `auto` has `ModelRunner.of` decide).
+    Off the CPU path `resolve` makes it `off`."""
     max_model_len: int = 8192
-    max_prefill_tokens: int = 512
     image_tokens: int = 0
-    vision_step_seconds: float = 0.0
-    """An image encode's time budget per engine step (engine/encoding.py); 0: auto."""
     """Tokens of one image (multimodal models): a prefill chunk is never cut inside one, so it may be this long."""
-    kv_blocks: int = 0
-    """KV cache blocks (16 tokens each); 0: room for max_num_seqs sequences of max_model_len."""
-    prefix_caching: bool = True
-    max_waiting: int = 256
-    request_timeout: float = 0.0
-    """Seconds from arrival to the last token; 0 means no limit."""
-    idle_timeout: float = 0.0
-    """Longest wait for a request's next event (queue included); 0 means no limit."""
-    max_backlog: int = 0
-    """Events a request's consumer may fall behind before the request is cancelled (Submission); 0: no limit."""
     threads: int = 0
     """Torch compute threads of the engine thread (0: torch's default)."""
     cache_dir: Path | None = None
     """The model cache (`model.cache_dir`, default `$OAI_GEMMA_CACHE` or ~/.cache/oai-gemma)."""
     native_dir: Path | None = None
     """Where the native int8 kernel is compiled and kept (None: the default cache's `native`)."""
-    lora_modules: tuple[LoraModule, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache (engine/cache/): its size and whether full blocks are shared between requests."""
+
+    kv_blocks: int = 0
+    """KV cache blocks (16 tokens each); 0: room for max_num_seqs sequences of max_model_len."""
+    prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What a step may hold and how many may wait (engine/scheduler.py, engine/encoding.py, admission)."""
+
+    max_num_seqs: int = 32
+    """Batch rows: sequences decoded together, also the most choices (`n`) one request may ask for."""
+    max_prefill_tokens: int = 512
+    max_waiting: int = 256
+    """Requests that may wait beyond the batch rows before admission refuses (the facade's capacity)."""
+    vision_step_seconds: float = 0.0
+    """An image encode's time budget per engine step (engine/encoding.py); 0: auto."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Drafting (engine/speculative/planner.py)."""
+
+    method: str = "ngram"
+    """`engine.speculative` as resolved: `ngram` (drafts from prompt lookup and Predicted Outputs) or `off`
+    (`auto` is `ngram` on the dynamic path, `off` with static decode: a drafted step runs dynamic)."""
+    k: int = 32
+    """Most draft tokens one sequence carries into a step."""
+    budget: int = 32
+    """Most decode tokens (each row's own and the drafts) a step carries while it adds drafts."""
+    ngram_max: int = 4
+    ngram_min: int = 2
+    """Prompt lookup's longest n-gram and its minimum match (also the Predicted Output's realignment)."""
+
+    @property
+    def on(self) -> bool:
+        return self.method != "off"
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The adapters served (engine/lora/)."""
+
+    modules: tuple[LoraModule, ...] = ()
     """The LoRA adapters served from the start (`lora.modules`, parsed), read and checked when the engine is built."""
     max_loras: int = 8
     """Adapters resident at once (engine/lora/registry.py)."""
     max_lora_rank: int = 64
-    lora_runtime_loading: bool = False
+    runtime_loading: bool = False
     """Adapters may be loaded and unloaded while serving (`lora.runtime_loading`)."""
 
-    speculative: str = "ngram"
-    """`engine.speculative` as resolved: `ngram` (drafts from prompt lookup and Predicted Outputs) or `off`
-    (`auto` is `ngram` on the dynamic path, `off` with static decode: a drafted step runs dynamic)."""
-    speculative_k: int = 32
-    """Most draft tokens one sequence carries into a step."""
-    speculative_budget: int = 32
-    """Most decode tokens (each row's own and the drafts) a step carries while it adds drafts."""
-    speculative_ngram_max: int = 4
-    speculative_ngram_min: int = 2
-    """Prompt lookup's longest n-gram and its minimum match (also the Predicted Output's realignment)."""
-
     @property
-    def lora_enabled(self) -> bool:
+    def enabled(self) -> bool:
         """Adapters are served: the engine keeps a registry (without it, no step pays anything for LoRA)."""
-        return bool(self.lora_modules) or self.lora_runtime_loading
+        return bool(self.modules) or self.runtime_loading
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A request's limits as the facade enforces them (engine/engine.py, engine/submission.py)."""
+
+    request_timeout: float = 0.0
+    """Seconds from arrival to the last token; 0 means no limit."""
+    idle_timeout: float = 0.0
+    """Longest wait for a request's next event (queue included); 0 means no limit."""
+    max_backlog: int = 0
+    """Events a request's consumer may fall behind before the request is cancelled (Submission); 0: no limit."""
+
+
+SERVED_NAMES = {
+    ("lora", "modules"): "lora_modules", ("lora", "runtime_loading"): "lora_runtime_loading",
+    ("speculative", "method"): "speculative", ("speculative", "k"): "speculative_k",
+    ("speculative", "budget"): "speculative_budget", ("speculative", "ngram_max"): "speculative_ngram_max",
+    ("speculative", "ngram_min"): "speculative_ngram_min",
+}
+"""The flat keys `/health` and `/v1/server_info` serve (README) where a sub-config's field name is not the key itself."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The sub-configs, one per room that reads it (as vLLM's VllmConfig). Defaults suit an engine built by hand
+    (tests, benchmarks) on a CPU; the server's comes from `resolve`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     @property
     def max_logits_rows(self) -> int:
         """A step's most logits rows: one per sequence, and one per draft token (engine/speculative/planner.py)."""
-        return max(self.max_num_seqs, self.speculative_budget if self.speculative != "off" else 0)
+        return max(self.scheduler.max_num_seqs, self.speculative.budget if self.speculative.on else 0)
 
     @property
     def max_tokens_per_step(self) -> int:
         """A step's most tokens: one prefill chunk (or one whole image) and every row's decode token and drafts."""
-        return max(self.max_prefill_tokens, self.image_tokens) + self.max_logits_rows
+        return max(self.scheduler.max_prefill_tokens, self.model.image_tokens) + self.max_logits_rows
 
     def as_dict(self) -> dict[str, object]:
-        """Plain data (paths as strings), as the start-up log and `/v1/server_info` show it."""
-        return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
+        """Plain flat data (paths as strings), as the start-up log and `/v1/server_info` show it: each sub-config's
+        fields under their own names, or `SERVED_NAMES`'."""
+        return {SERVED_NAMES.get((part.name, name), name): str(value) if isinstance(value, Path) else value
+                for part in dataclasses.fields(self)
+                for name, value in dataclasses.asdict(getattr(self, part.name)).items()}
 
 
 def resolve(settings: Settings, machine: Machine) -> EngineConfig:
@@ -183,25 +246,28 @@ def resolve(settings: Settings, machine: Machine) -> EngineConfig:
     cache_dir = model.cache_path
     quantization = _quantization(model.quantization, machine)
     return EngineConfig(
-        device=machine.device, dtype=machine.dtype, quantization=quantization,
-        quantized_weights=None if quantization == "none" or model.load_format == "dummy" else (
-            cache_dir / "quantized" / f"{machine.weights_name}-{quantization}-{machine.dtype}-{machine.quantized_layouts[quantization]}.safetensors"
+        model=ModelConfig(
+            device=machine.device, dtype=machine.dtype, quantization=quantization,
+            quantized_weights=None if quantization == "none" or model.load_format == "dummy" else (
+                cache_dir / "quantized" / f"{machine.weights_name}-{quantization}-{machine.dtype}-{machine.quantized_layouts[quantization]}.safetensors"
+            ),
+            static_decode=static, compile=model.compile == "on" or (model.compile == "auto" and static),
+            batch_invariant=_batch_invariant(engine.batch_invariant, machine.device),
+            max_model_len=model.max_model_len, image_tokens=machine.image_tokens,
+            threads=machine.threads, cache_dir=cache_dir, native_dir=machine.native_dir,
         ),
-        static_decode=static, compile=model.compile == "on" or (model.compile == "auto" and static),
-        batch_invariant=_batch_invariant(engine.batch_invariant, machine.device),
-        max_num_seqs=engine.max_num_seqs, max_model_len=model.max_model_len, max_prefill_tokens=engine.max_prefill_tokens,
-        image_tokens=machine.image_tokens,
-        kv_blocks=kv_blocks(machine, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
-        vision_step_seconds=engine.vision_step_ms / 1e3,
-        prefix_caching=engine.prefix_caching, max_waiting=engine.max_waiting,
-        request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
-        max_backlog=settings.server.max_stream_backlog,
-        threads=machine.threads, cache_dir=cache_dir, native_dir=machine.native_dir,
-        **_lora(settings, static),
-        speculative="off" if engine.speculative == "off" or (engine.speculative == "auto" and static) else "ngram",
-        speculative_k=engine.speculative_k, speculative_budget=engine.speculative_budget,
-        speculative_ngram_max=engine.speculative_ngram_max,
-        speculative_ngram_min=min(engine.speculative_ngram_min, engine.speculative_ngram_max),
+        cache=CacheConfig(kv_blocks=kv_blocks(machine, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
+                          prefix_caching=engine.prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=engine.max_num_seqs, max_prefill_tokens=engine.max_prefill_tokens,
+                                  max_waiting=engine.max_waiting, vision_step_seconds=engine.vision_step_ms / 1e3),
+        speculative=SpeculativeConfig(
+            method="off" if engine.speculative == "off" or (engine.speculative == "auto" and static) else "ngram",
+            k=engine.speculative_k, budget=engine.speculative_budget, ngram_max=engine.speculative_ngram_max,
+            ngram_min=min(engine.speculative_ngram_min, engine.speculative_ngram_max),
+        ),
+        lora=_lora(settings, static),
+        server=ServerConfig(request_timeout=settings.server.request_timeout, idle_timeout=settings.server.idle_timeout,
+                            max_backlog=settings.server.max_stream_backlog),
     )
 
 
@@ -256,8 +322,8 @@ def kv_blocks(machine: Machine, max_num_seqs: int, max_model_len: int, kv_cache_
     return blocks
 
 
-def _lora(settings: Settings, static: bool) -> dict[str, object]:
-    """The adapters' fields: `lora.modules` parsed (a bad entry or a name given twice is a start-up error); adapters
+def _lora(settings: Settings, static: bool) -> LoRAConfig:
+    """The adapters' configuration: `lora.modules` parsed (a bad entry or a name given twice is a start-up error); adapters
     are implemented on the dynamic (CPU) path only."""
     lora = settings.lora
     try:
@@ -272,8 +338,7 @@ def _lora(settings: Settings, static: bool) -> dict[str, object]:
     if static and (modules or lora.runtime_loading):
         raise ConfigError("LoRA adapters are implemented on the dynamic (CPU) path; the GPU's static decode does not apply "
                           "them yet: serve adapters on a CPU, or without --lora-modules / --lora-runtime-loading")
-    return {"lora_modules": modules, "max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank,
-            "lora_runtime_loading": lora.runtime_loading}
+    return LoRAConfig(modules, lora.max_loras, lora.max_lora_rank, lora.runtime_loading)
 
 
 def _batch_invariant(setting: str, device: str) -> str:

@@ -48,7 +48,7 @@ class EngineCore:
         self.image_token_id = getattr(model_config, "image_token_id", None) or getattr(model_config, "image_token_index", None)
         # multimodal checkpoints have more logits than tokens (image soft token, unused rows): never sample them
         self.vocab_limit = min(len(loaded.tokenizer), self.image_token_id or len(loaded.tokenizer))
-        self.limits = Limits(frozenset(loaded.eos_token_ids), config.max_model_len)
+        self.limits = Limits(frozenset(loaded.eos_token_ids), config.model.max_model_len)
         self.grammar_masks = GrammarMasks(len(loaded.tokenizer), min(loaded.eos_token_ids))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.adapters = self._adapters(loaded, config)
@@ -58,16 +58,16 @@ class EngineCore:
         self.runner.lora = self.adapters.resident if self.adapters is not None else None  # a read-only view
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens, %.2f GiB; prefix caching %s", cache.num_blocks, cache.block_size,
-                 cache.nbytes / 2**30, "on" if config.prefix_caching else "off")
-        self.speculator = Speculator(config)
+                 cache.nbytes / 2**30, "on" if config.cache.prefix_caching else "off")
+        self.speculator = Speculator(config.speculative)
         self.scheduler = Scheduler(
-            BlockPool(cache.num_blocks, cache.block_size, caching=config.prefix_caching), config.max_num_seqs,
-            config.max_prefill_tokens, config.max_model_len, reuse_decoded=not self.runner.batch_invariant,
+            BlockPool(cache.num_blocks, cache.block_size, caching=config.cache.prefix_caching), config.scheduler.max_num_seqs,
+            config.scheduler.max_prefill_tokens, config.model.max_model_len, reuse_decoded=not self.runner.batch_invariant,
             adapters=self.adapters,
             speculator=self.speculator if self.speculator.on else None,
         )
         self.encoding = Encoding(getattr(self.runner.model, "model", None), self.runner.device, self.runner.dtype,
-                                 getattr(config, "vision_step_seconds", 0.0))
+                                 config.scheduler.vision_step_seconds)
         """Requests whose images are being encoded, a slice a step (engine/encoding.py)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -83,11 +83,11 @@ class EngineCore:
 
     def _adapters(self, loaded: LoadedModel, config: EngineConfig) -> LoraRegistry | None:
         """The configured adapters read and checked before anything else is built: a bad one fails start-up at once."""
-        if not config.lora_enabled:
+        if not config.lora.enabled:
             return None
         try:
-            return start_registry(config.lora_modules, loaded.text_config, loaded.dtype, loaded.device, config.max_loras,
-                                  config.max_lora_rank, on_read=lambda *read: self._inbox.put(("adapter_read", read, None)))
+            return start_registry(config.lora.modules, loaded.text_config, loaded.dtype, loaded.device, config.lora.max_loras,
+                                  config.lora.max_lora_rank, on_read=lambda *read: self._inbox.put(("adapter_read", read, None)))
         except AdapterError as exc:  # a configured adapter that cannot be served: the operator must fix it
             raise ConfigError(f"{exc} (--lora-modules)") from None
 

@@ -58,15 +58,15 @@ class Engine:
         """token id -> (its own text, its UTF-8 bytes), as logprobs report them."""
         self.vocab_limit = self.core.vocab_limit
         """Token ids a request may use or be given: [0, vocab_limit)."""
-        self.max_model_len = config.max_model_len
-        self.num_slots = config.max_num_seqs
+        self.max_model_len = config.model.max_model_len
+        self.num_slots = config.scheduler.max_num_seqs
         """Sequences decoded together: also the most choices (`n`) one request may ask for."""
-        self.capacity = self.num_slots + config.max_waiting
-        self.request_timeout = config.request_timeout
+        self.capacity = self.num_slots + config.scheduler.max_waiting
+        self.request_timeout = config.server.request_timeout
         """Seconds from arrival to the last token; 0 means no limit."""
-        self.idle_timeout = config.idle_timeout
+        self.idle_timeout = config.server.idle_timeout
         """Longest wait for a request's next event (queue included); 0 means no limit."""
-        self.max_backlog = config.max_backlog
+        self.max_backlog = config.server.max_backlog
         """Events a request's consumer may fall behind before the request is cancelled (Submission); 0: no limit."""
         self.admitting = True
         self.in_flight = 0
@@ -77,7 +77,8 @@ class Engine:
         self.decode_bytes = self.core.runner.decode_bytes()
         """Bytes of weights one decode step of one row reads (/health: the benchmark's floor)."""
         self.description = f"{loaded.source_dir}, {str(loaded.dtype).removeprefix('torch.')} on {loaded.device}"
-        self._grammar_inputs = (loaded.tokenizer, sorted(self.eos_token_ids), self.core.grammar_masks, self.vocab_limit, loaded.device, config.cache_dir)
+        self._grammar_inputs = (loaded.tokenizer, sorted(self.eos_token_ids), self.core.grammar_masks, self.vocab_limit, loaded.device,
+                                config.model.cache_dir)
         self._grammars: Future | None = None
         self._grammars_lock = threading.Lock()
 
@@ -116,7 +117,7 @@ class Engine:
         def names(seqs) -> list[str]:
             return sorted({seq.lora.name for seq in list(seqs) if seq.lora is not None})
 
-        return {"running": names(scheduler.running), "waiting": names(scheduler.waiting), "max_lora": self.config.max_loras}
+        return {"running": names(scheduler.running), "waiting": names(scheduler.waiting), "max_lora": self.config.lora.max_loras}
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -222,7 +223,7 @@ class Engine:
     @functools.cached_property
     def kernel_isa(self) -> str:
         """The native CPU kernels' instruction set (engine/ops/native), once; `none` on a GPU, which runs none of them."""
-        return native.kernel_isa() if self.config.device == "cpu" else "none"
+        return native.kernel_isa() if self.config.model.device == "cpu" else "none"
 
     def kv_cache_resident_bytes(self) -> int:
         """Bytes of the KV cache backed by memory now: it grows, up to `engine.kv_cache_gib`, as blocks are first

@@ -108,10 +108,10 @@ def build_engine(loaded: LoadedModel, config: EngineConfig, own_weights: bool = 
     mode measured on them (`auto` decided: the configuration logged once, as plain data, says `on` or `off`), then
     the runner fed both, then the engine around it."""
     started = time.monotonic()
-    weights = load_weights(loaded, config, own_weights)
+    weights = load_weights(loaded, config.model, own_weights)
     measured = time.monotonic()
     invariance, cost = measure_invariance(weights, config)
-    config = replace(config, batch_invariant="on" if invariance is not None else "off")
+    config = replace(config, model=replace(config.model, batch_invariant="on" if invariance is not None else "off"))
     log.info("engine config: %s", json.dumps(config.as_dict()))
     runner = ModelRunner(weights, config, loaded.model, invariance)
     runner.invariance_cost = cost

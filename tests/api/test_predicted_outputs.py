@@ -92,6 +92,7 @@ def test_a_prediction_longer_than_the_context_is_a_400(http):
     assert error["param"] == "prediction"
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_a_prediction_with_n_logprobs_penalties_or_tools_gives_what_the_request_gives_without_speculation(client):
     """OpenAI refuses `prediction` with n > 1, logprobs or penalties; here they are served, and exactly: every choice's
     text and logprobs are those of the same request without speculation, and the counts add up over the choices."""

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from conftest import MAX_MODEL_LEN
@@ -155,6 +156,7 @@ def test_the_grammar_compiler_is_built_after_warm_up_or_at_first_use(monkeypatch
     assert lazy.grammars == "compiler" and len(built) == 2, "without warm-up: at the first structured request"
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_the_grammar_tokenizer_from_the_cached_token_table_is_the_one_from_tokenizer_json(tmp_path, caplog):
     """Start-up builds llguidance's tokenizer from a token table cached on the first start (2.7 s -> 0.9 s,
     engine/sampling/token_table.py): it must tokenize, mask and force exactly as the one read from tokenizer.json,

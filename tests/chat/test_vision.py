@@ -18,7 +18,7 @@ from conftest import (VISION_ADAPTER, VISION_API_KEY, VISION_MAX_DOWNLOAD, VISIO
                       VISION_MODEL)
 from lora_adapters import merged_model
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -243,7 +243,10 @@ def test_vision_prefill_matches_transformers_forward(vision_loaded, processor):
     """Our runner (vision embeddings spliced in, bidirectional attention inside each image, a prefill
     budget smaller than one image) gives transformers' own greedy tokens for an image prompt."""
     loaded = vision_loaded
-    engine = Engine(loaded, EngineConfig(max_num_seqs=2, max_prefill_tokens=64, max_model_len=1024))
+    engine = Engine(loaded, EngineConfig(
+        model=ModelConfig(max_model_len=1024),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_prefill_tokens=64),
+    ))
     from oai_gemma.chat.vision import expand_images
 
     messages = ask(image_part("x"))
@@ -291,7 +294,10 @@ def test_image_tokens_attend_to_each_other_both_ways_as_in_transformers(vision_l
     with torch.inference_mode():
         reference = loaded.model(**inputs).logits[0, -1, :vocab]
         causal_only = loaded.model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, -1, :vocab]
-    runner = ModelRunner.of(loaded.model, EngineConfig(max_num_seqs=1, max_model_len=1024, max_prefill_tokens=511, batch_invariant="off"))
+    runner = ModelRunner.of(loaded.model, EngineConfig(
+        model=ModelConfig(max_model_len=1024, batch_invariant="off"),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_prefill_tokens=511),
+    ))
     spans = tuple(token_runs(ids, vocab))
     rows = torch.tensor([i for start, end in spans for i in range(start, end)])
     ours = runner.forward([StepItem(runner.sequence_blocks(0), ids, 0, True, spans, (rows, runner.image_features(inputs["pixel_values"])))], [])[0, :vocab]

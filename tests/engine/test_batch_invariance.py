@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.invariance_check import measure_invariance
@@ -46,14 +46,22 @@ def loaded_model(dtype: str):
 def weights_of(dtype: str, quantization: str):
     """One weights build per configuration (quantized in memory), and the mode measured on it once."""
     loaded = loaded_model(dtype)
-    config = EngineConfig(dtype=dtype, quantization=quantization, max_num_seqs=8, max_prefill_tokens=512)
+    config = EngineConfig(
+        model=ModelConfig(dtype=dtype, quantization=quantization),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_prefill_tokens=512),
+    )
     return load_weights(loaded, config), loaded
 
 
-def runner(dtype: str, quantization: str, mode: str, **settings) -> tuple[ModelRunner, EngineConfig]:
+def runner(dtype: str, quantization: str, mode: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
+           prefix_caching: bool = True) -> tuple[ModelRunner, EngineConfig]:
     """A runner on the shared weights, cut to LAYERS layers, the mode measured on them for its configuration."""
     weights, loaded = weights_of(dtype, quantization)
-    config = EngineConfig(dtype=dtype, quantization=quantization, batch_invariant=mode, **settings)
+    config = EngineConfig(
+        model=ModelConfig(dtype=dtype, quantization=quantization, batch_invariant=mode, max_model_len=max_model_len),
+        cache=CacheConfig(prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens),
+    )
     invariance, _ = measure_invariance(weights, config)
     built = ModelRunner(weights, config, loaded.model, invariance)
     built.weights = built.weights[:LAYERS]
@@ -227,7 +235,9 @@ def test_the_start_up_check_holds_the_prefill_path_to_its_rows_and_can_fail(monk
     kernel: start-up checks the prefill path's rows at every chunk size and place among other rows. A path whose rows
     depend on the row count fails the check, and the mode then runs every row in the row-exact kernel."""
     weights, _ = weights_of("float32", "int8")
-    config = EngineConfig(quantization="int8", max_num_seqs=8, max_prefill_tokens=512)
+    config = EngineConfig(
+        model=ModelConfig(quantization="int8"), scheduler=SchedulerConfig(max_num_seqs=8, max_prefill_tokens=512),
+    )
     invariance, _ = measure_invariance(weights, config)
     assert invariance is not None and invariance.by_role
     monkeypatch.setattr(NativeInt8Linear, "prefill", row_count_dependent)
@@ -244,7 +254,10 @@ def test_where_auto_leaves_the_mode_off_start_up_says_what_it_would_cost(caplog,
     monkeypatch.setattr(NativeInt8Linear, "prefill", row_count_dependent)
     weights, _ = weights_of("float32", "int8")
     with caplog.at_level("INFO", logger="oai_gemma"):
-        invariance, cost = measure_invariance(weights, EngineConfig(quantization="int8", max_num_seqs=8, max_prefill_tokens=512))
+        invariance, cost = measure_invariance(weights, EngineConfig(
+            model=ModelConfig(quantization="int8"),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_prefill_tokens=512),
+        ))
     assert invariance is None and isinstance(cost, float)
     said = [r.getMessage() for r in caplog.records if "batch-invariant mode off (auto)" in r.getMessage()]
     assert said and "--batch-invariant on" in said[0] and "slower" in said[0], caplog.text

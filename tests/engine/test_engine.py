@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -18,7 +18,10 @@ from conftest import embedded_float32
 class EngineHarness:
     def __init__(self):
         self.loaded = embedded_float32()  # conftest: one load for the session
-        self.engine = Engine(self.loaded, EngineConfig(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024))
+        self.engine = Engine(self.loaded, EngineConfig(
+            model=ModelConfig(max_model_len=1024),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_prefill_tokens=256),
+        ))
         self.loop = asyncio.new_event_loop()
         self.engine.start(self.loop)
         self.counter = 0
@@ -167,7 +170,10 @@ def test_a_step_that_fails_on_a_new_prompt_fails_that_request_alone(harness):
 def test_a_dead_engine_loop_fails_every_request_and_refuses_new_ones(harness):
     from oai_gemma.engine.engine import EngineDeadError
 
-    engine = Engine(harness.loaded, EngineConfig(max_num_seqs=2, max_prefill_tokens=64, max_model_len=256))
+    engine = Engine(harness.loaded, EngineConfig(
+        model=ModelConfig(max_model_len=256),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_prefill_tokens=64),
+    ))
 
     class Broken(BaseException):
         pass
@@ -220,10 +226,14 @@ def test_n_choices_prefill_the_prompt_once(harness):
     assert sum(prefilled) == len(ids) - last[0].num_cached_tokens  # once, not three times
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_the_servers_own_module_tree_generates_what_transformers_modules_do(harness):
     """The server builds Gemma-3's modules itself (engine/model/lean.py, `load(lean=True)`); an engine on that tree
     gives the same tokens and logprobs as one on transformers' tree, past the sliding window and across chunks."""
-    lean = Engine(load(ModelSettings(dtype="float32"), lean=True), EngineConfig(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024))
+    lean = Engine(load(ModelSettings(dtype="float32"), lean=True), EngineConfig(
+        model=ModelConfig(max_model_len=1024),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_prefill_tokens=256),
+    ))
     assert "Gemma3" not in type(lean.core.runner.model).__name__
     loop = asyncio.new_event_loop()
     lean.start(loop)

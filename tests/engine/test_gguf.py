@@ -145,6 +145,7 @@ def test_a_text_gguf_computes_what_the_model_it_was_made_from_does(cache, text_m
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_a_gguf_and_its_mmproj_compute_what_the_multimodal_model_does(cache, vision_model):
     model, path, mmproj = vision_model
     directory = _convert(cache, path, mmproj)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
@@ -37,7 +37,10 @@ def model(loaded):
 
 
 def make_runner(model, static: bool) -> ModelRunner:
-    return ModelRunner.of(model, EngineConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_prefill_tokens=640 - SLOTS, static_decode=static))
+    return ModelRunner.of(model, EngineConfig(
+        model=ModelConfig(max_model_len=MAX_LEN, static_decode=static),
+        scheduler=SchedulerConfig(max_num_seqs=SLOTS, max_prefill_tokens=640 - SLOTS),
+    ))
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +168,10 @@ def test_layer_functions_compile_as_one_graph_each(runners):
 
 
 def test_engine_with_static_decode_generates_what_transformers_generates(loaded):
-    engine = Engine(loaded, EngineConfig(max_num_seqs=2, max_prefill_tokens=64, max_model_len=256, static_decode=True))
+    engine = Engine(loaded, EngineConfig(
+        model=ModelConfig(max_model_len=256, static_decode=True),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_prefill_tokens=64),
+    ))
     loop = asyncio.new_event_loop()
     engine.start(loop)
 

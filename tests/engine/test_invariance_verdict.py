@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig
 from oai_gemma.engine.model import invariance_check
 from oai_gemma.engine.ops.invariance import Invariance
 
@@ -41,7 +41,7 @@ def checks(monkeypatch):
 
 
 def test_the_second_start_reads_the_verdict_and_says_so(tmp_path, checks, caplog):
-    config = EngineConfig(cache_dir=tmp_path)
+    config = EngineConfig(model=ModelConfig(cache_dir=tmp_path))
     with caplog.at_level(logging.INFO, "oai_gemma.engine"):
         first = invariance_check.measure_invariance(weights(), config)
         second = invariance_check.measure_invariance(weights(), config)
@@ -53,31 +53,31 @@ def test_the_second_start_reads_the_verdict_and_says_so(tmp_path, checks, caplog
 
 
 @pytest.mark.parametrize("change", [
-    lambda c, w: (replace(c, batch_invariant="on"), w),
-    lambda c, w: (replace(c, quantization="q8"), w),
-    lambda c, w: (replace(c, max_prefill_tokens=c.max_prefill_tokens * 2), w),
+    lambda c, w: (replace(c, model=replace(c.model, batch_invariant="on")), w),
+    lambda c, w: (replace(c, model=replace(c.model, quantization="q8")), w),
+    lambda c, w: (replace(c, scheduler=replace(c.scheduler, max_prefill_tokens=c.scheduler.max_prefill_tokens * 2)), w),
     lambda c, w: (c, weights(dtype=torch.bfloat16)),
     lambda c, w: (c, weights(layout=type("Q8Like", (), {}))),
 ], ids=["setting", "quantization", "rows", "dtype", "layout"])
 def test_what_the_verdict_depends_on_changes_its_key(tmp_path, checks, change):
-    config, w = EngineConfig(cache_dir=tmp_path), weights()
+    config, w = EngineConfig(model=ModelConfig(cache_dir=tmp_path)), weights()
     invariance_check.measure_invariance(w, config)
     invariance_check.measure_invariance(*reversed(change(config, w)))
     assert len(checks) == 2
 
 
 def test_the_environment_that_limits_the_isa_changes_the_key(tmp_path, monkeypatch):
-    config, w = EngineConfig(cache_dir=tmp_path), weights()
+    config, w = EngineConfig(model=ModelConfig(cache_dir=tmp_path)), weights()
     before = invariance_check.verdict_key(w, config)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert invariance_check.verdict_key(w, config) != before
 
 
 def test_without_a_cache_or_with_a_broken_file_it_checks_again(tmp_path, checks):
-    invariance_check.measure_invariance(weights(), EngineConfig(cache_dir=None))
-    invariance_check.measure_invariance(weights(), EngineConfig(cache_dir=None))
+    invariance_check.measure_invariance(weights(), EngineConfig(model=ModelConfig(cache_dir=None)))
+    invariance_check.measure_invariance(weights(), EngineConfig(model=ModelConfig(cache_dir=None)))
     assert len(checks) == 2
-    config = EngineConfig(cache_dir=tmp_path)
+    config = EngineConfig(model=ModelConfig(cache_dir=tmp_path))
     invariance_check.measure_invariance(weights(), config)
     (kept,) = (tmp_path / "invariance").glob("*.json")
     kept.write_text("{not json")
@@ -86,5 +86,7 @@ def test_without_a_cache_or_with_a_broken_file_it_checks_again(tmp_path, checks)
 
 
 def test_off_is_not_checked_at_all(tmp_path, checks):
-    assert invariance_check.measure_invariance(weights(), EngineConfig(cache_dir=tmp_path, batch_invariant="off")) == (None, None)
+    assert invariance_check.measure_invariance(weights(), EngineConfig(
+        model=ModelConfig(cache_dir=tmp_path, batch_invariant="off"),
+    )) == (None, None)
     assert checks == []

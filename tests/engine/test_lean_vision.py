@@ -19,7 +19,7 @@ from oai_gemma.chat import render_chat
 from oai_gemma.chat.images import _to_rgb
 from oai_gemma.chat.vision import expand_images
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.model import lean, lean_config
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.processor import Processor
@@ -164,7 +164,10 @@ def test_an_engine_on_the_lean_tree_answers_an_image_as_one_on_transformers(both
     prompt = render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
                                                         {"type": "text", "text": "Describe it."}]}]).prompt
     vision = expand_images(ours.processor, prompt, [image], [True])
-    config = EngineConfig(max_num_seqs=2, max_prefill_tokens=128, max_model_len=2048)
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=2048),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_prefill_tokens=128),
+    )
     results = []
     for loaded in (ours, theirs):
         engine, loop = Engine(loaded, config), asyncio.new_event_loop()

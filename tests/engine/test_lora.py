@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from lora_adapters import SPECS, greedy_choices, make_adapter, merged_model
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import EngineConfig, LoraModule, parse_module
+from oai_gemma.engine.config import EngineConfig, LoRAConfig, LoraModule, ModelConfig, SchedulerConfig, parse_module
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.lora.adapter import AdapterError, module_shapes, read_adapter
 from oai_gemma.engine.lora.registry import LoraRegistry
@@ -36,7 +36,11 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     paths = {name: make_adapter(loaded.model, root / name, spec) for name, spec in SPECS.items()}
     modules = tuple(LoraModule(name, str(path)) for name, path in paths.items())
-    engine = Engine(loaded, EngineConfig(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024, lora_modules=modules, max_loras=3))
+    engine = Engine(loaded, EngineConfig(
+        model=ModelConfig(max_model_len=1024),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_prefill_tokens=256),
+        lora=LoRAConfig(modules=modules, max_loras=3),
+    ))
     loop = asyncio.new_event_loop()
     engine.start(loop)  # idle between requests: the first test drives the runner itself meanwhile
     engine.test_loop = loop
@@ -367,7 +371,7 @@ def test_bad_lora_settings_are_start_up_errors(setup):
     def settings(*modules):
         return load_settings(overrides={"lora": {"modules": list(modules)}}, environ={})
 
-    assert _lora(settings("a=/x", '{"name": "b", "path": "/y"}'), static=False)["lora_modules"][1] == LoraModule("b", "/y")
+    assert _lora(settings("a=/x", '{"name": "b", "path": "/y"}'), static=False).modules[1] == LoraModule("b", "/y")
     for modules, why in [(("a=/x", "a=/y"), "names an adapter twice"), (("gemma-3-270m=/x",), "is the base model's"),
                          (("nonsense",), "expected name=path")]:
         with pytest.raises(ConfigError, match=why):
@@ -376,7 +380,11 @@ def test_bad_lora_settings_are_start_up_errors(setup):
         _lora(settings("a=/x"), static=True)
     loaded, _, paths = setup
     with pytest.raises(ConfigError, match="LoRA adapter 'gone': no adapter directory"):
-        Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=64, lora_modules=(LoraModule("gone", "/nonexistent"),)))
+        Engine(loaded, EngineConfig(
+            model=ModelConfig(max_model_len=64),
+            scheduler=SchedulerConfig(max_num_seqs=1),
+            lora=LoRAConfig(modules=(LoraModule("gone", "/nonexistent"),)),
+        ))
 
 
 def test_an_adapter_on_a_quantized_bf16_base_moves_the_logits_as_pefts(setup, references):
@@ -387,10 +395,12 @@ def test_an_adapter_on_a_quantized_bf16_base_moves_the_logits_as_pefts(setup, re
 
     loaded, engine32, paths = setup
     quantized = load(ModelSettings(dtype="bfloat16"))
+    stored = configure(Settings(model=ModelSettings(dtype="bfloat16", quantization="int8")), quantized).model.quantized_weights
     config = EngineConfig(
-        dtype="bfloat16", quantization="int8", max_num_seqs=2, max_model_len=256, batch_invariant="off",
-        quantized_weights=configure(Settings(model=ModelSettings(dtype="bfloat16", quantization="int8")), quantized).quantized_weights,
-        lora_modules=(LoraModule("all8", str(paths["all8"])),),
+        model=ModelConfig(dtype="bfloat16", quantization="int8", max_model_len=256, batch_invariant="off",
+                          quantized_weights=stored),
+        scheduler=SchedulerConfig(max_num_seqs=2),
+        lora=LoRAConfig(modules=(LoraModule("all8", str(paths["all8"])),)),
     )
     engine = Engine(quantized, config, own_weights=True)
     runner, registry = engine.core.runner, engine.adapters

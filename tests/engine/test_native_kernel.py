@@ -168,9 +168,9 @@ def test_the_configured_cache_dir_gets_the_kernel_where_the_default_cache_cannot
     native_elsewhere.setenv("HOME", str(blocker))
     native_elsewhere.setenv("OAI_GEMMA_CACHE", str(blocker / "cache"))
     config = resolve_config(Settings(model=ModelSettings(cache_dir=str(tmp_path / "mine"))), loaded)
-    assert config.native_dir == tmp_path / "mine" / "native"
-    assert config.quantization == "int8"  # auto, in float32, with the kernel built in the configured cache
-    assert list(config.native_dir.glob("woq_int8-*.so"))
+    assert config.model.native_dir == tmp_path / "mine" / "native"
+    assert config.model.quantization == "int8"  # auto, in float32, with the kernel built in the configured cache
+    assert list(config.model.native_dir.glob("woq_int8-*.so"))
 
 
 def test_without_the_kernel_auto_warns_with_the_reason_and_the_cost_and_int8_is_a_start_up_error(native_elsewhere, tmp_path, caplog):
@@ -178,7 +178,7 @@ def test_without_the_kernel_auto_warns_with_the_reason_and_the_cost_and_int8_is_
     native_elsewhere.setenv("CC", str(tmp_path / "no-such-cc"))
     settings = Settings(model=ModelSettings(cache_dir=str(tmp_path)))
     with caplog.at_level(logging.WARNING, logger="oai_gemma.engine"):
-        assert resolve_config(settings, loaded).quantization == "none"
+        assert resolve_config(settings, loaded).model.quantization == "none"
     warning = next(r for r in caplog.records if r.levelno == logging.WARNING and "native int8 kernel" in r.message)
     assert "cannot compile" in warning.message and "17.8 ms instead of 3.1" in warning.message
     settings.model.quantization = "int8"

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, CacheConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 
@@ -30,7 +30,11 @@ def engines():
     """The same engine with the prefix cache on and off, prefilling 128 tokens per step."""
     loop = asyncio.new_event_loop()
     pair = {
-        caching: Engine(loaded(), EngineConfig(max_num_seqs=8, max_prefill_tokens=128, max_model_len=2048, prefix_caching=caching))
+        caching: Engine(loaded(), EngineConfig(
+            model=ModelConfig(max_model_len=2048),
+            cache=CacheConfig(prefix_caching=caching),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_prefill_tokens=128),
+        ))
         for caching in (True, False)
     }
     for engine in pair.values():

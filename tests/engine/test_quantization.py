@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from conftest import ServerProcess, embedded_float32, user
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.factory import configure as resolve
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.ops.linear import FrozenLinear
@@ -47,7 +47,9 @@ def runner_for(quantization: str, dtype: str = "bfloat16", cache: bool = True, b
     )
     loaded = load(settings.model)
     config = resolve(settings, loaded)
-    runner = ModelRunner.of(loaded.model, config if cache else replace(config, quantized_weights=None), own_weights=True)
+    if not cache:
+        config = replace(config, model=replace(config.model, quantized_weights=None))
+    runner = ModelRunner.of(loaded.model, config, own_weights=True)
     return runner, loaded
 
 
@@ -129,7 +131,7 @@ def test_in_float32_int4_puts_the_lm_head_through_fbgemm_within_its_bounds(float
 @pytest.mark.slow
 def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
     first, loaded = runner_for("int4")
-    file = resolve(Settings(model=ModelSettings(quantization="int4")), loaded).quantized_weights
+    file = resolve(Settings(model=ModelSettings(quantization="int4")), loaded).model.quantized_weights
     assert file.exists()
     second, _ = runner_for("int4")  # from the file
     prompt = [StepItem(first.sequence_blocks(0), list(range(1000, 1020)), 0)]
@@ -139,7 +141,10 @@ def test_quantized_weights_are_kept_in_the_model_cache_and_read_back_the_same():
 def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_supported():
     loaded = embedded_float32()  # conftest: one load for the session (refused before its tree is read)
     with pytest.raises(ValueError, match="CPU path only"):
-        ModelRunner.of(loaded.model, EngineConfig(max_num_seqs=2, max_model_len=256, static_decode=True, quantization="int8"))
+        ModelRunner.of(loaded.model, EngineConfig(
+            model=ModelConfig(max_model_len=256, static_decode=True, quantization="int8"),
+            scheduler=SchedulerConfig(max_num_seqs=2),
+        ))
 
 
 @pytest.mark.parametrize("quantization, dtype, served, most_mb", [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oai_gemma.engine.cache.block_pool import BlockPool
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import SpeculativeConfig
 from oai_gemma.engine.scheduler import Scheduler
 from oai_gemma.engine.sequence import Sequence, Step, StepItem
 from oai_gemma.engine.sampling.sampler import RowRandom, sample_with_logprobs
@@ -24,7 +24,7 @@ VOCAB = 6
 def sequence(prompt=(1, 2, 3), seed=None, max_tokens=64, prediction=(), speculator=None, **params) -> Sequence:
     request = GenerationRequest("r", list(prompt), SamplingParams(max_tokens=max_tokens, seed=seed, **params), prediction=prediction)
     seq = Sequence(request=request, sink=None, random=RowRandom(seed), detokenizer=None, stopper=None, cache_keys=list(prompt))
-    seq.speculation = (speculator or Speculator(EngineConfig())).start(request, grammar=False)
+    seq.speculation = (speculator or Speculator(SpeculativeConfig())).start(request, grammar=False)
     return seq
 
 
@@ -94,7 +94,7 @@ class StandInGrammar:
 
 
 def test_under_a_grammar_lookup_goes_on_after_the_forced_tokens_while_the_grammar_takes_it():
-    speculator = Speculator(EngineConfig())
+    speculator = Speculator(SpeculativeConfig())
     seq = sequence(prompt=(5, 6, 7, 8, 9, 1))
     seq.speculation = speculator.start(seq.request, grammar=True)
     seq.output_ids, seq.matcher = [2], StandInGrammar(forced=[5, 6], allowed={7, 8})
@@ -122,7 +122,7 @@ def toy_logits(tokens: list[int]) -> torch.Tensor:
 
 def generate(seed, params: dict, draft_with: random.Random | None, length: int = 24) -> list[int]:
     """`length` tokens from the toy model, one per step, or with drafts (right or wrong at random) verified."""
-    speculator = Speculator(EngineConfig())
+    speculator = Speculator(SpeculativeConfig())
     seq = sequence(seed=seed, speculator=speculator, **params)
     while len(seq.output_ids) < length:
         if draft_with is not None:
@@ -153,7 +153,7 @@ def test_verified_sampling_keeps_the_target_distribution():
     torch.manual_seed(0)
     row0, row1 = torch.tensor([1.0, 2.0, 0.5, 0.0, -1.0, 1.5]), torch.tensor([0.3, 0.2, 2.0, 1.0, 0.0, -0.5])
     params = {"temperature": 1.0, "presence_penalty": 1.0}
-    speculator = Speculator(EngineConfig())
+    speculator = Speculator(SpeculativeConfig())
     draws = 200
     firsts, seconds = torch.zeros(VOCAB), torch.zeros(VOCAB)
     for _ in range(30):
@@ -176,7 +176,7 @@ def test_verified_sampling_keeps_the_target_distribution():
 
 
 def test_the_step_item_is_cut_back_to_the_accepted_positions():
-    speculator = Speculator(EngineConfig())
+    speculator = Speculator(SpeculativeConfig())
     seq = sequence(temperature=0.0)
     seq.output_ids, seq.draft = [4], [1, 2, 3]
     logits = torch.full((4, VOCAB), -5.0)
@@ -200,7 +200,7 @@ def running(n: int, output: list[int], max_tokens: int = 64) -> list[Sequence]:
 
 
 def test_a_full_batch_or_a_long_prefill_chunk_leaves_no_drafts_and_drafts_stop_short_of_max_tokens():
-    speculator = Speculator(EngineConfig(max_num_seqs=8, speculative_budget=8))
+    speculator = Speculator(SpeculativeConfig(budget=8))
     full = running(8, [7])
     speculator.plan(full, 1000)
     assert all(seq.draft == [] for seq in full)
@@ -217,7 +217,7 @@ def test_a_full_batch_or_a_long_prefill_chunk_leaves_no_drafts_and_drafts_stop_s
     speculator.plan(near_end, 1000)
     assert near_end[0].draft == [8]  # two more tokens allowed: one draft and the model's own
     opted_out = sequence()
-    assert Speculator(EngineConfig(speculative="off")).start(opted_out.request, grammar=False) is None
+    assert Speculator(SpeculativeConfig(method="off")).start(opted_out.request, grammar=False) is None
 
 
 @pytest.mark.parametrize("wants, total, shares", [
@@ -233,7 +233,7 @@ def test_the_draft_budget_is_shared_max_min_fairly(wants, total, shares):
 
 
 def test_one_copy_heavy_stream_cannot_take_the_whole_budget_of_a_step():
-    speculator = Speculator(EngineConfig(max_num_seqs=8, speculative_budget=16, speculative_k=32))
+    speculator = Speculator(SpeculativeConfig(budget=16, k=32))
     seqs = running(4, [7, 8, 9, 7])  # each repeats its prompt: prompt lookup would draft up to k
     for seq in seqs:
         seq.speculation = speculator.start(seq.request, grammar=False)

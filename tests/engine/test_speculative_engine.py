@@ -3,12 +3,13 @@ and off (batch-invariant mode: float32), stop strings and max_tokens landing ins
 every KV block back after rejections, and no prefix-cache block holding a rejected position."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
 
 from oai_gemma.chat import render_chat
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.speculative.planner import Speculator
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
@@ -39,11 +40,12 @@ def loaded():
 class Engines:
     """The same model served with speculation on and off."""
 
-    def __init__(self, **config):
-        base = dict(max_num_seqs=4, max_prefill_tokens=256, max_model_len=1024)
+    def __init__(self, batch_invariant: str = "auto"):
+        config = EngineConfig(model=ModelConfig(max_model_len=1024, batch_invariant=batch_invariant),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_prefill_tokens=256))
         self.loop = asyncio.new_event_loop()
-        self.on = Engine(loaded(), EngineConfig(**{**base, **config}))
-        self.off = Engine(loaded(), EngineConfig(**{**base, **config, "speculative": "off"}))
+        self.on = Engine(loaded(), config)
+        self.off = Engine(loaded(), replace(config, speculative=SpeculativeConfig(method="off")))
         for engine in (self.on, self.off):
             engine.start(self.loop)
         self.counter = 0

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from oai_gemma.engine.config import EngineConfig
+from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
 from oai_gemma.engine.model.layout import Layout, TensorFile
 from oai_gemma.engine.model.loader import embedded_model_dir, load
@@ -96,8 +96,12 @@ def test_the_quantized_cache_is_read_back_per_tensor_into_the_same_layout(tmp_pa
     assert_same_weights(from_modules(loaded.model, layout, file), first)
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_an_engine_on_streamed_weights_generates_what_one_on_the_module_tree_does():
-    config = EngineConfig(max_num_seqs=2, max_prefill_tokens=128, max_model_len=512, quantization="int8")
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=512, quantization="int8"),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_prefill_tokens=128),
+    )
     engines = [Engine(load(ModelSettings(dtype="float32"), lean=True, stream=stream), config) for stream in (True, False)]
     assert engines[0].core.runner.mapped_embedding
     loop = asyncio.new_event_loop()
@@ -137,6 +141,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_loading_holds_the_final_weights_and_about_one_chunk_of_float(tmp_path):
     """A 254 MB bf16 checkpoint (508 MB in float32) loads into int8 weights (~130 MB held, the embedding mapped) with
     a peak of those and less than 0.4x the checkpoint's size above what the process held before: never the model in

@@ -1,5 +1,5 @@
 """Giving freed heap back to the OS when idle, and resident memory (the KV budget's arithmetic is configuration:
-engine/config.py's `kv_blocks`)."""
+engine/config.py's `cache.kv_blocks`)."""
 
 from __future__ import annotations
 

@@ -40,9 +40,10 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
     are exact at any count, as the native int8 ones are, or the whole call's are, as float32 oneDNN's are here);
     off where they need tiles (bf16 oneDNN: prefill 1.5x slower). Off the CPU path it is off (engine/config.py
     makes `on` there a start-up error)."""
-    if config.batch_invariant == "off" or config.static_decode or weights.device.type != "cpu":
+    if config.model.batch_invariant == "off" or config.model.static_decode or weights.device.type != "cpu":
         return None, None
-    path = None if config.cache_dir is None else Path(config.cache_dir) / "invariance" / f"{verdict_key(weights, config)}.json"
+    cache_dir = config.model.cache_dir
+    path = None if cache_dir is None else Path(cache_dir) / "invariance" / f"{verdict_key(weights, config)}.json"
     verdict = _read(path)
     if verdict is None:
         verdict = _check(weights, config)
@@ -56,7 +57,7 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
 
 def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
     """The verdict measured now: {tile, step, by_role, cost, level, message} (tile or step None: off)."""
-    setting, text = config.batch_invariant, weights.shape.text
+    setting, text = config.model.batch_invariant, weights.shape.text
     w, most_tokens = weights.layers[0], bucket(config.max_tokens_per_step, buckets(config.max_tokens_per_step))
     projections = {
         "q_proj": (w.q, text.hidden, most_tokens), "o_proj": (w.o, text.heads * text.head_dim, most_tokens),
@@ -111,10 +112,10 @@ def verdict_key(weights: Gemma3Weights, config: EngineConfig) -> str:
         "native": sorted(library_name(family) for family in FAMILIES),
         "check": [hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest() for module in (ops_invariance,)]
         + [hashlib.sha256(Path(__file__).read_bytes()).hexdigest()],
-        "dtype": str(weights.dtype), "quantization": config.quantization,
+        "dtype": str(weights.dtype), "quantization": config.model.quantization,
         "layouts": [type(linear).__name__ for linear in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down, weights.lm_head)],
         "shape": [text.hidden, text.intermediate, text.heads, text.kv_heads, text.head_dim, text.vocab],
-        "rows": [config.max_tokens_per_step, config.max_logits_rows], "setting": config.batch_invariant,
+        "rows": [config.max_tokens_per_step, config.max_logits_rows], "setting": config.model.batch_invariant,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -7,7 +7,7 @@ streamed.py: from safetensors) go through it, so both give the same layout, bit 
 row chunks (`rows(lo, hi)`: the weight's rows lo..hi in any float dtype): each output channel is quantized on its own,
 so a chunk's float copy is all the float memory the quantizing takes, even for the 262k-row lm_head.
 
-`LinearCache`: the quantized linears kept between starts (`EngineConfig.quantized_weights`): read back one linear at a
+`LinearCache`: the quantized linears kept between starts (`EngineConfig.model.quantized_weights`): read back one linear at a
 time into its own aligned tensors, written as one safetensors file streamed from the linears themselves (no second
 copy of every weight, as `safetensors.torch.save_file`'s serialisation would make).
 """

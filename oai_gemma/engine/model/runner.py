@@ -31,7 +31,7 @@ from ..ops.invariance import Invariance, RoleLinear, TiledLinear, tiled
 from ..ops.linear import call_linear
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import FULL, SLIDING, Gemma3Shape
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, ModelConfig
 from .static_decode import StaticDecode, flash_kernel
 from ..lora.apply import LoraStep, module_names
 from ..sequence import StepItem
@@ -84,11 +84,11 @@ class ModelRunner:
         self.final_softcap = text.final_softcap
         self.layer_types = [SLIDING if sliding else FULL for sliding in text.sliding]
         self.rotary = Rotary.of(text)
-        self.max_len = max_len = config.max_model_len
-        num_slots, static = config.max_num_seqs, config.static_decode
+        self.max_len = max_len = config.model.max_model_len
+        num_slots, static = config.scheduler.max_num_seqs, config.model.static_decode
         flash = flash_kernel(self.device, self.dtype, self.head_dim) if static else None
         started = time.monotonic()
-        num_blocks = config.kv_blocks or num_slots * -(-max_len // BLOCK_SIZE)  # 0: room for num_slots of max_len
+        num_blocks = config.cache.kv_blocks or num_slots * -(-max_len // BLOCK_SIZE)  # 0: room for num_slots of max_len
         self.cache = KVCache(text, num_blocks, self.dtype, self.device, self.layer_devices)
         self.weights = weights.layers
         """Each layer's weights, its projections packed for oneDNN on a CPU (engine/ops/linear.py) or quantized."""
@@ -117,14 +117,14 @@ class ModelRunner:
         self.lora_names = module_names(self.weights)
         self.static = None
         if static:
-            self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=config.compile, flash=flash)
+            self.static = StaticDecode(self, use_graphs=self.device.type == "cuda", compiled=config.model.compile, flash=flash)
 
     @classmethod
     def of(cls, source, config: EngineConfig, own_weights: bool = False) -> ModelRunner:
         """The runner of a LoadedModel or a module tree (`load_weights`), batch-invariant mode measured on its weights
         first (`measure_invariance`): what engine/factory.py does step by step for the server."""
         started = time.monotonic()
-        weights = load_weights(source, config, own_weights)
+        weights = load_weights(source, config.model, own_weights)
         measured = time.monotonic()
         invariance, cost = measure_invariance(weights, config)
         runner = cls(weights, config, source.model if isinstance(source, LoadedModel) else source, invariance)
@@ -312,7 +312,7 @@ class ModelRunner:
         return features.reshape(-1, features.shape[-1])
 
 
-def load_weights(source, config: EngineConfig, own_weights: bool = False) -> Gemma3Weights:
+def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemma3Weights:
     """The weights of a LoadedModel (engine/model/loader.py) in their final layout, read from its checkpoint one tensor
     at a time where the loader left the text weights there (`checkpoint`), else from its module tree; or of a module
     tree. `own_weights`: they may take the tree's projections (weights.py's `from_modules`)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import EngineConfig
+from ..config import SpeculativeConfig
 from ..types import GenerationRequest
 from .lookup import PromptLookup
 from .prediction import PredictionDraft
@@ -80,9 +80,10 @@ class Speculation:
 
 @dataclass
 class Speculator:
-    """The engine's drafting policy (`EngineConfig.speculative*`) and its counts (vLLM's spec_decode metrics)."""
+    """The engine's drafting policy (its SpeculativeConfig, `EngineConfig.speculative`) and its counts (vLLM's
+    spec_decode metrics)."""
 
-    config: EngineConfig
+    config: SpeculativeConfig
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -90,7 +91,7 @@ class Speculator:
 
     @property
     def on(self) -> bool:
-        return self.config.speculative != "off"
+        return self.config.on
 
     def start(self, request: GenerationRequest, grammar: bool) -> Speculation | None:
         """A new sequence's speculation, or None (speculation off, or the request opted out). Under a grammar the
@@ -99,10 +100,10 @@ class Speculator:
         config = self.config
         if not self.on or not request.speculative:
             return None
-        n_max, n_min = config.speculative_ngram_max, config.speculative_ngram_min
+        n_max, n_min = config.ngram_max, config.ngram_min
         prediction = PredictionDraft(request.prediction, n_max, n_min) if request.prediction and not grammar else None
-        first = config.speculative_k if prediction is not None else min(FIRST_LOOKUP_DRAFT, config.speculative_k)
-        return Speculation(PromptLookup(n_max, n_min), prediction, first, config.speculative_k)
+        first = config.k if prediction is not None else min(FIRST_LOOKUP_DRAFT, config.k)
+        return Speculation(PromptLookup(n_max, n_min), prediction, first, config.k)
 
     def plan(self, decoding: list, max_len: int, prefill_tokens: int = 0) -> None:
         """Set each decoding sequence's `draft` for this step, within the step's budget: what its decode rows and
@@ -110,7 +111,7 @@ class Speculator:
         drafts would slow it (and the prefilling request's first token) more than they save. The budget is shared
         max-min fairly (`fair_shares`): a sequence that wants few drafts takes them all, the rest split what is left,
         so one copy-heavy stream cannot take a step's whole budget from the others."""
-        left = self.config.speculative_budget - len(decoding) - prefill_tokens
+        left = self.config.budget - len(decoding) - prefill_tokens
         wants = []
         for seq in decoding:
             seq.draft = []
