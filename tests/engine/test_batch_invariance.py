@@ -50,7 +50,7 @@ def weights_of(dtype: str, quantization: str):
         model=ModelConfig(dtype=dtype, quantization=quantization),
         scheduler=SchedulerConfig(max_num_seqs=8, max_prefill_tokens=512),
     )
-    return load_weights(loaded, config), loaded
+    return load_weights(loaded, config.model), loaded
 
 
 def runner(dtype: str, quantization: str, mode: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
