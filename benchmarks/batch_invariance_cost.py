@@ -29,8 +29,13 @@ def step_times(loaded, mode: str, quantization: str) -> dict[str, float]:
         scheduler=SchedulerConfig(max_num_seqs=32, max_prefill_tokens=512),
     ))
     assert runner.batch_invariant == (mode == "on")
+    if runner.invariance:
+        print(f"mode on: {runner.invariance}, start-up's figure {runner.invariance_cost:+.3f}")
     prompt = list(range(1000, 1512))
     times = {"prefill 512 tokens": timed(lambda: runner.forward([StepItem(runner.sequence_blocks(0), prompt, 0)], []), 5)}
+    beside = [StepItem(runner.sequence_blocks(row), [1234], 100) for row in range(1, 9)]
+    times["prefill 504 tokens beside 8 decode rows"] = timed(
+        lambda: runner.forward([StepItem(runner.sequence_blocks(0), prompt[:504], 0)], beside), 5)
     for context in (100, 1000):
         for rows in (1, 8, 32):
             decodes = [StepItem(runner.sequence_blocks(row), [1234], context) for row in range(rows)]

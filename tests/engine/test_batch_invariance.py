@@ -50,7 +50,7 @@ def weights_of(dtype: str, quantization: str):
         model=ModelConfig(dtype=dtype, quantization=quantization),
         scheduler=SchedulerConfig(max_num_seqs=8, max_prefill_tokens=512),
     )
-    return load_weights(loaded, config), loaded
+    return load_weights(loaded, config.model), loaded
 
 
 def runner(dtype: str, quantization: str, mode: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
@@ -164,6 +164,25 @@ def small_runner(dtype: str, quantization: str, mode: str) -> ModelRunner:
     return runner(dtype, quantization, mode, max_num_seqs=8, max_model_len=1024, max_prefill_tokens=56)[0]  # 64 tokens a step
 
 
+def decode_row_beside(built: ModelRunner, lengths: list[int]) -> torch.Tensor:
+    """The logits of a decode row at position lengths[0] (slot 0) in one step beside decode rows at the other
+    positions (slots 1...), their prompts prefilled first in 48-token chunks."""
+    for slot, length in enumerate(lengths):
+        for start in range(0, length, 48):
+            end = min(length, start + 48)
+            built.forward([StepItem(built.sequence_blocks(slot), list(range(100 + start, 100 + end)), start, False)], [])
+    rows = [StepItem(built.sequence_blocks(slot), [7], length) for slot, length in enumerate(lengths)]
+    return built.forward([], rows)[0].clone()
+
+
+def test_a_decode_row_ignores_longer_rows_beside_it():
+    """Decode spans are padded to the step start-up measured (`span_step`): a row of 200 keys (where padding to 256
+    gave a row other bits alone than beside a longer one here) and one of 700, alone and beside rows of 400 and 900."""
+    built = small_runner("float32", "int8", "auto")
+    for length in (200, 700):
+        assert torch.equal(decode_row_beside(built, [length]), decode_row_beside(built, [length, 400, 900])), length
+
+
 @pytest.mark.parametrize("dtype, quantization, mode", [
     ("float32", "int8", "auto"), ("float32", "none", "auto"), ("bfloat16", "none", "on"), ("bfloat16", "per-step", "on"),
 ])
@@ -205,11 +224,34 @@ def test_row_exact_kernels_give_a_row_the_same_bits_alone_and_in_any_batch(layou
     assert not torch.equal(linear(x[:512]), alone[:512]), "the plain call's prefill path differs: this test can fail"
 
 
+def row_count_dependent(self, x, out_dtype=torch.float32):
+    """A prefill path whose rows depend on the call's row count (its last bits), as oneDNN's do below 12 rows here."""
+    out = self.dequantized_call(x, out_dtype)
+    return out if x.shape[0] % 2 == 0 else out * (1 + 2**-20)
+
+
+def test_the_start_up_check_holds_the_prefill_path_to_its_rows_and_can_fail(monkeypatch):
+    """By role, prompt rows take the dequantized matmul (the plain call's prefill path), decode rows the row-exact
+    kernel: start-up checks the prefill path's rows at every chunk size and place among other rows. A path whose rows
+    depend on the row count fails the check, and the mode then runs every row in the row-exact kernel."""
+    weights, _ = weights_of("float32", "int8")
+    config = EngineConfig(
+        model=ModelConfig(quantization="int8"), scheduler=SchedulerConfig(max_num_seqs=8, max_prefill_tokens=512),
+    )
+    invariance, _ = measure_invariance(weights, config)
+    assert invariance is not None and invariance.by_role
+    monkeypatch.setattr(NativeInt8Linear, "prefill", row_count_dependent)
+    invariance, _ = measure_invariance(weights, config)
+    assert invariance is not None and not invariance.by_role
+
+
 def test_where_auto_leaves_the_mode_off_start_up_says_what_it_would_cost(caplog, monkeypatch):
-    """Where the row-exact kernel lags on a prefill chunk (the AVX512 loop: no panels), `auto` stays off and says by
-    how much the mode would slow a prefill chunk's linears and how to turn it on (the figure is a timing: only its
-    presence and type are checked). The AVX512 case is stood in for here by its flag."""
+    """Where the prefill path's rows are not exact and the row-exact kernel lags on a prefill chunk (the AVX512 loop:
+    no panels), `auto` stays off and says by how much the mode would slow a prefill chunk's linears and how to turn
+    it on (the figure is a timing: only its presence and type are checked). The AVX512 case is stood in for here by
+    its flag."""
     monkeypatch.setattr(NativeInt8Linear, "prefill_rowwise", property(lambda self: False))
+    monkeypatch.setattr(NativeInt8Linear, "prefill", row_count_dependent)
     weights, _ = weights_of("float32", "int8")
     with caplog.at_level("INFO", logger="oai_gemma"):
         invariance, cost = measure_invariance(weights, EngineConfig(

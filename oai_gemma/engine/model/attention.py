@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops.invariance import KEY_GRID, grouped_attention, pad_keys, round_up
+from ..ops.invariance import KEY_GRID, grouped_attention, pad_keys, padded_blocks, round_up, window_blocks
 from ..cache.kv_cache import KVCache
 
 
@@ -33,7 +33,7 @@ def decode_keys(tables: list[list[int]], positions: list[int], window: int | Non
     firsts = [max(0, p - window + 1) // size if window else 0 for p in positions]
     count = max(p // size - first + 1 for p, first in zip(positions, firsts))
     if span_step:
-        count = round_up(count * size, span_step) // size
+        count = padded_blocks(count, size, span_step, window_blocks(window, size) if window else None)
     rows = [table[first : first + count] for table, first in zip(tables, firsts)]
     blocks = torch.tensor([row + [cache.scratch] * (count - len(row)) for row in rows], dtype=torch.long)
     pos = torch.tensor(positions)[:, None]

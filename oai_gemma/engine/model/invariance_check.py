@@ -23,7 +23,9 @@ from .buckets import bucket, buckets
 from .weights import Gemma3Weights
 from ..config import ConfigError, EngineConfig
 from ..ops import invariance as ops_invariance
-from ..ops.invariance import COST_ROWS, TILE_ROWS, Invariance, prefill_cost, span_step, tile_rows
+from ..ops.invariance import (COST_DECODE_ROWS, COST_ROWS, TILE_ROWS, Invariance, prefill_cost, prefill_rows_exact, span_step,
+                              tile_rows, window_blocks)
+from ..cache.kv_cache import BLOCK_SIZE
 from ..ops.native.sources import FAMILIES, library_name
 
 log = logging.getLogger("oai_gemma.engine")
@@ -50,46 +52,55 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
         verdict["message"] += f" (this CPU's kernels and shapes checked at an earlier start: {path.name})"
     getattr(log, verdict["level"])("%s", verdict["message"])
     on = verdict["tile"] is not None and verdict["step"] is not None
-    return (Invariance(verdict["tile"], verdict["step"]) if on else None), verdict["cost"]
+    return (Invariance(verdict["tile"], verdict["step"], verdict.get("by_role", False)) if on else None), verdict["cost"]
 
 
 def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
-    """The verdict measured now: {tile, step, cost, level, message} (tile or step None: off)."""
+    """The verdict measured now: {tile, step, by_role, cost, level, message} (tile or step None: off)."""
     setting, text = config.model.batch_invariant, weights.shape.text
     w, most_tokens = weights.layers[0], bucket(config.max_tokens_per_step, buckets(config.max_tokens_per_step))
-    tile = tile_rows({
+    projections = {
         "q_proj": (w.q, text.hidden, most_tokens), "o_proj": (w.o, text.heads * text.head_dim, most_tokens),
         "gate_proj": (w.gate, text.hidden, most_tokens), "down_proj": (w.down, text.intermediate, most_tokens),
-        "lm_head": (weights.lm_head, text.hidden, bucket(config.max_logits_rows, buckets(config.max_logits_rows))),
-    }, weights.dtype, whole_only=setting == "auto")
-    slow = not getattr(w.q, "prefill_rowwise", True)  # exact rows, but far slower than the plain call on prefill
+    }
+    tile = tile_rows({**projections, "lm_head": (weights.lm_head, text.hidden, bucket(config.max_logits_rows, buckets(config.max_logits_rows)))},
+                     weights.dtype, whole_only=setting == "auto")
+    # prompt rows through the layouts' prefill path, decode rows through their row-exact kernel (ops/invariance.py)
+    by_role = tile is not None and hasattr(w.q, "rowwise") and prefill_rows_exact(projections, weights.dtype)
+    slow = not by_role and not getattr(w.q, "prefill_rowwise", True)  # exact rows, far slower than the plain call on prefill
     if setting == "auto" and (tile is None or slow):
         cost = layer_cost(weights, tile or TILE_ROWS)
         why = "their exact kernel lags the dequantized matmul on a prefill chunk" if slow else "they need row tiles"
         return _verdict(None, None, cost, "info", f"batch-invariant mode off (auto): this CPU's linears would make a "
                         f"{COST_ROWS}-token prefill chunk's linears {100 * cost:+.1f}% slower ({why}); on with --batch-invariant on")
-    step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype)
+    step = span_step(text.heads, text.kv_heads, text.head_dim, weights.dtype, window_blocks(text.sliding_window, BLOCK_SIZE) * BLOCK_SIZE)
     if tile is None or step is None:
         if setting == "on":
             raise ConfigError("engine.batch_invariant = \"on\", but this CPU's kernels are not batch-invariant")
         return _verdict(None, None, None, "warning", "batch-invariant mode off: this CPU's kernels are not batch-invariant "
                         f"(linears: {'ok' if tile else 'differ'}, attention: {'ok' if step else 'differ'})")
-    cost = layer_cost(weights, tile)
-    how = "their own kernels at any row count" if hasattr(w.q, "rowwise") else f"calls of at most {tile} rows"
-    return _verdict(tile, step, cost, "info", f"batch-invariant mode on ({setting}): measured cost {100 * cost:+.1f}% on a "
-                    f"{COST_ROWS}-token prefill chunk's linears (linears in {how}, decode spans padded to {step}; "
-                    "off with --batch-invariant off)")
+    cost = layer_cost(weights, tile, by_role)
+    if by_role:
+        how = "prompt rows dequantized, decode rows in the row-exact kernel"
+        what = f"a step of {COST_ROWS - COST_DECODE_ROWS} prompt rows beside {COST_DECODE_ROWS} decode rows"
+    else:
+        how = "their own kernels at any row count" if hasattr(w.q, "rowwise") else f"calls of at most {tile} rows"
+        what = f"a {COST_ROWS}-token prefill chunk"
+    verdict = _verdict(tile, step, cost, "info", f"batch-invariant mode on ({setting}): measured cost {100 * cost:+.1f}% on the "
+                       f"linears of {what} (linears: {how}; decode spans padded to {step}; off with --batch-invariant off)")
+    return {**verdict, "by_role": by_role}
 
 
 def _verdict(tile: int | None, step: int | None, cost: float | None, level: str, message: str) -> dict:
     return {"tile": tile, "step": step, "cost": cost, "level": level, "message": message}
 
 
-def layer_cost(weights: Gemma3Weights, tile: int) -> float:
-    """`prefill_cost` of the first layer's seven linears."""
+def layer_cost(weights: Gemma3Weights, tile: int, by_role: bool = False) -> float:
+    """`prefill_cost` of the first layer's seven linears (`by_role`: on a step with decode rows, the mode's dearest)."""
     w, text = weights.layers[0], weights.shape.text
     features = [text.hidden] * 3 + [text.heads * text.head_dim] + [text.hidden] * 2 + [text.intermediate]
-    return prefill_cost([w.q, w.k, w.v, w.o, w.gate, w.up, w.down], features, weights.dtype, tile)
+    return prefill_cost([w.q, w.k, w.v, w.o, w.gate, w.up, w.down], features, weights.dtype, tile,
+                        decode_rows=COST_DECODE_ROWS if by_role else 0)
 
 
 def verdict_key(weights: Gemma3Weights, config: EngineConfig) -> str:

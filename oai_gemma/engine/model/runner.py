@@ -28,8 +28,8 @@ from .loader import LoadedModel
 from .streamed import from_safetensors
 from .vision_weights import from_modules as vision_from_modules, image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
-from ..ops.invariance import Invariance, TiledLinear, tiled
 from ..ops.fused import fuse_layers
+from ..ops.invariance import Invariance, RoleLinear, TiledLinear, tiled
 from ..ops.linear import call_linear
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import FULL, SLIDING, Gemma3Shape
@@ -228,7 +228,7 @@ class ModelRunner:
         rope = {t: self.rotary(hidden, batch.positions[None], t) for t in set(self.layer_types)}
         rope = {t: (cos[0, :, None, :], signed_sin(sin[0, :, None, :])) for t, (cos, sin) in rope.items()}
         decode, writes = batch.decode, batch.writes
-        linear = step_linear = TiledLinear(self.invariance.tile) if self.invariance else call_linear
+        linear = step_linear = self._step_linear(batch)
         lora = None if self.lora is None else LoraStep.of(
             batch.prefills, batch.decodes, self.lora, self.lora_names, hidden.device, exact=self.invariance is not None,
         )
@@ -247,6 +247,16 @@ class ModelRunner:
             out = self._attention(li, batch, writes, decode, q, k, v)
             hidden = post_attention(hidden, out, w, self.eps, linear=linear)
         return hidden
+
+    def _step_linear(self, batch: Batch):
+        """The projections' call for this step: plain; or in batch-invariant mode each row by its role (a prompt row
+        through the prefill path, a decode row through the row-exact kernel) where the layouts allow, else tiled."""
+        if self.invariance is None:
+            return call_linear
+        if not self.invariance.by_role:
+            return TiledLinear(self.invariance.tile)
+        rows = batch.ids.shape[0]
+        return RoleLinear(self.invariance.tile, sum(len(it.token_ids) for it in batch.prefills), rows - batch.pad, rows)
 
     def _attention(self, li: int, batch: Batch, writes, decode: dict[bool, DecodeKeys], q, k, v) -> torch.Tensor:
         """Write the step's K/V, then each prefill chunk over its past and itself and every decode token batched;

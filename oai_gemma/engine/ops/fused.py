@@ -37,6 +37,12 @@ class Fused:
                 setattr(part, f, t[lo * t.shape[0] // total : (lo + size) * t.shape[0] // total])
             part.fused = self
         self.prefill_rowwise = getattr(self.whole, "prefill_rowwise", True)
+        if hasattr(parts[0], "prefill"):  # batch-invariant mode's prompt rows (ops/invariance.py `by_role`)
+            self.prefill = self._prefill
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Each part's own prefill path (its dequantized matmul, whose order may depend on the call's width)."""
+        return torch.cat([part.prefill(x) for part in self.parts], dim=1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= KERNEL_ROWS:  # a prefill chunk: each part's own dequantized matmul, its own bits

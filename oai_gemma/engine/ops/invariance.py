@@ -25,6 +25,9 @@ TILE_ROWS = 32
 MIN_ROWS = 2
 KEY_GRID = 512
 MIN_QUERY_ROWS = 32
+PREFILL_MIN_ROWS = 16
+"""Fewest rows the prefill path's matmul is called with (measured, AVX2 EPYC, float32: 1-3, 5-7 and 9-11 rows
+give a row other bits than at 12 to 600, where they agree; a shorter chunk is padded)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class Invariance:
     """Most rows per linear call."""
     span_step: int
     """Decode spans are padded to a multiple of this."""
+    by_role: bool = False
+    """Rows computed by role (`by_role`): prefill rows through the layouts' fast `prefill` path, decode rows through
+    their row-exact kernel; False: every row through the kernel (`tiled`)."""
 
 
 def round_up(n: int, step: int) -> int:
@@ -56,6 +62,49 @@ def tiled(linear, x: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
     return torch.cat([linear(t) for t in tiles[:-1]] + [tiled(linear, tiles[-1], tile)])
 
 
+def prefill_call(linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear.prefill(x)` (a layout's prefill path: its weight dequantized, oneDNN's float32 matmul) at no fewer than
+    PREFILL_MIN_ROWS rows (a short chunk's last row repeated, the copies dropped), where each row's bits are its own."""
+    rows = x.shape[0]
+    if rows < PREFILL_MIN_ROWS:
+        x = torch.cat((x, x[-1:].expand(PREFILL_MIN_ROWS - rows, -1)))
+    return linear.prefill(x)[:rows]
+
+
+def by_role(linear, x: torch.Tensor, prefill_rows: int, real_rows: int, tile: int = TILE_ROWS) -> torch.Tensor:
+    """`linear(x)` for a step whose rows are `prefill_rows` prompt rows, then decode rows up to `real_rows`, then
+    padding: each row by its role, never by its neighbours. Prompt rows through the layout's prefill path (as fast
+    as mode off's), decode rows (drafts included) through its row-exact kernel (`rowwise`), padding beside the
+    prompt rows or zero. Layouts without a prefill path: `tiled`."""
+    if prefill_rows == 0 and real_rows == x.shape[0] or not hasattr(linear, "prefill"):
+        return tiled(linear, x, tile)
+    if prefill_rows == real_rows:  # no decode rows: the padding rides with the prompt rows
+        return prefill_call(linear, x)
+    parts = [linear.rowwise(x[prefill_rows:real_rows])]
+    if prefill_rows:
+        parts.insert(0, prefill_call(linear, x[:prefill_rows]))
+    if real_rows < x.shape[0]:
+        parts.append(parts[-1].new_zeros(x.shape[0] - real_rows, parts[-1].shape[1]))
+    return torch.cat(parts)
+
+
+class RoleLinear:
+    """`linear` for engine/model/gemma3.py's layer functions in this mode when the step's rows go `by_role`; a call
+    on other rows than the step's (a LoRA adapter's linears) is `tiled`."""
+
+    fuses = True
+    """Fused projections (engine/ops/fused.py) by role as one: decode rows in the whole's kernel call (each output
+    its own sum), prompt rows through each part's own prefill path."""
+
+    def __init__(self, tile: int, prefill_rows: int, real_rows: int, rows: int):
+        self.tile, self.prefill_rows, self.real_rows, self.rows = tile, prefill_rows, real_rows, rows
+
+    def __call__(self, x: torch.Tensor, linear) -> torch.Tensor:
+        if x.shape[0] != self.rows:
+            return tiled(linear, x, self.tile)
+        return by_role(linear, x, self.prefill_rows, self.real_rows, self.tile)
+
+
 class TiledLinear:
     """`linear` for engine/model/gemma3.py's layer functions in this mode: calls of at most `tile` rows."""
 
@@ -67,6 +116,19 @@ class TiledLinear:
 
     def __call__(self, x: torch.Tensor, linear) -> torch.Tensor:
         return tiled(linear, x, self.tile)
+
+
+def window_blocks(window: int, size: int) -> int:
+    """The most blocks of `size` positions a decode row of a sliding layer of `window` reads."""
+    return -(-(window - 1) // size) + 1
+
+
+def padded_blocks(count: int, size: int, step: int, most: int | None = None) -> int:
+    """Blocks a decode step's keys are padded to: `count` rounded up to `step` positions; in a sliding layer at most
+    `most` (`window_blocks`: what any row there reads) where those are at least `step` positions, so a row past
+    its window reads 528 keys there as without the mode, not 1024 (start-up checks that span too: `span_step`)."""
+    padded = round_up(count * size, step) // size
+    return min(padded, most) if most is not None and most * size >= step else padded
 
 
 def pad_keys(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +163,10 @@ SMALL_TILES = (2, 4, 8, 16, 32)
 """Row counts a tile can have: steps are padded to token buckets (1, 2, 4, ... 64, then multiples of 64)."""
 SAMPLE_ROWS = (0, 1, 2, 3, 7, 8, 15, 16, 31)
 """Rows held against themselves computed alone: each place in a kernel's row blocks of 1 to 16."""
-SPAN_STEPS = (16, 64, 256)
+SPAN_STEPS = (16, 64, 256, 512)
+DECODE_LENGTHS = (5, 130, 250, 300, 520, 700, 1000)
+"""A decode row's keys held alone against beside longer rows: every part of a 512-key block (measured, AVX2 EPYC, torch
+2.13: padded to 256, a row of 129-256 or 641-768 keys differs alone from beside a longer row; to 512 none does)."""
 
 
 def tile_rows(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype, whole_only: bool = False) -> int | None:
@@ -134,14 +199,37 @@ def tile_rows(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype, w
     return max(most for _, _, most in linears.values()) if whole else TILE_ROWS
 
 
-def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
+PREFILL_COUNTS = (1, 2, 3, 5, 9, 11, 16, 17, 31, 100, 129)
+"""Row counts of a prompt chunk held against the whole chunk: below, at and above PREFILL_MIN_ROWS and the kernels'
+row blocks."""
+
+
+def prefill_rows_exact(linears: dict[str, tuple[object, int, int]], dtype: torch.dtype) -> bool:
+    """Whether the layouts' prefill path (`prefill_call`) gives a row the same bits at every prompt-chunk row count and
+    at any place among the other rows, for linears {name: (linear, in_features, most rows)}: random rows picked in
+    random order, held against the same rows in one call of the most rows. False where a linear has no such path."""
+    generator = torch.Generator().manual_seed(3)
+    for linear, features, most in linears.values():
+        if not hasattr(linear, "prefill"):
+            return False
+        x = torch.randn(most, features, generator=generator).to(dtype)
+        whole = prefill_call(linear, x)
+        for rows in sorted({count for count in (*PREFILL_COUNTS, most - 1) if 0 < count < most}):
+            picked = torch.randperm(most, generator=generator)[:rows]
+            if not torch.equal(prefill_call(linear, x[picked]), whole[picked]):
+                return False
+    return True
+
+
+def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, most_span: int | None = None) -> int | None:
     """The finest padding of decode spans at which a decode row's result ignores the batch's longer rows, or
-    None; and None too when chunked prefill rows differ from whole ones (random inputs)."""
+    None; and None too when chunked prefill rows differ from whole ones (random inputs). `most_span`: a sliding
+    layer's cap on the padded span (`padded_blocks`), held against the padded span too."""
     generator = torch.Generator().manual_seed(1)
     n = 600
     q = torch.randn(n, heads, head_dim, generator=generator).to(dtype)
-    keys = torch.randn(kv_heads, 2 * KEY_GRID, head_dim, generator=generator).to(dtype)
-    values = torch.randn(kv_heads, 2 * KEY_GRID, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(kv_heads, 4 * KEY_GRID, head_dim, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, 4 * KEY_GRID, head_dim, generator=generator).to(dtype)
 
     def prefill(start: int, end: int) -> torch.Tensor:
         span = round_up(end, KEY_GRID)
@@ -152,8 +240,8 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
         if not torch.equal(torch.cat([prefill(a, b) for a, b in zip((0, *cuts), (*cuts, end))]), prefill(0, end)):
             return None
 
-    def decode(lengths: list[int], step: int) -> torch.Tensor:
-        span = round_up(max(lengths), step)
+    def decode(lengths: list[int], step: int, span: int = 0) -> torch.Tensor:
+        span = span or round_up(max(lengths), step)
         rows = len(lengths)
         qg = q[:rows].view(rows, kv_heads, heads // kv_heads, head_dim)
         k = keys[None, :, :span].expand(rows, -1, -1, -1)
@@ -161,28 +249,40 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
         mask = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=0.0625)[0]
 
+    def agrees(length: int, step: int) -> bool:
+        alone = decode([length], step)
+        capped = most_span is not None and round_up(length, step) < most_span
+        return all(torch.equal(decode([length, *others], step), alone) for others in ([length + 30], [1500], [5, 700, 1900])) and (
+            not capped or torch.equal(decode([length], step, most_span), alone))
+
     for step in SPAN_STEPS:
-        alone = decode([300], step)
-        if all(torch.equal(decode([300, *others], step), alone) for others in ([330], [900], [5, 700, 1000])):
+        if all(agrees(length, step) for length in DECODE_LENGTHS):
             return step
     return None
 
 
 COST_ROWS = 512
 """Rows of the prefill chunk whose linears start-up times with the mode and without (the default chunk)."""
+COST_DECODE_ROWS = 8
+"""Of them, decode rows (by role: the mode's dearest step, a prompt chunk beside decodes, each part in its own call)."""
 
 
 def prefill_cost(linears: list, features: list[int], dtype: torch.dtype, tile: int, rows: int = COST_ROWS,
-                 repeats: int = 3) -> float:
+                 repeats: int = 3, decode_rows: int = 0) -> float:
     """What the mode adds to a prefill chunk's linears, as a fraction of their time without it (0.021: 2.1%
     slower): one layer's `linears` (each taking `features` inputs) called on `rows` random rows as the mode calls
-    them (`tiled`) and as they are called without it, interleaved, the median of `repeats` rounds. Only the
-    linears: attention's padding and a decode step's doubled row are not in it (docs/engine.md measures those)."""
+    them (`tiled`; with `decode_rows`, the last of them decode rows, `by_role`) and as they are called without it,
+    interleaved, the median of `repeats` rounds. Only the linears: attention's padding and a decode step's doubled
+    row are not in it (docs/engine.md measures those)."""
     generator = torch.Generator().manual_seed(2)
     xs = [torch.randn(rows, k, generator=generator).to(dtype) for k in features]
+
+    def mode(lin, x):
+        return by_role(lin, x, rows - decode_rows, rows, tile) if decode_rows else tiled(lin, x, tile)
+
     on, off = [], []
     for _ in range(repeats):
-        for times, call in ((off, lambda lin, x: lin(x)), (on, lambda lin, x: tiled(lin, x, tile))):
+        for times, call in ((off, lambda lin, x: lin(x)), (on, mode)):
             started = time.perf_counter()
             for linear, x in zip(linears, xs):
                 call(linear, x)

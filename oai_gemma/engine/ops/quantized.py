@@ -198,6 +198,11 @@ class NativeInt8Linear(RowsQuantized):
             return self.dequantized_call(x, out_dtype)
         return self.rowwise(x, out_dtype)
 
+    def prefill(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Batch-invariant mode's call for a prompt chunk's rows (ops/invariance.py `by_role`): the dequantized
+        matmul at any row count, whose rows are exact from 12 rows on (measured; the mode pads shorter chunks)."""
+        return self.dequantized_call(x, out_dtype)
+
     @property
     def prefill_rowwise(self) -> bool:
         """Whether `rowwise` keeps up with the dequantized matmul on a prefill chunk: the AVX2 loop's panels do
@@ -284,6 +289,9 @@ class PerStepLinear:
 
     def rowwise(self, x: torch.Tensor) -> torch.Tensor:
         return self.few.rowwise(x, x.dtype if self.cast else torch.float32)
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        return self.few.prefill(x, x.dtype if self.cast else torch.float32)
 
 
 class DynamicInt8Linear(RowsQuantized):
