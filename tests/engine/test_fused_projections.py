@@ -1,6 +1,6 @@
 """engine/ops/fused.py: q/k/v and gate/up of the native quantized layouts in one kernel call give every output the
-bits its own projection's call gives (at decode's few rows, in the batch-invariant mode's tiles, and on a prefill
-chunk), the parts keep their own tensors as views of the whole (no weight twice), and a step's `linear` that is not
+bits its own projection's call gives (at decode's few rows, in the batch-invariant mode's tiles and by role, and on
+a prefill chunk), the parts keep their own tensors as views of the whole (no weight twice), and a step's `linear` that is not
 a plain call (LoRA's per-projection wrapper) still gets one call per projection."""
 
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import torch
 from oai_gemma.engine.ops import native
 from oai_gemma.engine.ops.fused import Fused, fuse_layers, projections
 from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear
-from oai_gemma.engine.ops.invariance import TiledLinear
+from oai_gemma.engine.ops.invariance import RoleLinear, TiledLinear
 from oai_gemma.engine.ops.linear import FrozenLinear, call_linear
 from oai_gemma.engine.ops.quantized import KERNEL_ROWS, NativeInt8Linear
 
@@ -38,6 +38,8 @@ def test_one_call_gives_each_projection_its_own_bits(cls, m):
     x = rows(m)
     alone = {name: getattr(w, name)(x) for name in ("q", "k", "v", "gate", "up")}
     tiled_alone = {name: TiledLinear(8)(x, getattr(w, name)) for name in alone}
+    by_role = RoleLinear(8, prefill_rows=m // 2, real_rows=m, rows=m)  # the first half prompt rows, then decode rows
+    by_role_alone = {name: by_role(x, getattr(w, name)) for name in alone}
     bytes_before = sum(getattr(w, name).packed_bytes for name in alone)
     assert fuse_layers([w]) == 2
     assert sum(getattr(w, name).packed_bytes for name in alone) == bytes_before
@@ -53,6 +55,8 @@ def test_one_call_gives_each_projection_its_own_bits(cls, m):
             assert torch.equal(getattr(w, name)(x), alone[name]), f"{name} called alone after fusing"
         for name, out in zip(names, projections(TiledLinear(8), x, parts)):
             assert torch.equal(out, tiled_alone[name]), f"{name} in the invariant mode's call"
+        for name, out in zip(names, projections(by_role, x, parts)):
+            assert torch.equal(out, by_role_alone[name]), f"{name} in the invariant mode's call by role"
 
 
 def test_a_wrapping_linear_gets_one_call_per_projection():
