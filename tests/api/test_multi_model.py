@@ -47,7 +47,8 @@ max_num_seqs = 4
 source = "{broken}"
 """)
     env = {**NO_TIMEOUTS, "OAI_GEMMA_API_KEYS": USER}
-    with ServerProcess("--config", str(config), "--admin-api-key", ADMIN, "--max-num-seqs", "4", env=env) as proc:
+    log = config.parent / "server.log"  # its own: the default server's log is read by other tests
+    with ServerProcess("--config", str(config), "--admin-api-key", ADMIN, "--max-num-seqs", "4", env=env, log=log) as proc:
         yield proc
 
 
