@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import NO_TIMEOUTS, ServerProcess, user, wait_for
 
+pytestmark = pytest.mark.slow  # its own server of four models (docs/testing.md: the fast subset starts none)
+
 USER, ADMIN = "user-key", "admin-key"
 BIG, SMALL, VISION, BROKEN = "big", "small-int8", "tiny-vision", "broken"
 

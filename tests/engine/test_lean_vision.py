@@ -27,7 +27,7 @@ from oai_gemma.engine.shape import Gemma3Shape
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 FOUR_B = Path(__file__).resolve().parents[2] / "configs" / "hf" / "gemma-3-4b-it"
 TEXT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -35,14 +35,6 @@ TEXT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
              "rope_parameters", "hidden_activation", "final_logit_softcapping", "max_position_embeddings")
 VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
                "image_size", "patch_size", "hidden_act", "layer_norm_eps", "vision_use_head")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the machine is shared
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,7 @@ from oai_gemma.engine.model.vision_weights import VisionWeights, from_modules, i
 from oai_gemma.settings import ModelSettings
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the machine is shared
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
