@@ -22,21 +22,22 @@ QUESTION = "Describe this image in one sentence."
 TEXT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
-def image_data_url(size: int = 896) -> str:
-    """A fixed, detailed 896x896 PNG (a colour gradient with rings): the same bytes every run."""
+def image_data_url(size: int = 896, variant: int = 0) -> str:
+    """A fixed, detailed 896x896 PNG (a colour gradient with rings): the same bytes every run for one `variant`, other
+    bytes for another, so no request of a run reuses an earlier one's image (llama-server's prompt cache would)."""
     import numpy as np
     from PIL import Image
 
     y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
-    rings = (np.sin(40 * np.hypot(x - 0.5, y - 0.5)) + 1) / 2
+    rings = (np.sin(40 * np.hypot(x - 0.5, y - 0.5) + variant) + 1) / 2
     pixels = np.stack((x, y, rings), axis=-1) * 255
     buffer = io.BytesIO()
     Image.fromarray(pixels.astype(np.uint8), "RGB").save(buffer, "PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def _image_body(model: str, max_tokens: int) -> dict:
-    content = [{"type": "image_url", "image_url": {"url": image_data_url()}}, {"type": "text", "text": QUESTION}]
+def _image_body(model: str, max_tokens: int, variant: int) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": image_data_url(variant=variant)}}, {"type": "text", "text": QUESTION}]
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
@@ -76,11 +77,11 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3, 1)
 
 
-async def one_image(client: httpx.AsyncClient, base_url: str, model: str) -> dict:
+async def one_image(client: httpx.AsyncClient, base_url: str, model: str, variant: int) -> dict:
     before = _health(base_url)
     times, usage = [], {}
     sent = time.monotonic()
-    await _stream(client, _image_body(model, 16), times, usage)
+    await _stream(client, _image_body(model, 16, variant), times, usage)
     after = _health(base_url)
     ttft = times[0] - sent if times else None
     vision = after.get("vision_seconds", 0) - before.get("vision_seconds", 0) if "vision_seconds" in after else None
@@ -98,7 +99,7 @@ async def itl_during_image(client: httpx.AsyncClient, model: str, max_tokens: in
         await asyncio.sleep(0.005)
     sent = time.monotonic()
     image_times: list[float] = []
-    await _stream(client, _image_body(model, 4), image_times)
+    await _stream(client, _image_body(model, 4, variant=2), image_times)
     await text
     first = image_times[0] if image_times else time.monotonic()
     gaps_alone = [b - a for a, b in zip(alone, alone[1:])]
@@ -113,8 +114,8 @@ async def itl_during_image(client: httpx.AsyncClient, model: str, max_tokens: in
 async def run_image(base_url: str, model: str, max_tokens: int, timeout: float) -> dict:
     """Both measurements against the server at `base_url` (its /v1 root)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
-        await one_image(client, base_url, model)  # warm-up: the first image pays for one-off work
-        return {"one_image": await one_image(client, base_url, model),
+        await one_image(client, base_url, model, variant=0)  # warm-up: the first image pays for one-off work
+        return {"one_image": await one_image(client, base_url, model, variant=1),  # each image its own: no cache hit
                 "itl": await itl_during_image(client, model, max_tokens)}
 
 
