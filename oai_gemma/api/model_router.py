@@ -122,14 +122,14 @@ class ModelRouter:
             too_big = sum(s.footprint for s in loaded) + slot.footprint > self.budget
             if not loaded or not (too_many or too_big):
                 return
-            idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
-            if idle:
-                await self._unload(idle[0], "evicted")
+            idle = self._oldest_idle(slot)
+            if idle is not None:
+                await self._unload(idle, "evicted")
                 continue
             if time.monotonic() >= deadline:
                 why = f"router.max_loaded={self.policy.max_loaded}" if too_many else f"the memory budget ({self.budget // MB} MB)"
-                raise APIError(503, f"cannot load {slot.name}: every loaded model has requests in flight and one more "
-                               f"would pass {why}; retry shortly", "server_error", None, "model_busy", {"Retry-After": "5"})
+                raise _busy(f"cannot load {slot.name}: every loaded model has requests in flight and one more would "
+                            f"pass {why}; retry shortly")
             await asyncio.sleep(0.1)
 
     async def _load(self, slot: ModelSlot, first: bool) -> None:
@@ -161,12 +161,16 @@ class ModelRouter:
     async def _fit_budget(self, keep: ModelSlot) -> None:
         """Its real footprint now known: unload idle others while the budget is passed."""
         while sum(s.footprint for s in self.slots.values() if s.engine is not None) > self.budget:
-            idle = sorted((s for s in self.slots.values() if s.engine is not None and s is not keep and not s.busy),
-                          key=lambda s: s.last_used)
-            if not idle:
+            idle = self._oldest_idle(keep)
+            if idle is None:
                 log.warning("the loaded models pass the memory budget (%d MB) and none is idle", self.budget // MB)
                 return
-            await self._unload(idle[0], "evicted")
+            await self._unload(idle, "evicted")
+
+    def _oldest_idle(self, keep: ModelSlot) -> ModelSlot | None:
+        """The least recently used loaded model other than `keep` with no request in flight (eviction's choice)."""
+        idle = [s for s in self.slots.values() if s.engine is not None and s is not keep and not s.busy]
+        return min(idle, key=lambda s: s.last_used, default=None)
 
     async def unload(self, slot: ModelSlot, reason: str) -> None:
         """`POST /models/unload`: once it has no request in flight (up to `router.load_wait`), else a 503."""
@@ -174,8 +178,7 @@ class ModelRouter:
         async with self.lock:
             while slot.busy:
                 if time.monotonic() >= deadline:
-                    raise APIError(503, f"{slot.name} has requests in flight; retry shortly", "server_error", None,
-                                   "model_busy", {"Retry-After": "5"})
+                    raise _busy(f"{slot.name} has requests in flight; retry shortly")
                 await asyncio.sleep(0.1)
             await self._unload(slot, reason)
 
@@ -254,3 +257,8 @@ def _mem_available() -> int:
     except OSError:
         pass
     return 64 * 2**30
+
+
+def _busy(message: str) -> APIError:
+    """The 503 for a load or unload that waited `router.load_wait` for models with requests in flight."""
+    return APIError(503, message, "server_error", None, "model_busy", {"Retry-After": "5"})
