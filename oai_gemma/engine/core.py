@@ -64,7 +64,7 @@ class EngineCore:
             BlockPool(cache.num_blocks, cache.block_size, caching=config.cache.prefix_caching), config.scheduler.max_num_seqs,
             config.scheduler.max_prefill_tokens, config.model.max_model_len, reuse_decoded=not self.runner.batch_invariant,
             adapters=self.adapters,
-            speculator=self.speculator if self.speculator.on else None,
+            speculator=self.speculator if self.speculator.on else None, kernel_prompts_below=self.runner.kernel_prompts_below,
         )
         self.encoding = Encoding(self.runner.gemma.vision, self.runner.device, self.runner.dtype,
                                  config.scheduler.vision_step_seconds)

@@ -46,12 +46,14 @@ def _chunk_embeds(seq: Sequence, start: int, end: int):
 class Scheduler:
     def __init__(
         self, pool: BlockPool, max_seqs: int, max_prefill_tokens: int, max_len: int, reuse_decoded: bool = True,
-        adapters: LoraRegistry | None = None, speculator=None,
+        adapters: LoraRegistry | None = None, speculator=None, kernel_prompts_below: int = 0,
     ):
         """`reuse_decoded`: generated tokens' blocks are offered to later requests too, not only prompts' (off in
         batch-invariant mode: a decoded token's KV differs in its last bits from the same token prefilled).
         `adapters`: the LoRA registry; a sequence with an adapter is admitted once a slot holds it.
-        `speculator`: gives decoding sequences their drafts each step (engine/speculative/planner.py)."""
+        `speculator`: gives decoding sequences their drafts each step (engine/speculative/planner.py).
+        `kernel_prompts_below`: prompts of fewer tokens run their rows through the row-exact kernel (batch-invariant
+        mode's choice per request, by its prompt alone: engine/ops/invariance.py `PROMPT_KERNEL_TOKENS`); 0: none."""
         self.pool = pool
         self.speculator = speculator
         self.max_seqs = max_seqs
@@ -61,6 +63,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.max_prefill_tokens = max_prefill_tokens
         self.adapters = adapters
+        self.kernel_prompts_below = kernel_prompts_below
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -114,10 +117,12 @@ class Scheduler:
         return True
 
     def _space(self, seq: Sequence) -> CacheSpace:
-        """The request's tenant and salt, and the content hash of the adapter weights in its slot: a prefix computed
-        under other weights (another adapter, or this one's files since changed on disk) is never reused."""
+        """The request's tenant and salt, the content hash of the adapter weights in its slot (a prefix computed under
+        other weights, another adapter's or this one's files since changed on disk, is never reused) and its prompt's
+        path (`kernel_prompts_below`)."""
         adapter = self.adapters.digest(seq.adapter) if seq.adapter else b""
-        return CacheSpace(seq.request.cache_scope, seq.request.cache_salt, adapter)
+        kernel = len(seq.prompt_ids) < self.kernel_prompts_below
+        return CacheSpace(seq.request.cache_scope, seq.request.cache_salt, adapter, kernel)
 
     def fork(self, seq: Sequence, now: float) -> list[tuple[Sequence, int | None]]:
         """Start the choices waiting for `seq`'s prompt (its ParentRequest's pending children) now that the prompt
@@ -210,7 +215,7 @@ class Scheduler:
                 done = end == len(seq.prompt_ids)
                 prefills.append(StepItem(
                     seq.blocks, chunk, start, done, seq.image_spans, _chunk_embeds(seq, start, end),
-                    keep_hidden=seq.scores_prompt,
+                    keep_hidden=seq.scores_prompt, kernel=seq.space.kernel,
                 ))
                 prefill_seqs.append(seq)
                 budget -= len(chunk)

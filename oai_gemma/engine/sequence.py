@@ -50,6 +50,9 @@ class StepItem:
     num_logits: int = 1
     """How many trailing positions want logits (with `want_logits`): a decode row carrying k draft tokens wants k + 1
     (engine/speculative/)."""
+    kernel: bool = False
+    """A prompt chunk whose rows run through the row-exact kernel, as decode rows do (batch-invariant mode: a short
+    prompt's path, decided once per request: engine/ops/invariance.py `PROMPT_KERNEL_TOKENS`)."""
 
 
 @dataclass(eq=False)

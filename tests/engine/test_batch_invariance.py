@@ -128,10 +128,34 @@ def test_seeded_and_greedy_tokens_ignore_what_runs_beside_them(dtype, quantizati
         engines.close()
 
 
-def logits_under(runner: ModelRunner, splits: list[int], beside: list[int], rng: random.Random) -> list[torch.Tensor]:
+def test_a_prefix_cached_by_one_prompt_path_is_never_served_to_the_other():
+    """A short prompt (the row-exact kernel's path, chosen per request by its length) that starts with a long
+    prompt's cached blocks (the dequantized matmul's path) computes them itself, and gets the tokens it gets alone
+    with no cache in 16-token chunks; run again, it hits its own path's blocks, with the same tokens; so does the
+    long prompt."""
+    engines = Engines("float32", "int8", "auto")
+    try:
+        below = engines.whole.core.runner.kernel_prompts_below
+        for seed in (None, 3):
+            long = engines.prompt(f"[{seed}] " + "Describe Paris in detail. " * 12)  # new to the cache each round
+            short = long[:40]
+            assert len(short) < below <= len(long)
+            reference = {name: engines.alone(engines.chunked, ids, seed)[0] for name, ids in (("long", long), ("short", short))}
+            first = {name: engines.alone(engines.whole, ids, seed) for name, ids in (("long", long), ("short", short))}
+            again = {name: engines.alone(engines.whole, ids, seed) for name, ids in (("short", short), ("long", long))}
+            assert {name: tokens for name, (tokens, _) in first.items()} == reference
+            assert {name: tokens for name, (tokens, _) in again.items()} == reference
+            assert first["short"][1] == 0 and again["short"][1] == 32 and again["long"][1] > 32, (first, again)
+    finally:
+        engines.close()
+
+
+def logits_under(runner: ModelRunner, splits: list[int], beside: list[int], rng: random.Random, kernel: bool = False,
+                 long_beside: bool = False) -> list[torch.Tensor]:
     """The logits of a 23-token prompt (slot 0) prefilled in chunks of `splits` tokens, each step beside
     `beside[i]` decoding rows of random lengths (slots 1-4; one of 300 crosses the 256-key span step), then of 4
-    decode steps beside random rows."""
+    decode steps beside random rows. `kernel`: the prompt's rows through the row-exact kernel (StepItem `kernel`);
+    `long_beside`: each chunk's step also prefills a 24-token chunk of another prompt (slot 5, the matmul path)."""
     lengths = {}
     for row in range(1, 5):
         lengths[row] = rng.choice((5, 40, 300))
@@ -144,8 +168,11 @@ def logits_under(runner: ModelRunner, splits: list[int], beside: list[int], rng:
         return items
 
     prompt, start, out = list(range(2000, 2023)), 0, []
-    for size, count in zip(splits, beside):
-        logits = runner.forward([StepItem(runner.sequence_blocks(0), prompt[start : start + size], start, start + size == len(prompt))], others(count))
+    for index, (size, count) in enumerate(zip(splits, beside)):
+        chunk = [StepItem(runner.sequence_blocks(0), prompt[start : start + size], start, start + size == len(prompt), kernel=kernel)]
+        if long_beside:  # after the short prompt's chunk: the runner puts the matmul rows first
+            chunk.append(StepItem(runner.sequence_blocks(5), list(range(500, 524)), 24 * index, False))
+        logits = runner.forward(chunk, others(count))
         start += size
     out.append(logits[0].clone())
     for position, token in enumerate(range(3000, 3004), start=len(prompt)):
@@ -176,11 +203,15 @@ def decode_row_beside(built: ModelRunner, lengths: list[int]) -> torch.Tensor:
 
 
 def test_a_decode_row_ignores_longer_rows_beside_it():
-    """Decode spans are padded to the step start-up measured (`span_step`): a row of 200 keys (where padding to 256
-    gave a row other bits alone than beside a longer one here) and one of 700, alone and beside rows of 400 and 900."""
+    """Decode spans are padded to the step start-up measured (`span_step`), or, a row of few keys, to its own small
+    span (`small_spans`, each its own call): rows of 200 keys (where padding to 256 beside longer rows once gave
+    other bits) and 700, and of 40 and 100 (their own spans), alone and beside rows of other spans."""
     built = small_runner("float32", "int8", "auto")
-    for length in (200, 700):
-        assert torch.equal(decode_row_beside(built, [length]), decode_row_beside(built, [length, 400, 900])), length
+    assert built.invariance.small_spans, "rows of few keys read their own small spans here"
+    for length in (200, 700, 40, 100):
+        alone = decode_row_beside(built, [length])
+        assert torch.equal(alone, decode_row_beside(built, [length, 400, 900])), length
+        assert torch.equal(alone, decode_row_beside(built, [length, 60, 130, length + 3, 900])), length
 
 
 @pytest.mark.parametrize("dtype, quantization, mode", [
@@ -193,6 +224,21 @@ def test_logits_are_bitwise_equal_however_the_prompt_is_chunked_and_whatever_dec
     alone = logits_under(built, [23], [0], rng)
     for splits, beside in chunkings(rng, 5):
         assert all(torch.equal(a, b) for a, b in zip(logits_under(built, splits, beside, rng), alone)), (splits, beside)
+
+
+def test_a_short_prompt_through_the_kernel_keeps_its_bits_beside_a_long_prompt_however_chunked():
+    """Rows by role with the path chosen per request: a short prompt's rows (StepItem `kernel`, the scheduler's
+    choice by its length) run through the row-exact kernel with the decode rows, beside another prompt's chunk
+    through the dequantized matmul: its logits are bitwise those of the prompt alone in one chunk, however chunked;
+    and they differ from the matmul path's (why the prefix cache keys the two paths apart)."""
+    rng = random.Random(1)
+    built = small_runner("float32", "int8", "auto")
+    assert built.invariance.by_role and 23 < built.kernel_prompts_below
+    alone = logits_under(built, [23], [0], rng, kernel=True)
+    for splits, beside in chunkings(rng, 4):
+        got = logits_under(built, splits, beside, rng, kernel=True, long_beside=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, alone)), (splits, beside)
+    assert not torch.equal(logits_under(built, [23], [0], rng)[0], alone[0])
 
 
 def test_without_the_mode_the_same_compositions_differ():

@@ -219,7 +219,8 @@ def test_no_scope_or_salt_passes_for_another_space():
     """Issue 39: the parts of a space are never joined into one string, so none can spell another's."""
     spaces = [CacheSpace(), CacheSpace("a/b"), CacheSpace("a", "b"), CacheSpace("a/", "b"), CacheSpace("", "a/b"),
               CacheSpace("a", "/b"), CacheSpace("", "\x00lora:1"), CacheSpace("", "", b"\x00lora:1"), CacheSpace("", "1"),
-              CacheSpace("", "", b"1"), CacheSpace("1"), CacheSpace("\x00"), CacheSpace("", "\x00"), CacheSpace("", "\ud800")]
+              CacheSpace("", "", b"1"), CacheSpace("1"), CacheSpace("\x00"), CacheSpace("", "\x00"), CacheSpace("", "\ud800"),
+              CacheSpace(kernel=True), CacheSpace("", "", b"kernel"), CacheSpace("", "kernel"), CacheSpace("kernel")]
     assert len({space.root for space in spaces}) == len(spaces)
 
 
@@ -285,6 +286,34 @@ def test_in_batch_invariant_mode_only_prompt_blocks_are_reused():
     follow_up = seq([1, 2, 3, 4, 5, 100, 6, 7, 8, 9], "follow-up")
     admitted(scheduler, follow_up)
     assert follow_up.num_cached == 4
+
+
+def test_a_short_prompt_runs_through_the_kernel_and_never_shares_kv_with_a_long_ones():
+    """Batch-invariant mode's path per request (`kernel_prompts_below`): a prompt below it runs its rows through the
+    row-exact kernel in every chunk (StepItem `kernel`), a longer one through the matmul; the two paths give a
+    block's KV other last bits, so neither reuses the other's blocks, while each reuses its own."""
+    scheduler = scheduler_of(max_seqs=4, max_prefill_tokens=6, kernel_prompts_below=10)
+    system = list(range(1, 9))  # two blocks
+    long, short = seq(system + list(range(20, 30)), "long"), seq(system + [40], "short")
+    scheduler.add(long)
+    scheduler.add(short)
+    kinds = {}
+    while long.in_prefill or short.in_prefill:  # 6-token chunks: each prompt in several steps, side by side
+        step = run_prefill(scheduler)
+        for owner, item in zip(step.prefill_owners, step.prefills):
+            kinds.setdefault(owner.request.request_id, set()).add(item.kernel)
+            if not owner.in_prefill:
+                owner.output_ids.append(100)
+    assert kinds == {"long": {False}, "short": {True}}
+    assert (long.space.kernel, short.space.kernel) == (False, True) and long.num_cached == short.num_cached == 0
+    scheduler.finish(long)
+    scheduler.finish(short)
+    for name, prompt, cached in (("short again", system + [41], 8), ("long again", system + list(range(50, 60)), 8)):
+        again = seq(prompt, name)
+        prefilled(scheduler, again)
+        scheduler.finish(again)
+        assert again.num_cached == cached, name
+    assert scheduler_of().kernel_prompts_below == 0  # mode off, or rows all alike: every prompt one path
 
 
 def test_at_least_one_prompt_token_is_computed_even_when_all_of_it_is_cached():

@@ -25,17 +25,22 @@ class CacheSpace:
     """Requests reuse each other's cached prefixes only within one space: the same tenant (`scope`, the API key's
     owner under `engine.prefix_cache_scope = key`), the same `cache_salt`, and the same adapter weights (`adapter`:
     the content hash of the adapter as read into its slot; empty for the base model). The model needs no field:
-    a pool serves one engine's one model, and the hash key is this process's own."""
+    a pool serves one engine's one model, and the hash key is this process's own. `kernel`: the prompt's rows run
+    through the row-exact kernel (batch-invariant mode's short prompts, engine/ops/invariance.py
+    `PROMPT_KERNEL_TOKENS`), whose KV has other last bits than the dequantized matmul's: never reused across paths."""
 
     scope: str = ""
     salt: str = ""
     adapter: bytes = b""
+    kernel: bool = False
 
     @property
     def root(self) -> bytes:
         """The hash a chain of blocks in this space continues from."""
         state = _ROOT.copy()
-        for part in (self.scope.encode("utf-8", "surrogatepass"), self.salt.encode("utf-8", "surrogatepass"), self.adapter):
+        parts = (self.scope.encode("utf-8", "surrogatepass"), self.salt.encode("utf-8", "surrogatepass"), self.adapter,
+                 b"kernel" if self.kernel else b"")
+        for part in parts:
             state.update(len(part).to_bytes(8, "little"))
             state.update(part)
         return state.digest()

@@ -9,39 +9,55 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops.invariance import KEY_GRID, grouped_attention, pad_keys, padded_blocks, round_up, window_blocks
+from ..ops.invariance import KEY_GRID, grouped_attention, pad_keys, round_up, span_groups, window_blocks
 from ..cache.kv_cache import KVCache
 
 
 @dataclass
 class DecodeKeys:
-    """Which blocks each decode row reads in one kind of layer, and which of their positions it may attend."""
+    """Which blocks some of a step's decode rows read in one kind of layer, and which of their positions each may
+    attend."""
 
     tables: torch.Tensor
     """[rows, blocks] block ids (padding: the scratch block)."""
     mask: torch.Tensor
     """[rows, blocks * block_size]."""
+    rows: torch.Tensor | None = None
+    """Which of the step's decode rows these are (batch-invariant mode's span groups); None: all, in order."""
 
     def to(self, device: torch.device) -> DecodeKeys:
-        return DecodeKeys(self.tables.to(device), self.mask.to(device))
+        return DecodeKeys(self.tables.to(device), self.mask.to(device), None if self.rows is None else self.rows.to(device))
 
 
-def decode_keys(tables: list[list[int]], positions: list[int], window: int | None, cache: KVCache, span_step: int = 0) -> DecodeKeys:
+def decode_keys(tables: list[list[int]], positions: list[int], window: int | None, cache: KVCache, span_step: int = 0,
+                small: tuple[int, ...] = ()) -> list[DecodeKeys]:
     """The blocks rows at `positions` read: all of theirs up to the position, or (sliding layers, `window`) those
-    from the window's first position on. `span_step` (batch-invariant mode): the span padded to its multiple."""
+    from the window's first position on. `span_step` (batch-invariant mode): the rows in groups, each group's span
+    one the mode allows (`span_groups`: a row's span its own where it is one of the `small` spans, else padded to
+    the step's multiple)."""
     size = cache.block_size
     firsts = [max(0, p - window + 1) // size if window else 0 for p in positions]
-    count = max(p // size - first + 1 for p, first in zip(positions, firsts))
-    if span_step:
-        count = padded_blocks(count, size, span_step, window_blocks(window, size) if window else None)
-    rows = [table[first : first + count] for table, first in zip(tables, firsts)]
-    blocks = torch.tensor([row + [cache.scratch] * (count - len(row)) for row in rows], dtype=torch.long)
+    counts = [p // size - first + 1 for p, first in zip(positions, firsts)]
+    if not span_step:
+        return [_keys(tables, positions, firsts, max(counts), window, cache)]
+    groups = span_groups(counts, size, span_step, window_blocks(window, size) if window else None, small)
+    if len(groups) == 1:
+        return [_keys(tables, positions, firsts, groups[0][0], window, cache)]
+    return [_keys([tables[i] for i in rows], [positions[i] for i in rows], [firsts[i] for i in rows], count, window, cache,
+                  torch.tensor(rows)) for count, rows in groups]
+
+
+def _keys(tables, positions, firsts, count: int, window: int | None, cache: KVCache, rows=None) -> DecodeKeys:
+    """Rows' `count` blocks from their first (`firsts`), padded with the scratch block, and their masks."""
+    size = cache.block_size
+    blocks = torch.tensor([t[f : f + count] + [cache.scratch] * (count - len(t[f : f + count])) for t, f in zip(tables, firsts)],
+                          dtype=torch.long)
     pos = torch.tensor(positions)[:, None]
     kpos = torch.tensor(firsts)[:, None] * size + torch.arange(count * size)[None, :]
     mask = kpos <= pos
     if window:
         mask &= kpos > pos - window
-    return DecodeKeys(blocks, mask)
+    return DecodeKeys(blocks, mask, rows)
 
 
 def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
@@ -87,9 +103,18 @@ def prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def decode_attention(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> torch.Tensor:
+def decode_attention(cache: KVCache, li: int, groups: list[DecodeKeys], q, scaling: float) -> torch.Tensor:
     """One new token for each of B sequences (K/V already written), batched: q [B, heads, D] over each row's
-    blocks."""
+    blocks; in groups (`decode_keys`), each one call."""
+    if len(groups) == 1 and groups[0].rows is None:
+        return _decode(cache, li, groups[0], q, scaling)
+    out = torch.empty_like(q)
+    for keys in groups:
+        out[keys.rows] = _decode(cache, li, keys, q[keys.rows], scaling)
+    return out
+
+
+def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> torch.Tensor:
     keys, values = cache.blocks(li, rows.tables)  # [B, kv_heads, span, D]
     bsz, heads, head_dim = q.shape
     kv_heads = keys.shape[1]

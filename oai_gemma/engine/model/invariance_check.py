@@ -23,7 +23,7 @@ from .buckets import bucket, buckets
 from .weights import Gemma3Weights
 from ..config import ConfigError, EngineConfig
 from ..ops import invariance as ops_invariance
-from ..ops.invariance import (COST_DECODE_ROWS, COST_ROWS, TILE_ROWS, Invariance, prefill_cost, prefill_rows_exact, span_step,
+from ..ops.invariance import (COST_DECODE_ROWS, COST_ROWS, TILE_ROWS, Invariance, prefill_cost, prefill_rows_exact, small_spans, span_step,
                               tile_rows, window_blocks)
 from ..cache.kv_cache import BLOCK_SIZE
 from ..ops.native.sources import FAMILIES, library_name
@@ -52,7 +52,8 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
         verdict["message"] += f" (this CPU's kernels and shapes checked at an earlier start: {path.name})"
     getattr(log, verdict["level"])("%s", verdict["message"])
     on = verdict["tile"] is not None and verdict["step"] is not None
-    return (Invariance(verdict["tile"], verdict["step"], verdict.get("by_role", False)) if on else None), verdict["cost"]
+    spans = tuple(verdict.get("small_spans", ()))
+    return (Invariance(verdict["tile"], verdict["step"], verdict.get("by_role", False), spans) if on else None), verdict["cost"]
 
 
 def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
@@ -80,6 +81,7 @@ def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
         return _verdict(None, None, None, "warning", "batch-invariant mode off: this CPU's kernels are not batch-invariant "
                         f"(linears: {'ok' if tile else 'differ'}, attention: {'ok' if step else 'differ'})")
     cost = layer_cost(weights, tile, by_role)
+    spans = small_spans(text.heads, text.kv_heads, text.head_dim, weights.dtype, step)
     if by_role:
         how = "prompt rows dequantized, decode rows in the row-exact kernel"
         what = f"a step of {COST_ROWS - COST_DECODE_ROWS} prompt rows beside {COST_DECODE_ROWS} decode rows"
@@ -87,8 +89,9 @@ def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
         how = "their own kernels at any row count" if hasattr(w.q, "rowwise") else f"calls of at most {tile} rows"
         what = f"a {COST_ROWS}-token prefill chunk"
     verdict = _verdict(tile, step, cost, "info", f"batch-invariant mode on ({setting}): measured cost {100 * cost:+.1f}% on the "
-                       f"linears of {what} (linears: {how}; decode spans padded to {step}; off with --batch-invariant off)")
-    return {**verdict, "by_role": by_role}
+                       f"linears of {what} (linears: {how}; decode spans {'/'.join(map(str, spans)) + ' or ' if spans else ''}padded to {step}; off with "
+                       "--batch-invariant off)")
+    return {**verdict, "by_role": by_role, "small_spans": list(spans)}
 
 
 def _verdict(tile: int | None, step: int | None, cost: float | None, level: str, message: str) -> dict:

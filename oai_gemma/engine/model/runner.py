@@ -29,7 +29,7 @@ from .streamed import from_safetensors
 from .vision_weights import from_modules as vision_from_modules, image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
 from ..ops.fused import fuse_layers
-from ..ops.invariance import Invariance, RoleLinear, TiledLinear, tiled
+from ..ops.invariance import PROMPT_KERNEL_TOKENS, Invariance, RoleLinear, TiledLinear, tiled
 from ..ops.linear import call_linear
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import FULL, SLIDING, Gemma3Shape
@@ -54,8 +54,8 @@ class Batch:
     """(block, row in it) where each real token's K/V goes."""
     tables: list[torch.Tensor]
     """Each prefill's block table."""
-    decode: dict[bool, DecodeKeys]
-    """The decode rows' keys in full (False) and sliding (True) layers."""
+    decode: dict[bool, list[DecodeKeys]]
+    """The decode rows' keys in full (False) and sliding (True) layers (in span groups: `decode_keys`)."""
 
     @property
     def items(self) -> list[StepItem]:
@@ -174,9 +174,17 @@ class ModelRunner:
         drafted = [] if self.batch_invariant else [it for it in decodes if len(it.token_ids) > 1]
         if drafted:
             batch = self._pack(prefills + drafted, [it for it in decodes if len(it.token_ids) == 1])
+        elif self.kernel_prompts_below:  # a short prompt's rows go with the decode rows, through the row-exact kernel
+            batch = self._pack([it for it in prefills if not it.kernel] + [it for it in prefills if it.kernel], decodes)
         else:
             batch = self._pack(prefills, decodes)
         return self._logits(batch, self._layers(batch, layers), prefills + decodes)
+
+    @property
+    def kernel_prompts_below(self) -> int:
+        """Prompts of fewer tokens run their rows through the row-exact kernel (StepItem `kernel`, decided by the
+        scheduler once per request): batch-invariant mode by role; 0: none (a prompt's rows are any step's)."""
+        return PROMPT_KERNEL_TOKENS if self.invariance is not None and self.invariance.by_role else 0
 
     @property
     def warm_layers(self) -> list[int]:
@@ -199,13 +207,13 @@ class ModelRunner:
         tensor_positions = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.input_device)
         decode = {}
         if decodes:
-            step = self.invariance.span_step if self.invariance else 0
+            step, small = (self.invariance.span_step, self.invariance.small_spans) if self.invariance else (0, ())
             # a decode item with drafts is one row per position, each over its own past (engine/speculative/)
             tables = [it.blocks for it in decodes for _ in it.token_ids]
             starts = [it.start + i for it in decodes for i in range(len(it.token_ids))]
             for sliding in set(self.cache.sliding):
-                keys = decode_keys(tables, starts, self.cache.window if sliding else None, self.cache, step)
-                decode[sliding] = keys.to(self.input_device)
+                keys = decode_keys(tables, starts, self.cache.window if sliding else None, self.cache, step, small)
+                decode[sliding] = [group.to(self.input_device) for group in keys]
         tables = [torch.tensor(it.blocks, dtype=torch.long, device=self.input_device) for it in prefills]
         writes = tuple(t.to(self.input_device) for t in writes)
         return Batch(prefills, decodes, ids, tensor_positions, pad, writes, tables, decode)
@@ -237,7 +245,7 @@ class ModelRunner:
             device = self.layer_devices[li]
             if hidden.device != device:  # device_map="auto": the next layer is on another GPU
                 hidden = hidden.to(device)
-                decode = {kind: keys.to(device) for kind, keys in decode.items()}
+                decode = {kind: [group.to(device) for group in keys] for kind, keys in decode.items()}
                 writes = tuple(t.to(device) for t in writes)
                 rope = {t: (cos.to(device), sin.to(device)) for t, (cos, sin) in rope.items()}
             cos, sin = rope[self.layer_types[li]]
@@ -256,9 +264,10 @@ class ModelRunner:
         if not self.invariance.by_role:
             return TiledLinear(self.invariance.tile)
         rows = batch.ids.shape[0]
-        return RoleLinear(self.invariance.tile, sum(len(it.token_ids) for it in batch.prefills), rows - batch.pad, rows)
+        prompt_rows = sum(len(it.token_ids) for it in batch.prefills if not it.kernel)  # the kernel's prompts come after
+        return RoleLinear(self.invariance.tile, prompt_rows, rows - batch.pad, rows)
 
-    def _attention(self, li: int, batch: Batch, writes, decode: dict[bool, DecodeKeys], q, k, v) -> torch.Tensor:
+    def _attention(self, li: int, batch: Batch, writes, decode: dict[bool, list[DecodeKeys]], q, k, v) -> torch.Tensor:
         """Write the step's K/V, then each prefill chunk over its past and itself and every decode token batched;
         zeros for the padding."""
         real = k.shape[0] - batch.pad

@@ -25,6 +25,11 @@ TILE_ROWS = 32
 MIN_ROWS = 2
 KEY_GRID = 512
 MIN_QUERY_ROWS = 32
+PROMPT_KERNEL_TOKENS = 64
+"""A prompt of fewer tokens runs its rows through the row-exact kernel as decode rows do, a longer one through the
+dequantized matmul (its fixed cost, dequantizing every weight, outweighs the kernel's rows below this: measured,
+AVX2 EPYC, docs/engine.md). Decided per request by its prompt alone, never by the step, so its bits are its own;
+the prefix cache keys the two paths apart (engine/cache/prefix_hash.py `CacheSpace.kernel`)."""
 PREFILL_MIN_ROWS = 16
 """Fewest rows the prefill path's matmul is called with (measured, AVX2 EPYC, float32: 1-3, 5-7 and 9-11 rows
 give a row other bits than at 12 to 600, where they agree; a shorter chunk is padded)."""
@@ -41,6 +46,9 @@ class Invariance:
     by_role: bool = False
     """Rows computed by role (`by_role`): prefill rows through the layouts' fast `prefill` path, decode rows through
     their row-exact kernel; False: every row through the kernel (`tiled`)."""
+    small_spans: tuple[int, ...] = ()
+    """Spans (keys) below `span_step` a decode row of few keys is computed at, each span its own attention call
+    (`span_groups`): a row of 100 keys reads 128, not 512."""
 
 
 def round_up(n: int, step: int) -> int:
@@ -129,6 +137,23 @@ def padded_blocks(count: int, size: int, step: int, most: int | None = None) -> 
     its window reads 528 keys there as without the mode, not 1024 (start-up checks that span too: `span_step`)."""
     padded = round_up(count * size, step) // size
     return min(padded, most) if most is not None and most * size >= step else padded
+
+
+def span_groups(counts: list[int], size: int, step: int, most: int | None = None,
+                small: tuple[int, ...] = ()) -> list[tuple[int, list[int]]]:
+    """Decode rows grouped by the blocks each is computed over, [(blocks, row indices)]: a row that needs `counts[i]`
+    blocks goes to the smallest of the `small` spans that holds it (each its own attention call, so a row's span
+    is its own: SDPA's CPU kernel reads a span below 512 keys as one block, and a row's bits follow that
+    blocking); the others share one call padded as `padded_blocks` pads them (their blocks of 512 are alike)."""
+    groups: dict[int, list[int]] = {}
+    for row, count in enumerate(counts):
+        span = next((s for s in sorted(small) if count * size <= s), None)
+        groups.setdefault(span // size if span else 0, []).append(row)
+    rest = groups.pop(0, None)
+    out = sorted(groups.items())
+    if rest:
+        out.append((padded_blocks(max(counts[row] for row in rest), size, step, most), rest))
+    return out
 
 
 def pad_keys(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,13 +266,7 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, most
             return None
 
     def decode(lengths: list[int], step: int, span: int = 0) -> torch.Tensor:
-        span = span or round_up(max(lengths), step)
-        rows = len(lengths)
-        qg = q[:rows].view(rows, kv_heads, heads // kv_heads, head_dim)
-        k = keys[None, :, :span].expand(rows, -1, -1, -1)
-        v = values[None, :, :span].expand(rows, -1, -1, -1)
-        mask = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]
-        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=0.0625)[0]
+        return decode_rows(q, keys, values, lengths, span or round_up(max(lengths), step))
 
     def agrees(length: int, step: int) -> bool:
         alone = decode([length], step)
@@ -259,6 +278,37 @@ def span_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, most
         if all(agrees(length, step) for length in DECODE_LENGTHS):
             return step
     return None
+
+
+def decode_rows(q, keys, values, lengths: list[int], span: int) -> torch.Tensor:
+    """Row 0's output of decode rows q[i] over keys[:, :span] masked to their `lengths`, as decode attention calls SDPA
+    (q [rows, heads, D], keys/values [kv_heads, positions, D])."""
+    rows, (kv_heads, _, head_dim), heads = len(lengths), keys.shape, q.shape[1]
+    qg = q[:rows].view(rows, kv_heads, heads // kv_heads, head_dim)
+    k = keys[None, :, :span].expand(rows, -1, -1, -1)
+    v = values[None, :, :span].expand(rows, -1, -1, -1)
+    mask = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=0.0625)[0]
+
+
+SMALL_SPANS = (64, 128, 256)
+"""Spans a decode row of few keys may be computed at, each its own call (`span_groups`)."""
+
+
+def small_spans(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, step: int) -> tuple[int, ...]:
+    """The SMALL_SPANS below `step` at which a decode row's result is the same alone and beside other rows of that
+    span (the call's batch is all that changes: measured, random inputs, rows at both ends of the span)."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(8, heads, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(kv_heads, max(SMALL_SPANS), head_dim, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, max(SMALL_SPANS), head_dim, generator=generator).to(dtype)
+    spans = []
+    for span in (s for s in SMALL_SPANS if s < step):
+        lengths = (1, span // 2 + 1, span - 1, span)
+        if all(torch.equal(decode_rows(q, keys, values, [length, *others], span), decode_rows(q, keys, values, [length], span))
+               for length in lengths for others in ([span], [3, span // 2, span - 5, span, 7, 1, span])):
+            spans.append(span)
+    return tuple(spans)
 
 
 COST_ROWS = 512
