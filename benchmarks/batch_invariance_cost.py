@@ -33,6 +33,9 @@ def step_times(loaded, mode: str, quantization: str) -> dict[str, float]:
         print(f"mode on: {runner.invariance}, start-up's figure {runner.invariance_cost:+.3f}")
     prompt = list(range(1000, 1512))
     times = {"prefill 512 tokens": timed(lambda: runner.forward([StepItem(runner.sequence_blocks(0), prompt, 0)], []), 5)}
+    for length in (30, 100):  # a chat's short prompt (the kernel's path in the mode), a prefix-cache remainder's
+        item = StepItem(runner.sequence_blocks(0), prompt[:length], 0, kernel=length < runner.kernel_prompts_below)
+        times[f"prompt of {length} tokens"] = timed(lambda: runner.forward([item], []), 5)
     beside = [StepItem(runner.sequence_blocks(row), [1234], 100) for row in range(1, 9)]
     times["prefill 504 tokens beside 8 decode rows"] = timed(
         lambda: runner.forward([StepItem(runner.sequence_blocks(0), prompt[:504], 0)], beside), 5)

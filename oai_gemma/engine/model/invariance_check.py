@@ -23,8 +23,8 @@ from .buckets import bucket, buckets
 from .weights import Gemma3Weights
 from ..config import ConfigError, EngineConfig
 from ..ops import invariance as ops_invariance
-from ..ops.invariance import (COST_DECODE_ROWS, COST_ROWS, TILE_ROWS, Invariance, prefill_cost, prefill_rows_exact, small_spans, span_step,
-                              tile_rows, window_blocks)
+from ..ops.invariance import (COST_DECODE_ROWS, COST_ROWS, PROMPT_KERNEL_TOKENS, TILE_ROWS, Invariance, prefill_cost,
+                              prefill_rows_exact, small_spans, span_step, tile_rows, window_blocks)
 from ..cache.kv_cache import BLOCK_SIZE
 from ..ops.native.sources import FAMILIES, library_name
 
@@ -83,14 +83,14 @@ def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
     cost = layer_cost(weights, tile, by_role)
     spans = small_spans(text.heads, text.kv_heads, text.head_dim, weights.dtype, step)
     if by_role:
-        how = "prompt rows dequantized, decode rows in the row-exact kernel"
+        how = f"prompts of {PROMPT_KERNEL_TOKENS}+ tokens dequantized, shorter ones and decode rows in the row-exact kernel"
         what = f"a step of {COST_ROWS - COST_DECODE_ROWS} prompt rows beside {COST_DECODE_ROWS} decode rows"
     else:
         how = "their own kernels at any row count" if hasattr(w.q, "rowwise") else f"calls of at most {tile} rows"
         what = f"a {COST_ROWS}-token prefill chunk"
+    small = "/".join(map(str, spans)) + " or " if spans else ""
     verdict = _verdict(tile, step, cost, "info", f"batch-invariant mode on ({setting}): measured cost {100 * cost:+.1f}% on the "
-                       f"linears of {what} (linears: {how}; decode spans {'/'.join(map(str, spans)) + ' or ' if spans else ''}padded to {step}; off with "
-                       "--batch-invariant off)")
+                       f"linears of {what} (linears: {how}; decode spans {small}padded to {step}; off with --batch-invariant off)")
     return {**verdict, "by_role": by_role, "small_spans": list(spans)}
 
 
