@@ -107,7 +107,8 @@ def from_safetensors(directory: Path, shape: Gemma3Shape, layout: Layout, cache_
     checkpoint = Checkpoint(Path(directory))
     try:
         check(checkpoint, expected_shapes(text, prefix, tied), tied)
-        cache = LinearCache(cache_file, quantized_names(layout, text.layers * len(PROJECTIONS)))
+        kind = f"{layout.quantization}-{str(layout.dtype).removeprefix('torch.')}"
+        cache = LinearCache(cache_file, quantized_names(layout, text.layers * len(PROJECTIONS)), directory, kind)
         how = "from the model cache" if cache.complete else f"quantizing to {layout.quantization}" if cache.names else "packing"
         with Phase(log, f"loading the weights ({how}, one tensor at a time)") as phase:
             layers = [_layer(checkpoint, f"{prefix}layers.{i}.", i, layout, cache) for i in phase.track(range(text.layers))]
