@@ -58,8 +58,18 @@ class _Gelu:
         self.gelu = clock.wrap("gelu", torch.nn.functional.gelu)
 
 
+def _timed_linear(clock: Clock, linear):
+    """The step's linear (batch-invariant mode's TiledLinear or RoleLinear, or call_linear) timed as the projections,
+    keeping its `fuses` (fused q/k/v and gate/up stay one call)."""
+    timed = clock.wrap("projections", linear)
+    timed.fuses = getattr(linear, "fuses", False)
+    return timed
+
+
 def instrument(runner: ModelRunner, clock: Clock) -> None:
     runner_module.call_linear = clock.wrap("projections", runner_module.call_linear)
+    step_linear = runner._step_linear
+    runner._step_linear = lambda batch: _timed_linear(clock, step_linear(batch))
     runner_module.decode_attention = clock.wrap("decode attention", runner_module.decode_attention)
     gemma3.rms_norm = clock.wrap("RMSNorms", gemma3.rms_norm)
     gemma3.rope = clock.wrap("rope", gemma3.rope)
