@@ -178,3 +178,12 @@ def test_the_q4_layout_version_names_its_cache_file():
     assert f"q4v{Q4Linear.VERSION}" in _layout("q4", torch.float32)
     assert "q4v" not in _layout("q8", torch.float32) and "q4v" not in _layout("int8", torch.float32)
     assert Q4Linear(weights(16, 64)).packed.shape == (2, 2, 160)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_made_from_row_chunks_the_layout_is_the_whole_weights(cls):
+    # the loader makes the lm_head from chunks of rows (the 4B's whole in float32 would be 2.7 GB): the same bits
+    weight = weights(1000, 256)
+    whole, chunked = cls(weight), cls.from_rows(tuple(weight.shape), lambda lo, hi: weight[lo:hi], 48)
+    assert whole.tensors().keys() == chunked.tensors().keys()
+    assert all(torch.equal(whole.tensors()[name], chunked.tensors()[name]) for name in whole.tensors())

@@ -44,6 +44,25 @@ class _DotLinear(QuantizedLinear):
     def dequantized(self) -> torch.Tensor:
         raise NotImplementedError
 
+    @classmethod
+    def from_rows(cls, shape: tuple[int, int], rows, chunk: int):
+        """From `rows(lo, hi)`, `chunk` rows (a multiple of 8) at a time: each group of eight outputs is quantized and
+        laid out on its own, so the chunks give the whole weight's bits with one chunk of float at a time (the 4B's
+        262k-row lm_head whole in float32 would be 2.7 GB)."""
+        n, k = shape
+        cls._check_shape(n, k)
+        whole = {}
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            for name, t in cls(rows(lo, hi)).tensors().items():
+                def at(row: int) -> int:  # a field's first dimension: one entry a row (scale) or a group of 8 (packed)
+                    return row * t.shape[0] // (hi - lo)
+
+                if name not in whole:
+                    whole[name] = torch.empty((at(n), *t.shape[1:]), dtype=t.dtype)
+                whole[name][at(lo) : at(hi)] = t
+        return cls.from_tensors(whole)
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] float32 or bf16 -> [M, N] in `out_dtype` (default: x's dtype; float32 or bf16)."""
         out_dtype = out_dtype or x.dtype
