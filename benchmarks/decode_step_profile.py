@@ -1,7 +1,8 @@
 """Where a decode step's time goes: `ModelRunner.forward` over N decode rows plus the greedy pick, with the step's
 parts timed by wrapping the functions the runner calls (the native kernels are ctypes calls, which torch.profiler
 does not see): the projections, the lm_head, decode attention (and the KV gather inside it), the KV writes, the
-norms, rope, the GELU, the pack, the sampling; "other" is the rest (Python per layer, residual adds, views).
+norms, rope, the residual adds, the GELU, the pack, the sampling; "other" is the rest (Python per layer, views). It
+first prints the bandwidth floor: the weights' bytes a one-row step reads over the measured read bandwidth.
 
     python benchmarks/decode_step_profile.py --model-dir ~/.cache/oai-gemma-bench/gemma-3-1b-random \
         --quantization q8 --rows 8 --context 40 --threads 1,2
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from oai_gemma.bench.floor import read_bandwidth
 from oai_gemma.engine.factory import configure, load_weights, measure_invariance
 from oai_gemma.engine.model import gemma3, runner as runner_module
 from oai_gemma.engine.model.loader import load
@@ -58,11 +60,23 @@ class _Gelu:
         self.gelu = clock.wrap("gelu", torch.nn.functional.gelu)
 
 
+def _timed_linear(clock: Clock, linear):
+    """The step's linear (batch-invariant mode's TiledLinear or RoleLinear, or call_linear) timed as the projections,
+    keeping its `fuses` (fused q/k/v and gate/up stay one call)."""
+    timed = clock.wrap("projections", linear)
+    timed.fuses = getattr(linear, "fuses", False)
+    return timed
+
+
 def instrument(runner: ModelRunner, clock: Clock) -> None:
     runner_module.call_linear = clock.wrap("projections", runner_module.call_linear)
+    step_linear = runner._step_linear
+    runner._step_linear = lambda batch: _timed_linear(clock, step_linear(batch))
     runner_module.decode_attention = clock.wrap("decode attention", runner_module.decode_attention)
     gemma3.rms_norm = clock.wrap("RMSNorms", gemma3.rms_norm)
     gemma3.rope = clock.wrap("rope", gemma3.rope)
+    gemma3.qk_norm_rope = clock.wrap("q/k norms and rope", gemma3.qk_norm_rope)
+    gemma3.residual_norm = clock.wrap("residual adds and their norms", gemma3.residual_norm)
     gemma3.F = _Gelu(clock)
     runner.lm_head_linear = clock.wrap("lm_head", runner.lm_head_linear)
     runner.cache.blocks = clock.wrap("  of which the KV gather", runner.cache.blocks, nested=True)
@@ -89,9 +103,10 @@ def profile(runner: ModelRunner, clock: Clock, rows: int, context: int, steps: i
     return times
 
 
-def report(times: list[float], clock: Clock, title: str) -> None:
+def report(times: list[float], clock: Clock, title: str, floor_ms: float) -> None:
     total, steps = sum(times), len(times)
-    print(f"{title}: step median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms; "
+    print(f"{title}: step median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms "
+          f"({statistics.median(times) * 1e3 / floor_ms:.2f}x the bandwidth floor); "
           f"{time.strftime('%H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}")
     print("| part | ms a step | share | calls a step |\n|---|---:|---:|---:|")
     counted = 0.0
@@ -122,8 +137,12 @@ def main() -> None:
     instrument(runner, clock)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
+        bandwidth, read = read_bandwidth(), runner.decode_bytes()
+        print(f"{threads} threads: {read / 1e6:.0f} MB of weights a token, read bandwidth {bandwidth / 1e9:.1f} GB/s: "
+              f"floor {read / bandwidth * 1e3:.1f} ms a step")
         times = profile(runner, clock, args.rows, args.context, args.steps)
-        report(times, clock, f"{config.model.quantization}, {args.rows} rows at context ~{args.context}, {threads} threads")
+        report(times, clock, f"{config.model.quantization}, {args.rows} rows at context ~{args.context}, {threads} threads",
+               read / bandwidth * 1e3)
 
 
 if __name__ == "__main__":

@@ -264,3 +264,14 @@ def test_a_checkpoint_written_again_in_place_gets_new_quantized_weights(tmp_path
     assert before == weights_name(str(tmp_path))
     os.utime(weights, ns=(1, 1))
     assert weights_name(str(tmp_path)) != before
+
+
+@needs_native
+def test_warm_up_runs_every_token_bucket_only_where_a_shape_builds_kernels():
+    # packed float32 weights (oneDNN makes a shape's kernels on its first call): every bucket; the native int8
+    # layout builds nothing per shape: the first bucket and the prefill path's
+    packed, _ = runner_for("none", "float32")
+    assert any(isinstance(linear, FrozenLinear) and linear.packed is not None for linear in packed.gemma.linears())
+    assert packed.warm_token_buckets == packed.token_buckets
+    native, _ = runner_for("int8", "float32")
+    assert native.warm_token_buckets == [1, 128] and len(native.token_buckets) > 2

@@ -98,20 +98,70 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+def _layer_kernels(x: torch.Tensor):
+    """The native layer steps (engine/ops/native/layer.c) where they apply to `x`: a CPU float32 tensor outside a
+    compiled graph (which fuses the ops itself); else None (torch's ops)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return None
+    return native.layer_kernels()
+
+
+def _rows_fit(t: torch.Tensor, width: int) -> bool:
+    """Whether `t` [rows, >= width] float32 has each row's first `width` values contiguous (a fused output's columns)."""
+    return t.dim() == 2 and t.shape[1] >= width and t.stride(1) == 1 and t.dtype == torch.float32
+
+
+def qk_norm_rope(q, k, w: LayerWeights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """q [B, heads * D] and k [B, kv_heads * D] -> each head RMSNorm'd (q_norm, k_norm) and rotated: [B, heads, D],
+    [B, kv_heads, D]. On a CPU in float32 one native call (the same bits as the torch ops), else torch's ops."""
+    kernels = _layer_kernels(q)
+    rows = q.shape[0]
+    if (kernels is not None and head_dim % 8 == 0 and head_dim <= 1024 and _rows_fit(q, heads * head_dim)
+            and _rows_fit(k, kv_heads * head_dim) and cos.is_contiguous() and sin.is_contiguous()
+            and cos.numel() == sin.numel() == rows * head_dim and cos.dtype == sin.dtype == torch.float32):
+        q_out, k_out = q.new_empty(rows, heads, head_dim), k.new_empty(rows, kv_heads, head_dim)
+        kernels.qk_norm_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), rows, heads, kv_heads, head_dim,
+                             w.q_norm.data_ptr(), w.k_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+                             q_out.data_ptr(), k_out.data_ptr())
+        return q_out, k_out
+    q = rms_norm(q.contiguous().view(-1, heads, head_dim), w.q_norm, eps)
+    k = rms_norm(k.contiguous().view(-1, kv_heads, head_dim), w.k_norm, eps)
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
+def residual_norm(hidden, delta, scale, eps: float, next_scale=None):
+    """hidden + rms_norm(delta, scale), and with `next_scale` also (that sum, rms_norm(sum, next_scale)): a residual
+    branch and the next sublayer's input. On a CPU in float32 one native call (the same bits), else torch's ops."""
+    kernels = _layer_kernels(hidden)
+    if (kernels is not None and delta.dtype == torch.float32 and hidden.is_contiguous() and delta.is_contiguous()
+            and hidden.shape == delta.shape and hidden.dim() == 2 and hidden.shape[1] % 8 == 0):
+        out = torch.empty_like(hidden)
+        normed = torch.empty_like(hidden) if next_scale is not None else None
+        kernels.residual_norm(hidden.data_ptr(), delta.data_ptr(), hidden.shape[0], hidden.shape[1], scale.data_ptr(),
+                              None if normed is None else next_scale.data_ptr(), eps, out.data_ptr(),
+                              None if normed is None else normed.data_ptr())
+        return out if normed is None else (out, normed)
+    out = hidden + rms_norm(delta, scale, eps)
+    return out if next_scale is None else (out, rms_norm(out, next_scale, eps))
+
+
 def pre_attention(hidden, w: LayerWeights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, linear=F.linear):
     """hidden [B, H] -> q [B, heads, D], k and v [B, kv_heads, D], normed and rotated."""
     x = rms_norm(hidden, w.input_norm, eps)
     q, k, v = projections(linear, x, (w.q, w.k, w.v))  # one kernel call where they are fused (engine/ops/fused.py)
-    q = rms_norm(q.contiguous().view(-1, heads, head_dim), w.q_norm, eps)
-    k = rms_norm(k.contiguous().view(-1, kv_heads, head_dim), w.k_norm, eps)
-    v = v.reshape(-1, kv_heads, head_dim)
-    return rope(q, cos, sin), rope(k, cos, sin), v
+    q, k = qk_norm_rope(q, k, w, cos, sin, eps, heads, kv_heads, head_dim)
+    return q, k, v.reshape(-1, kv_heads, head_dim)
 
 
 def post_attention(hidden, attn, w: LayerWeights, eps: float, linear=F.linear):
     """Output projection, residuals and the gated-GELU MLP of one layer."""
-    hidden = hidden + rms_norm(linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps)
-    x = rms_norm(hidden, w.pre_feedforward_norm, eps)
+    hidden, x = residual_norm(hidden, linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps,
+                              w.pre_feedforward_norm)
     gate, up = projections(linear, x, (w.gate, w.up))
-    mlp = linear(F.gelu(gate, approximate="tanh") * up, w.down)
-    return hidden + rms_norm(mlp, w.post_feedforward_norm, eps)
+    mlp = linear(_gelu_times(gate, up), w.down)
+    return residual_norm(hidden, mlp, w.post_feedforward_norm, eps)
+
+
+def _gelu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up, the product written into gelu's fresh output (one allocation fewer a layer, the same bits)."""
+    return F.gelu(gate, approximate="tanh").mul_(up)

@@ -30,7 +30,8 @@ from .vision_weights import image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
 from ..ops.fused import fuse_layers
 from ..ops.invariance import PROMPT_KERNEL_TOKENS, Invariance, RoleLinear, TiledLinear, tiled
-from ..ops.linear import call_linear
+from ..ops.linear import FrozenLinear, call_linear
+from ..ops.quantized import KERNEL_ROWS
 from ..cache.kv_cache import BLOCK_SIZE, KVCache
 from ..shape import FULL, SLIDING, Gemma3Shape
 from ..config import ConfigError, EngineConfig, ModelConfig
@@ -191,6 +192,19 @@ class ModelRunner:
         """One layer of each kind (sliding and full attention): what warm-up runs, since oneDNN makes a shape's
         kernels once for all layers alike (measured: a bucket's first full step after it is as fast as its second)."""
         return sorted({self.layer_types.index(kind) for kind in self.layer_types})
+
+    @property
+    def warm_token_buckets(self) -> list[int]:
+        """The token buckets warm-up runs: every one where a step's shape builds kernels (oneDNN's packed weights, or
+        its bf16 matmuls, which make a shape's kernels on its first call; a GPU), else the first and the first of
+        the prefill path (KERNEL_ROWS): in float32 the native layouts (int8, q8, q4 and their lm_heads) and the
+        dequantized prefill's sgemm build nothing per shape, so a bucket's first call is as fast as its next
+        (measured on the 1B, docs/benchmarks.md), and the other buckets only cost start-up time (most of the 1B's
+        5.5 s warm-up)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or self.static is not None or any(
+                isinstance(linear, FrozenLinear) and linear.packed is not None for linear in self.gemma.linears()):
+            return self.token_buckets
+        return sorted({self.token_buckets[0], bucket(KERNEL_ROWS, self.token_buckets)})
 
     def _pack(self, prefills: list[StepItem], decodes: list[StepItem]) -> Batch:
         """The step's token ids and positions as tensors, padded to a token bucket: a few shapes only, each

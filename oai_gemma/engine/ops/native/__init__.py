@@ -47,7 +47,7 @@ def build(directory: Path) -> str | None:
 def forget() -> None:
     """Drop every loaded library and every cached verdict (which kernels run here), so the next caller looks again:
     after a change of directory, or of the environment a test built them under (CC, HOME)."""
-    for cached in (_library, rms_norm_rows, lora_kernels, int_dot_unavailable):
+    for cached in (_library, rms_norm_rows, lora_kernels, int_dot_unavailable, layer_kernels):
         cached.cache_clear()
 
 
@@ -69,6 +69,12 @@ SIGNATURES = {
     "lora": {"lora_project": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]},
     "int_dot": {"q8_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int],
                 "q4_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int]},
+    "layer": {
+        "qk_norm_rope": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4],
+        "residual_norm": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
+    },
     "q4_quantize": {"q4_1_blocks": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]},
 }
 """Each family's (sources.FAMILIES) functions and their argument types (all return nothing)."""
@@ -158,6 +164,16 @@ def rms_norm_rows():
     the kernel cannot run here (the caller keeps torch's ops)."""
     try:
         return _library("woq_int8").rms_norm_rows
+    except NativeKernelUnavailable:
+        return None
+
+
+@functools.cache
+def layer_kernels() -> ctypes.CDLL | None:
+    """The compiled layer steps (layer.c: `qk_norm_rope`, `residual_norm`, float32), or None where they cannot run
+    here (the caller keeps torch's ops)."""
+    try:
+        return _library("layer")
     except NativeKernelUnavailable:
         return None
 

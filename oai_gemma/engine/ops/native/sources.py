@@ -15,11 +15,14 @@ FAMILIES = {
     "woq_int8": (HERE / "woq_int8.c", HERE / "avx2_common.h"),  # the int8 linears (woq_int8_linear, q8_linear) and rms_norm_rows
     "lora": (HERE / "lora.c", HERE / "lora_tiles.h"),  # lora_project
     "int_dot": (HERE / "int_dot.c", HERE / "avx2_common.h"),  # int8 x int8 dot products: q8_dot_linear, q4_dot_linear (quantization q8, q4)
+    "layer": (HERE / "layer.c",),  # a decoder layer's small steps: qk_norm_rope, residual_norm
     "q4_quantize": (HERE / "q4_quantize.c",),  # q4_1_blocks: quantization q4's least-squares search
 }
 """One library per kernel family, so a family that fails to compile turns off only its own kernels. The files
 after the first are headers the first includes: they name the library too."""
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm")
+FAMILY_FLAGS = {"layer": ("-ffp-contract=off",)}
+"""A family's flags beside FLAGS: `layer` must give torch's elementwise bits, so no multiply and add fuse into an FMA."""
 PREBUILT = HERE / "prebuilt"
 """Where a wheel keeps the libraries its build compiled (absent in a checkout and in a wheel built without a compiler)."""
 
@@ -32,8 +35,12 @@ def library_name(family: str) -> str:
     """The family's library file name, named by its sources' and flags' digest: a changed source is never a stale
     library."""
     files = FAMILIES[family]
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in files) + " ".join(FLAGS).encode())
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in files) + " ".join(flags(family)).encode())
     return f"{family}-{digest.hexdigest()[:16]}.so"
+
+
+def flags(family: str) -> tuple[str, ...]:
+    return FLAGS + FAMILY_FLAGS.get(family, ())
 
 
 def compiler() -> str | None:
@@ -51,7 +58,7 @@ def compile_into(directory: Path, family: str) -> Path:
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags(family), str(source), "-o", str(partial)], capture_output=True, text=True)
     except OSError as error:
         raise CompileFailed(f"cannot compile {source.name} into {directory}: {error}") from error
     if done.returncode != 0:
