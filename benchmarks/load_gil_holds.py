@@ -3,8 +3,8 @@ a hold stalls every other model's stream for its length, their engine threads an
 
     PYTHONPATH=. python benchmarks/load_gil_holds.py [--second SOURCE] [--quantization int8] [--threshold 20]
 
-It loads `first` (the embedded 270M) as the server would, then `second` on a thread of one torch thread at the
-lowest priority (as api/model_router.py does beside a loaded model) while a sampling thread sleeps 5 ms at a time and measures how late
+It loads `first` (the embedded 270M) as the server would, then `second` on a thread of one torch thread (as
+api/model_router.py does beside a loaded model) while a sampling thread sleeps 5 ms at a time and measures how late
 it wakes: a wake-up later than the threshold is a hold, printed with its length and where the loader was when the
 GIL came back (the call just after the one that held it). Loads and holds are also timed by the load's phases (the
 engine's log). Holds under other load on the machine are still holds; their lengths are then longer.
@@ -21,7 +21,6 @@ import time
 import traceback
 from pathlib import Path
 
-from oai_gemma.cpu import yield_cores
 from oai_gemma.settings import load_settings, served_models
 
 
@@ -56,7 +55,7 @@ def main() -> None:
         holds: list = []
         import torch
 
-        loader = threading.Thread(target=lambda: (torch.set_num_threads(1), yield_cores(), load_engine(models["second"][0])))
+        loader = threading.Thread(target=lambda: (torch.set_num_threads(1), load_engine(models["second"][0])))
         stop = threading.Event()
         sampler = threading.Thread(target=sample, args=(stop, loader, args.threshold / 1e3, holds))
         started = time.perf_counter()

@@ -78,16 +78,6 @@ STEP_TURNS = threading.Lock()
 engine thread's OpenMP team would otherwise use every core at once beside the others'."""
 
 
-def yield_cores() -> None:
-    """The calling thread at the lowest CPU priority (nice 19; Linux's priority is per thread): beside loaded models the
-    load computes only on what their engine threads leave, so their steps are not slowed by it (the load takes
-    longer instead; api/model_router.py). Threads it starts inherit it: start none that outlive it from it."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux
-        pass
-
-
 def compute_thread_count() -> int:
     """The compute threads' thread count: `configure_cpu`'s, else this thread's."""
     import torch

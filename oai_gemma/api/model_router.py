@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from ..cpu import compute_thread, yield_cores
+from ..cpu import compute_thread
 from ..engine.cache.memory import release_free_memory, resident_bytes
 from ..engine.config import LoraModule, parse_module
 from ..engine.engine import Engine
@@ -264,7 +264,6 @@ def _in_thread(work: Callable, one_thread: bool) -> asyncio.Future:
             import torch
 
             torch.set_num_threads(1)
-            yield_cores()
         try:
             outcome, error = work(), None
         except BaseException as exc:  # noqa: BLE001  (handed to the awaiting request)

@@ -1,19 +1,16 @@
 """What models of one process share (engine/model/shared.py, issue 41's load stall): the Rust tokenizer and the
-grammar compiler of one tokenizer.json content, while a model holds them; and a loader thread that yields the cores."""
+grammar compiler of one tokenizer.json content, while a model holds them."""
 
 from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
-import threading
 import weakref
 from pathlib import Path
 
 import pytest
 
-from oai_gemma.cpu import yield_cores
 from oai_gemma.engine.model.loader import embedded_model_dir
 from oai_gemma.engine.model.tokenizer import RustTokenizer
 from oai_gemma.engine.warmup import shared_compiler
@@ -62,18 +59,3 @@ def test_the_grammar_compiler_is_shared_by_tokenizer_content(copies):
     del compiler
     gc.collect()
     assert kept() is None
-
-
-def test_a_thread_that_yields_the_cores_lowers_only_its_own_priority():
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen = []
-
-    def load() -> None:
-        yield_cores()
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-
-    thread = threading.Thread(target=load)
-    thread.start()
-    thread.join()
-    assert seen == [19]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
