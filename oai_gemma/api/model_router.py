@@ -143,7 +143,10 @@ class ModelRouter:
         slot.loading = True
         beside = any(s.engine is not None for s in self.slots.values())
         def build() -> tuple[Engine, Services]:  # all of it off the event loop, which delivers the others' tokens
-            engine = load_engine(slot.settings)
+            # beside loaded models the grammar compiler waits for the model's first structured request: its token
+            # trie holds the GIL for seconds (where a model of the same tokenizer has one, that request finds it built,
+            # engine/model/shared.py)
+            engine = load_engine(slot.settings, grammars=not beside)
             return engine, Services.build(engine, slot.settings, self.store)
 
         try:  # beside loaded models a load computes on one thread, so their steps keep the cores

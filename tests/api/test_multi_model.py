@@ -228,6 +228,10 @@ def test_an_adapter_of_an_unloaded_model_loads_its_base(multi):
     assert cards(multi)[VISION_ADAPTER]["status"]["value"] == "loaded" and cards(multi)[VISION_ADAPTER]["parent"] == VISION
     with pytest.raises(openai.NotFoundError):  # an adapter nobody is configured with: as any unknown name
         chat(multi, "no-such-adapter")
+    # loaded beside another model, its grammar compiler (a tokenizer of its own) is built at its first structured request
+    answer = client(multi).chat.completions.create(model=VISION, messages=user("A JSON object, please."), max_tokens=24,
+                                                   temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer.choices[0].message.content), dict), answer.choices[0].message.content
 
 
 def test_idle_unload_after_keep_alive_frees_the_memory(multi):

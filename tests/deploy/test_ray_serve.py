@@ -122,7 +122,7 @@ def test_metrics_carry_every_replica_with_a_replica_label(ray_server):
         tokens = {
             s.labels["replica"]: s.value
             for f in text_string_to_metric_families(text) if f.name == "oai_gemma:generation_tokens"
-            for s in f.samples
+            for s in f.samples if s.labels["model_name"] == MODEL  # `second`'s series beside it
         }
         if served <= {r for r, v in tokens.items() if v > 0} or time.monotonic() > deadline:
             break
