@@ -31,6 +31,7 @@ from .config import EngineConfig, Machine, resolve
 from .engine import Engine
 from .model.gguf_file import GGUFError
 from .model.loader import LoadedModel, load, start_plan
+from .model.layout import path_name
 from .model.mapped import checkpoint_files
 from .model.invariance_check import measure_invariance
 from .model.runner import ModelRunner, load_weights
@@ -127,7 +128,7 @@ def weights_name(source_dir: str) -> str:
     """The checkpoint as its quantized weights' file is named: its path, and a short digest of its weight files'
     sizes and modification times ("unread" where they cannot be), so a checkpoint written again in place is
     quantized again."""
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source_dir).resolve()).strip("/"))
+    name = path_name(source_dir)
     try:
         stats = [(path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in checkpoint_files(Path(source_dir))]
         stamp = hashlib.sha256(repr(stats).encode()).hexdigest()[:12]

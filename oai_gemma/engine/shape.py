@@ -63,6 +63,8 @@ class VisionShape:
     patch: int
     image_size: int
     tokens_per_image: int
+    eps: float = 1e-6
+    """The LayerNorms' and the projector's RMSNorm epsilon (the vision config's layer_norm_eps)."""
 
     @classmethod
     def of(cls, config) -> VisionShape:
@@ -71,7 +73,7 @@ class VisionShape:
         return cls(
             hidden=vision.hidden_size, intermediate=vision.intermediate_size, layers=vision.num_hidden_layers,
             heads=vision.num_attention_heads, patch=vision.patch_size, image_size=vision.image_size,
-            tokens_per_image=config.mm_tokens_per_image,
+            tokens_per_image=config.mm_tokens_per_image, eps=vision.layer_norm_eps,
         )
 
 

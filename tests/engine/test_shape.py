@@ -22,7 +22,7 @@ def test_the_4b_shape_has_its_published_dimensions_and_linear_rope_scaling_on_gl
     assert text.sliding[:6] == (True,) * 5 + (False,) and sum(not s for s in text.sliding) == 5
     assert text.rope == {SLIDING: (10_000.0, 1.0), FULL: (1_000_000.0, 8.0)}
     assert shape.vision == VisionShape(hidden=1152, intermediate=4304, layers=27, heads=16, patch=14, image_size=896,
-                                       tokens_per_image=256)
+                                       tokens_per_image=256, eps=1e-6)
 
 
 def test_the_embedded_shape_is_the_same_from_config_json_and_from_transformers():

@@ -9,13 +9,14 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from oai_gemma.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from oai_gemma.engine.engine import Engine
-from oai_gemma.engine.model.layout import Layout, TensorFile
+from oai_gemma.engine.model.layout import Layout, LinearCache, TensorFile, path_name, write_safetensors
 from oai_gemma.engine.model.loader import embedded_model_dir, load
 from oai_gemma.engine.model.streamed import from_safetensors
 from oai_gemma.engine.model.weights import PROJECTIONS, from_modules
@@ -75,12 +76,11 @@ def test_the_tiny_vision_models_weights_from_safetensors_equal_the_module_trees(
     streamed_load = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"), lean=True, stream=True)
     layout = Layout("int8", torch.float32)
     tree = from_modules(loaded.model, layout)
-    streamed = from_safetensors(tiny_vision_dir, Gemma3Shape.of(loaded.model.config), layout,
-                                vision=streamed_load.model.model)
+    streamed = from_safetensors(streamed_load.checkpoint, Gemma3Shape.of(streamed_load.model.config), layout)
     assert_same_weights(streamed, tree)
-    ours = dict(streamed_load.model.named_parameters())
-    theirs = {name: t for name, t in loaded.model.named_parameters() if "language_model" not in name and name != "lm_head.weight"}
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), "the vision tower as before"
+    assert not list(streamed_load.model.parameters()), "the stream path builds no module tree"
+    ours, theirs = streamed.vision.tensors(), tree.vision.tensors()
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs)), "the vision tower as the tree's"
 
 
 def test_the_quantized_cache_is_read_back_per_tensor_into_the_same_layout(tmp_path):
@@ -169,3 +169,35 @@ def test_loading_holds_the_final_weights_and_about_one_chunk_of_float(tmp_path):
     assert memory["held"] < 0.6 * size, "int8 weights and the mapped embedding"
     # the final weights, a chunk of float and the allocator's slack (0.41x of the size on a quiet run); float32 whole: 2x
     assert grown < memory["held"] + 0.6 * size, "the final weights and a chunk of float (the model in float32: 2x the size)"
+
+
+class _Stored:
+    """A quantized linear as the cache sees it: its tensors."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": torch.arange(4, dtype=torch.int8)}
+
+
+def test_saving_quantized_weights_removes_the_files_no_start_will_read_again(tmp_path):
+    source, gone, cache = tmp_path / "model", tmp_path / "deleted-model", tmp_path / "quantized"
+    source.mkdir(), cache.mkdir()
+    stem = path_name(source)
+
+    def write(name: str, metadata: dict | None) -> Path:
+        write_safetensors(cache / name, {"x": torch.zeros(2)}, metadata)
+        return cache / name
+
+    mine = {"source": str(source.resolve()), "kind": "int8-float32"}
+    older_layout = write(f"{stem}-0123456789ab-int8-float32-torch2.0-f1.safetensors", mine)
+    other_kind = write(f"{stem}-0123456789ab-q4-float32-torch2.0-f2q4v3.safetensors", {**mine, "kind": "q4-float32"})
+    source_gone = write("tmp_deleted-model-0123456789ab-int8-float32-f2.safetensors", {"source": str(gone), "kind": "int8-float32"})
+    unlabelled_same = write(f"{stem}-unread-int8-float32-torch1.0-f1.safetensors", None)
+    unlabelled_other_model = write(f"{stem}-2-0123456789ab-int8-float32-f1.safetensors", None)
+    kept = cache / f"{stem}-fedcba987654-int8-float32-torch2.1-f2.safetensors"
+    linear_cache = LinearCache(kept, ["lm_head"], source, "int8-float32")
+    linear_cache.keep("lm_head", _Stored())
+    linear_cache.save()
+    assert kept.exists() and TensorFile(kept).entries.keys() == {"lm_head.packed"}
+    assert not older_layout.exists() and not source_gone.exists() and not unlabelled_same.exists()
+    assert other_kind.exists(), "another quantization of the same checkpoint is still read by its own starts"
+    assert unlabelled_other_model.exists(), "a checkpoint whose path merely starts the same is another model"

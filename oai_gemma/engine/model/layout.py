@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,10 +132,13 @@ class TensorFile:
 
 class LinearCache:
     """The quantized linears of `file` for `names` (those the layout quantizes): `stored(name)` reads one back where
-    the file holds every one of them; `keep(name, linear)` collects new ones, `save()` writes them."""
+    the file holds every one of them; `keep(name, linear)` collects new ones, `save()` writes them. `source` and
+    `kind` (the checkpoint directory; quantization and dtype) go into the file's metadata, and saving removes the
+    files this one supersedes (`prune`)."""
 
-    def __init__(self, file: Path | None, names: list[str]):
+    def __init__(self, file: Path | None, names: list[str], source: Path | None = None, kind: str = ""):
         self.file, self.names, self.new = file, set(names), {}
+        self.metadata = {"source": str(Path(source).resolve()), "kind": kind} if source is not None else {}
         self.source = None
         if file is not None and file.exists() and names:
             try:
@@ -174,16 +178,47 @@ class LinearCache:
         partial = self.file.with_suffix(f".{os.getpid()}.tmp")
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            write_safetensors(partial, tensors)
+            write_safetensors(partial, tensors, self.metadata)
             partial.replace(self.file)
         except OSError as exc:  # a read-only cache (a container's read-only root): every start quantizes
             log.warning("could not keep the quantized weights in %s (%s): each start quantizes them again", self.file, exc)
+        else:
+            if self.metadata:
+                prune(self.file, self.metadata)
         self.new = {}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def path_name(source: Path | str) -> str:
+    """A checkpoint directory's path as the start of its quantized weights' file names."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(Path(source).resolve()).strip("/"))
+
+
+def prune(kept: Path, metadata: dict[str, str]) -> None:
+    """Remove the quantized-weights files beside `kept` that no start will read again: those of the same checkpoint,
+    quantization and dtype in another layout or of an older copy of the checkpoint (an upgrade's or a rewrite's:
+    1-4 GB each at the real sizes), and those whose checkpoint directory is gone (a test's temporary model). Files
+    written before the metadata existed are matched by name."""
+    quantization, _, dtype = metadata["kind"].partition("-")
+    for other in kept.parent.glob("*.safetensors"):
+        if other == kept:
+            continue
+        try:
+            found = read_header(other)[1].get("__metadata__") or {}
+        except (OSError, ValueError):
+            continue
+        if found:
+            stale = found.get("source") == metadata["source"] and found.get("kind") == metadata["kind"]
+            stale = stale or not Path(found.get("source", "/")).exists()
+        else:
+            stale = re.match(rf"{re.escape(path_name(metadata['source']))}-([0-9a-f]{{12}}|unread)-{quantization}-{dtype}-", other.name)
+        if stale:
+            log.info("removing %s: superseded by %s, or its checkpoint is gone", other.name, kept.name)
+            other.unlink(missing_ok=True)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """A safetensors file written tensor by tensor from the tensors' own memory."""
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for key, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
         header[key] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}

@@ -140,9 +140,9 @@ def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module
     return model.eval()
 
 
-def shell(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
-    """A text-only model without its weights (`.config` only): the loader's `stream` path, whose text weights
-    engine/model/streamed.py reads from the checkpoint straight into their final layout."""
+def shell(config: SimpleNamespace) -> nn.Module:
+    """A model without its weights (`.config` only, text-only or multimodal): the loader's `stream` path, whose
+    weights engine/model/streamed.py reads from the checkpoint straight into the project's containers."""
     model = nn.Module()
     model.config = config
     return model.eval()

@@ -192,19 +192,6 @@ def build_multimodal(config: SimpleNamespace, source: str, dtype: torch.dtype) -
     return model.eval()
 
 
-def build_vision(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
-    """The multimodal model with its vision tower and projector filled and no text decoder (`language_model` empty,
-    no `lm_head`): the loader's `stream` path, whose text weights engine/model/streamed.py reads straight into their
-    final layout. The tower stays a module tree, as `build_multimodal` makes it."""
-    model = ForConditionalGeneration(config)
-    del model.lm_head
-    model.model.language_model = nn.Module()
-    tensors = {checkpoint_name(key): tensor for key, tensor in read_checkpoint(Path(source)).items()}
-    vision = {name: tensor for name, tensor in tensors.items() if name.startswith(VISION_PREFIXES)}
-    fill(model, vision, source, dtype, tied=False)
-    return model.eval()
-
-
 def checkpoint_name(key: str) -> str:
     """The module name of a checkpoint's tensor (as transformers' conversion mapping renames it)."""
     for pattern, name in CHECKPOINT_NAMES:

@@ -21,7 +21,7 @@ from ...settings import EMBEDDED, ModelSettings
 from .gguf_source import convert_into, converted_dir, converted_once, gguf_model_dir, is_converted
 from .gguf_tokenizer import chat_template_text
 from .lean import build as lean_model, shell as lean_shell
-from .lean_vision import build_multimodal, build_vision
+from .lean_vision import build_multimodal
 from .lean_config import model_config as lean_model_config
 from .processor import Processor as LeanProcessor, can_preprocess
 from .tokenizer import load_tokenizer
@@ -108,8 +108,9 @@ class LoadedModel:
     source_dir: str
     eos_token_ids: tuple[int, ...]
     checkpoint: Path | None = None
-    """Where the text weights are still to be read from (`load(stream=True)`): `model` then holds the config and the
-    vision tower only, and the runner reads the text weights into their final layout (engine/model/streamed.py)."""
+    """Where the weights are still to be read from (`load(stream=True)`): `model` then holds the config only, and the
+    runner reads the weights (text, and a multimodal model's vision tower) into the project's own containers
+    (engine/model/streamed.py), no module tree built."""
 
     @property
     def text_config(self):
@@ -164,8 +165,9 @@ def load(settings: ModelSettings, lean: bool = False, stream: bool = False) -> L
     """The model, tokenizer (and processor) of `settings`. `lean`: a checkpoint that engine/model/lean.py (and for a
     multimodal one lean_vision.py and processor.py) understands is built there, without importing transformers (the
     server's start-up: ~2.3 s less); anything else, and every caller that runs transformers' own forward (tests,
-    the bare benchmark), gets transformers' modules and processor. `stream` (with `lean`, the server's): the text
-    weights are not read here but by the runner, one tensor at a time into their final layout (`checkpoint`)."""
+    the bare benchmark), gets transformers' modules and processor. `stream` (with `lean`, the server's): no weight is
+    read here (`model` holds the config); the runner reads them one tensor at a time into their final layout
+    (`checkpoint`)."""
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
     source = resolve_source(settings)
@@ -183,8 +185,7 @@ def load(settings: ModelSettings, lean: bool = False, stream: bool = False) -> L
         tokenizer = pool.submit(load_tokenizer, tokenizer_source)
         checkpoint = None
         if isinstance(config, SimpleNamespace) and stream:
-            model = (build_vision if getattr(config, "vision_config", None) is not None else lean_shell)(config, source, dtype)
-            checkpoint = Path(source)
+            model, checkpoint = lean_shell(config), Path(source)
         elif isinstance(config, SimpleNamespace):
             model = (build_multimodal if getattr(config, "vision_config", None) is not None else lean_model)(config, source, dtype)
         else:

@@ -26,7 +26,7 @@ from .layout import Layout
 from .lean import Rotary
 from .loader import LoadedModel
 from .streamed import from_safetensors
-from .vision_weights import from_modules as vision_from_modules, image_features
+from .vision_weights import image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
 from ..ops.fused import fuse_layers
 from ..ops.invariance import Invariance, RoleLinear, TiledLinear, tiled
@@ -331,9 +331,8 @@ def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemm
         )
     layout = Layout(config.quantization, dtype)
     if streamed:
-        inner = getattr(model, "model", None)
         weights = from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
-                                   getattr(text_config, "tie_word_embeddings", True), vision_from_modules(inner))
+                                   getattr(text_config, "tie_word_embeddings", True))
     else:
         weights = from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
     fuse_layers(weights.layers)  # q/k/v and gate/up one kernel call each where their layout allows (same bits)

@@ -99,14 +99,16 @@ def check(checkpoint: Checkpoint, expected: dict[str, list[int]], tied: bool) ->
 
 
 def from_safetensors(directory: Path, shape: Gemma3Shape, layout: Layout, cache_file: Path | None = None,
-                     tied: bool = True, vision: VisionWeights | None = None) -> Gemma3Weights:
-    """The text weights of the checkpoint in `directory` in `layout` (the vision tower and projector as given)."""
+                     tied: bool = True) -> Gemma3Weights:
+    """The weights of the checkpoint in `directory`: the text decoder in `layout`, a multimodal one's vision tower
+    and projector in the layout's dtype (engine/model/vision_weights.py)."""
     text = shape.text
     prefix = "model.language_model." if shape.vision is not None else "model."
     checkpoint = Checkpoint(Path(directory))
     try:
         check(checkpoint, expected_shapes(text, prefix, tied), tied)
-        cache = LinearCache(cache_file, quantized_names(layout, text.layers * len(PROJECTIONS)))
+        kind = f"{layout.quantization}-{str(layout.dtype).removeprefix('torch.')}"
+        cache = LinearCache(cache_file, quantized_names(layout, text.layers * len(PROJECTIONS)), directory, kind)
         how = "from the model cache" if cache.complete else f"quantizing to {layout.quantization}" if cache.names else "packing"
         with Phase(log, f"loading the weights ({how}, one tensor at a time)") as phase:
             layers = [_layer(checkpoint, f"{prefix}layers.{i}.", i, layout, cache) for i in phase.track(range(text.layers))]
@@ -115,6 +117,7 @@ def from_safetensors(directory: Path, shape: Gemma3Shape, layout: Layout, cache_
         cache.save()
         embedding, mapped = _embedding(checkpoint, f"{prefix}embed_tokens.weight", layout)
         final_norm = norm_scale(checkpoint.rows(f"{prefix}norm.weight").to(layout.dtype))
+        vision = _vision(checkpoint, shape, layout.dtype)
     finally:
         checkpoint.close()
     return Gemma3Weights(shape, layout.dtype, embedding, layers, final_norm, lm_head, layout.quantization, mapped, vision)
@@ -136,6 +139,20 @@ def _layer(checkpoint: Checkpoint, prefix: str, index: int, layout: Layout, cach
         norms["post_attention_layernorm"], norms["pre_feedforward_layernorm"], gate, up, down,
         norms["post_feedforward_layernorm"],
     )
+
+
+def _vision(checkpoint: Checkpoint, shape: Gemma3Shape, dtype: torch.dtype) -> VisionWeights | None:
+    """The vision tower and projector, each tensor read and cast (a ValueError naming a missing one)."""
+    if shape.vision is None:
+        return None
+
+    def tensor(name: str) -> torch.Tensor:
+        if name not in checkpoint.where:
+            raise ValueError(f"{checkpoint.directory}: the checkpoint has no {name} (config.json describes a vision tower)")
+        return checkpoint.rows(name).to(dtype)
+
+    with Phase(log, "loading the vision tower and projector"):
+        return VisionWeights.from_tensors(shape.vision, shape.vision.eps, tensor)
 
 
 def _embedding(checkpoint: Checkpoint, key: str, layout: Layout) -> tuple[torch.Tensor, bool]:

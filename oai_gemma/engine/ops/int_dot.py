@@ -44,6 +44,25 @@ class _DotLinear(QuantizedLinear):
     def dequantized(self) -> torch.Tensor:
         raise NotImplementedError
 
+    @classmethod
+    def from_rows(cls, shape: tuple[int, int], rows, chunk: int):
+        """From `rows(lo, hi)`, `chunk` rows (a multiple of 8) at a time: each group of eight outputs is quantized and
+        laid out on its own, so the chunks give the whole weight's bits with one chunk of float at a time (the 4B's
+        262k-row lm_head whole in float32 would be 2.7 GB)."""
+        n, k = shape
+        cls._check_shape(n, k)
+        whole = {}
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            for name, t in cls(rows(lo, hi)).tensors().items():
+                def at(row: int) -> int:  # a field's first dimension: one entry a row (scale) or a group of 8 (packed)
+                    return row * t.shape[0] // (hi - lo)
+
+                if name not in whole:
+                    whole[name] = torch.empty((at(n), *t.shape[1:]), dtype=t.dtype)
+                whole[name][at(lo) : at(hi)] = t
+        return cls.from_tensors(whole)
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] float32 or bf16 -> [M, N] in `out_dtype` (default: x's dtype; float32 or bf16)."""
         out_dtype = out_dtype or x.dtype
@@ -95,52 +114,23 @@ class Q8Linear(_DotLinear):
         return self.packed.permute(0, 2, 1, 3).reshape(groups * 8, quads * 4).float() * self.scale[:, None]
 
 
-def q4_blocks(weight: torch.Tensor, steps: range = range(-10, 11)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (levels uint8 [N, K/32, 32] in 0..15, scale and min float16 [N, K/32]): GGUF's Q4_1, a level
     q standing for scale * q + min, each block's pair chosen by least squares among a few roundings (as llama.cpp's
-    make_qkx searches): for each candidate inverse scale (15 + step / 10) / (max - min) (min clamped to <= 0) the
-    levels are round((w - min) * iscale) in 0..15, then (scale, min) the least-squares fit of w on them (rounded to
-    float16) and the levels rounded again against it; the pair of least squared error is kept. On gemma-3-270m's
-    projections: 0.57x the squared error of the least-squares Q4_0 (symmetric) scales, perplexity with float
-    activations 10.32 against 13.38 (float32 8.58; docs/engine.md)."""
-    w = weight.detach().float()
-    n, k = w.shape
+    make_qkx searches; engine/ops/native/q4_quantize.c, seconds for a 1B where the torch version took half an hour).
+    On gemma-3-270m's projections: 0.57x the squared error of the least-squares Q4_0 (symmetric) scales, perplexity
+    with float activations 10.32 against 13.38 (float32 8.58; docs/engine.md)."""
+    n, k = weight.shape
     levels = torch.empty(n, k // DOT_BLOCK, DOT_BLOCK, dtype=torch.uint8)
     scales = torch.empty(n, k // DOT_BLOCK, dtype=torch.float16)
     mins = torch.empty(n, k // DOT_BLOCK, dtype=torch.float16)
-    chunk = max(1, (1 << 19) // k)  # rows whose temporaries (2 MiB each) stay in the cache
+    search = native.q4_1_blocks()
+    chunk = max(1, (1 << 22) // k)  # rows converted to float32 at a time (16 MiB)
     for start in range(0, n, chunk):
-        b = w[start : start + chunk].reshape(-1, k // DOT_BLOCK, DOT_BLOCK)
-        best = _q4_search(b, steps)
-        levels[start : start + chunk] = best[1].to(torch.uint8)
-        scales[start : start + chunk] = best[2]
-        mins[start : start + chunk] = best[3]
+        rows = weight[start : start + chunk].detach().float().contiguous()
+        blocks = rows.numel() // DOT_BLOCK
+        search(rows.data_ptr(), blocks, levels[start:].data_ptr(), scales[start:].data_ptr(), mins[start:].data_ptr())
     return levels, scales, mins
-
-
-def _q4_search(b: torch.Tensor, steps: range) -> list[torch.Tensor]:
-    """[error, levels, scale, min] of blocks b [..., 32] (q4_blocks' search), the least error of the candidates."""
-    lo, hi = b.amin(2).clamp(max=0), b.amax(2)
-    spread = (hi - lo).clamp(min=1e-12)
-    sx, best = b.sum(2), None
-    for step in steps:
-        lv = torch.clamp(torch.round((b - lo[..., None]) * ((15 + 0.1 * step) / spread)[..., None]), 0, 15)
-        sl, sll, slx = lv.sum(2), (lv * lv).sum(2), (lv * b).sum(2)
-        det = DOT_BLOCK * sll - sl * sl
-        ok = det > 0
-        d = torch.where(ok, (DOT_BLOCK * slx - sl * sx) / torch.where(ok, det, torch.ones_like(det)), spread / 15)
-        m = torch.where(ok, (sx - d * sl) / DOT_BLOCK, lo)
-        d, m = d.half(), m.half()
-        safe = torch.where(d != 0, d.float(), torch.ones_like(d.float()))
-        lv = torch.clamp(torch.round((b - m.float()[..., None]) / safe[..., None]), 0, 15)
-        err = ((b - (d.float()[..., None] * lv + m.float()[..., None])) ** 2).sum(2)
-        if best is None:
-            best = [err, lv, d, m]
-            continue
-        better = err < best[0]
-        best = [torch.where(better, err, best[0]), torch.where(better[..., None], lv, best[1]),
-                torch.where(better, d, best[2]), torch.where(better, m, best[3])]
-    return best
 
 
 class Q4Linear(_DotLinear):
@@ -148,12 +138,12 @@ class Q4Linear(_DotLinear):
     (GGUF's Q4_1: 5 bits a weight, `q4_blocks`), times int8 activations (`_DotLinear`). Stored as `packed` uint8
     [N/8, K/32, 160]: a block of eight outputs is four 32-byte rows of levels (byte j of row r holding the [8
     outputs][4 inputs] quads 2r in its low nibble and 2r + 1 in its high one), then the eight outputs' float16
-    scales, then their float16 mins, so each group of eight outputs is one sequential stream (`VERSION` 3; 2 was
-    Q4_0 with the scales inside, 1 kept them apart)."""
+    scales, then their float16 mins, so each group of eight outputs is one sequential stream (`VERSION` 4: the native
+    search's bits; 3 was the torch search's, 2 Q4_0 with the scales inside, 1 kept them apart)."""
 
     KIND = "q4"
     FIELDS = ("packed",)
-    VERSION = 3
+    VERSION = 4
     """The stored layout's version (part of the model cache's file name: a stale layout is never read back)."""
 
     def __init__(self, weight: torch.Tensor):

@@ -69,6 +69,7 @@ SIGNATURES = {
     "lora": {"lora_project": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]},
     "int_dot": {"q8_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int],
                 "q4_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int]},
+    "q4_quantize": {"q4_1_blocks": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]},
 }
 """Each family's (sources.FAMILIES) functions and their argument types (all return nothing)."""
 
@@ -122,6 +123,12 @@ def q4_dot_linear():
     """The compiled `q4_dot_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16, tile_rows, tile_groups)` (int_dot.c:
     4-bit weights in blocks of 32 with a float16 scale each, GGUF's Q4_0, times the same int8 activations)."""
     return _library("int_dot").q4_dot_linear
+
+
+def q4_1_blocks():
+    """The compiled `q4_1_blocks(w, blocks, levels, scale, min)` (q4_quantize.c: GGUF's Q4_1 least-squares search,
+    float32 blocks of 32 -> levels uint8, float16 scale and min a block)."""
+    return _library("q4_quantize").q4_1_blocks
 
 
 @functools.cache

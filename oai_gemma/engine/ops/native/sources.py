@@ -15,6 +15,7 @@ FAMILIES = {
     "woq_int8": (HERE / "woq_int8.c", HERE / "avx2_common.h"),  # the int8 linears (woq_int8_linear, q8_linear) and rms_norm_rows
     "lora": (HERE / "lora.c", HERE / "lora_tiles.h"),  # lora_project
     "int_dot": (HERE / "int_dot.c", HERE / "avx2_common.h"),  # int8 x int8 dot products: q8_dot_linear, q4_dot_linear (quantization q8, q4)
+    "q4_quantize": (HERE / "q4_quantize.c",),  # q4_1_blocks: quantization q4's least-squares search
 }
 """One library per kernel family, so a family that fails to compile turns off only its own kernels. The files
 after the first are headers the first includes: they name the library too."""
