@@ -5,7 +5,9 @@ model's). The folder map, the shared servers and the `slow` marker: docs/testing
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -238,10 +240,38 @@ def embedded_float32():
 
 @pytest.fixture(scope="session")
 def tiny_vision_dir(tmp_path_factory):
-    """The tiny multimodal Gemma-3 (270m text weights + a small random SigLIP), built once per session."""
-    from oai_gemma.testing.tiny_vision import build_tiny_multimodal
+    """The tiny multimodal Gemma-3 (270m text weights + a small random SigLIP): built once into the model cache
+    (`tiny_vision_build`), then hard-linked into this session's own directory, so a session's servers quantize
+    it afresh (their quantized-weights cache is named by the model's path) as they did when each session built it."""
+    built = tiny_vision_build()
+    target = tmp_path_factory.mktemp("tiny-vision") / "gemma-3-tiny-mm"
 
-    return build_tiny_multimodal(tmp_path_factory.mktemp("tiny-vision") / "gemma-3-tiny-mm")
+    def link(source, destination):
+        try:
+            os.link(source, destination)
+        except OSError:  # another filesystem
+            shutil.copy2(source, destination)
+
+    shutil.copytree(built, target, copy_function=link)
+    return target
+
+
+def tiny_vision_build() -> Path:
+    """The tiny multimodal model as `build_tiny_multimodal` writes it (deterministic: ~10 s and 1 GB written each
+    session before), kept in the model cache under a digest of what determines it: the builder's source, the
+    embedded model's files, transformers' and torch's versions. The tests only read it."""
+    import torch
+    import transformers
+
+    from oai_gemma.engine.model.loader import embedded_model_dir
+    from oai_gemma.settings import ModelSettings
+    from oai_gemma.testing import tiny_vision
+
+    source = embedded_model_dir()
+    stamp = [Path(tiny_vision.__file__).read_bytes(), transformers.__version__.encode(), torch.__version__.encode()]
+    stamp += [f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}".encode() for f in sorted(source.iterdir()) if f.is_file()]
+    digest = hashlib.sha256(b"\0".join(stamp)).hexdigest()[:16]
+    return tiny_vision.build_tiny_multimodal(ModelSettings().cache_path / "tests" / f"gemma-3-tiny-mm-{digest}", source=source)
 
 
 def user(text: str) -> list[dict]:

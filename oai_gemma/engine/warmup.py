@@ -27,8 +27,8 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
     runner = core.runner
     scratch = [runner.cache.scratch] * -(-core.limits.max_model_len // runner.cache.block_size)  # no real block is touched
     layers = runner.warm_layers  # a shape's kernels serve every layer of its kind: 2 of 18 layers, 0.5 s instead of 1.7 s
-    for size in runner.token_buckets:
-        runner.forward([StepItem(scratch, [0] * min(size, core.limits.max_model_len), 0)], [], layers)
+    for size in runner.token_buckets:  # no logits: the lm_head's one-row shape is a decode row's, warmed below
+        runner.forward([StepItem(scratch, [0] * min(size, core.limits.max_model_len), 0, want_logits=False)], [], layers)
     for rows in runner.row_buckets:
         logits = runner.forward([], [StepItem(scratch, [0], 0) for _ in range(rows)], layers)
     for rows in runner.logits_buckets[len(runner.row_buckets) :]:  # draft rows beyond the batch's (speculative decoding)

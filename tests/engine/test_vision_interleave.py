@@ -13,6 +13,8 @@ from PIL import Image
 
 from conftest import ServerProcess
 
+pytestmark = pytest.mark.slow  # a server of its own (docs/testing.md); the fast subset covers the encode in slices (test_vision_encode)
+
 MODEL = "tiny-vision"
 
 
@@ -54,7 +56,6 @@ async def stream_times(client: httpx.AsyncClient, body: dict, times: list[float]
                 times.append(time.monotonic())
 
 
-@pytest.mark.slow  # fast subset (issue 36.4): the same subsystem is covered by its lighter tests
 def test_a_text_stream_keeps_streaming_while_an_image_is_encoded(slow_vision):
     before = health(slow_vision.url)
 
