@@ -23,7 +23,7 @@ from .lora_routes import lora_routes
 from .connections import body_timeout_middleware
 from .errors import APIError
 from .metrics import ServerMetrics, merge_expositions
-from .model_router import ModelRouter, ModelSlot
+from .model_router import ModelRouter, ModelSlot, assign_adapters
 from .model_routes import model_routes, router_metrics, routing_of
 from .openapi import add_wire_components
 from .playground import playground_paths, playground_routes
@@ -40,7 +40,7 @@ class ServerState:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        models = served_models(settings)
+        models = assign_adapters(served_models(settings))
         self.served_name = next(iter(models))
         """The default model: the first configured (`/health`, `/v1/server_info`, a request that names none)."""
         self.created = int(time.time())
@@ -111,7 +111,7 @@ class ServerState:
         slot = self.router.pick(model)
         slot.pending += 1
         try:
-            services = await self._ready(slot)
+            services = await self.ensure_loaded(slot)
             if keep_alive is not None:
                 slot.keep_alive_now = keep_alive
             yield services
@@ -119,7 +119,9 @@ class ServerState:
             slot.pending -= 1
             slot.last_used = time.monotonic()
 
-    async def _ready(self, slot: ModelSlot) -> Services:
+    async def ensure_loaded(self, slot: ModelSlot) -> Services:
+        """The model's services, loaded first if need be (the caller counts itself in `slot.pending`, so it is not
+        unloaded before the caller is done); a load that fails is a 503 `model_load_failed` saying why."""
         try:
             return await self.router.ready(slot)
         except APIError:

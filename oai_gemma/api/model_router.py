@@ -20,8 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from ..cpu import compute_thread
 from ..engine.cache.memory import release_free_memory, resident_bytes
+from ..engine.config import LoraModule, parse_module
 from ..engine.engine import Engine
 from ..engine.factory import load_engine
 from ..settings import RouterSettings, Settings
@@ -56,6 +59,8 @@ class ModelSlot:
         """What `/v1/models` says of it beyond its settings (modalities, capabilities), known once loaded."""
         self.loads = 0
         self.unloads: dict[str, int] = {}
+        self.adapters = _modules(settings.lora.modules)
+        """Its configured LoRA adapters (`assign_adapters`): a request naming one loads this model."""
 
     @property
     def busy(self) -> bool:
@@ -85,15 +90,16 @@ class ModelRouter:
         return self._lock
 
     def pick(self, model: str | None) -> ModelSlot:
-        """The slot a request's `model` names, or the one whose loaded engine serves it as a LoRA adapter; else the
-        default (whose services answer a name nobody serves with a 404 `model_not_found`)."""
+        """The slot a request's `model` names, or the one whose loaded engine serves it as a LoRA adapter, or the
+        one configured with it as an adapter (loaded then, as for its own name); else the default (whose services
+        answer a name nobody serves with a 404 `model_not_found`)."""
         if model in self.slots:
             return self.slots[model]
         for slot in self.slots.values():
             adapters = slot.engine.adapters if slot.engine is not None else None
             if model and adapters is not None and adapters.lookup(model) is not None:
                 return slot
-        return self.default
+        return next((slot for slot in self.slots.values() if any(m.name == model for m in slot.adapters)), self.default)
 
     async def ready(self, slot: ModelSlot, first: bool = False) -> Services:
         """Its services, loading it first if need be (the caller counts itself in `slot.pending`)."""
@@ -137,7 +143,10 @@ class ModelRouter:
         slot.loading = True
         beside = any(s.engine is not None for s in self.slots.values())
         def build() -> tuple[Engine, Services]:  # all of it off the event loop, which delivers the others' tokens
-            engine = load_engine(slot.settings)
+            # beside loaded models the grammar compiler waits for the model's first structured request: its token
+            # trie holds the GIL for seconds (where a model of the same tokenizer has one, that request finds it built,
+            # engine/model/shared.py)
+            engine = load_engine(slot.settings, grammars=not beside)
             return engine, Services.build(engine, slot.settings, self.store)
 
         try:  # beside loaded models a load computes on one thread, so their steps keep the cores
@@ -219,6 +228,33 @@ class ModelRouter:
             await asyncio.sleep(0.5)
         if slot.loads == load and slot.engine is not None:
             self.on_dead(slot, slot.engine)
+
+
+def assign_adapters(models: dict[str, tuple[Settings, float]]) -> dict[str, tuple[Settings, float]]:
+    """Each model's share of `lora.modules` when several are served: an adapter is the model's its
+    `base_model_name` names (vLLM's JSON form), else the first model's; each engine reads only its own (an adapter
+    is made for one base's shapes). A bad entry goes to the first model, whose load then says what is wrong."""
+    if len(models) < 2:
+        return models
+    names = list(models)
+
+    def base(spec: str) -> str:
+        found = _modules([spec])
+        return found[0].base_model_name if found and found[0].base_model_name in models else names[0]
+
+    return {name: (msgspec.structs.replace(own, lora=msgspec.structs.replace(own.lora, modules=tuple(
+        spec for spec in own.lora.modules if base(spec) == name))), keep) for name, (own, keep) in models.items()}
+
+
+def _modules(specs) -> list[LoraModule]:
+    """The entries of `lora.modules` that parse (a bad one is the engine's start-up error, engine/config.py)."""
+    out = []
+    for spec in specs:
+        try:
+            out.append(parse_module(spec))
+        except ValueError:
+            pass
+    return out
 
 
 def _in_thread(work: Callable, one_thread: bool) -> asyncio.Future:

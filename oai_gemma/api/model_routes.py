@@ -85,7 +85,7 @@ async def load_model(request: Request) -> Response:
     slot = _slot(request, body)
     slot.pending += 1  # not unloaded between its load and this answer
     try:
-        await request.app.state.server._ready(slot)
+        await request.app.state.server.ensure_loaded(slot)
     finally:
         slot.pending -= 1
     return Response(encoder.encode(ModelStatus(True, slot.name, slot.status)), media_type=JSON)

@@ -75,9 +75,10 @@ def _cards(state) -> list[ModelCard]:
         facts = {"max_model_len": slot.settings.model.max_model_len, "status": {"value": slot.status}, **slot.facts}
         cards.append(ModelCard(id=slot.name, created=state.created, **facts))
         adapters = slot.engine.adapters if slot.engine is not None else None
-        cards += [
-            ModelCard(id=r.name, created=state.created, root=r.module.path, parent=r.module.base_model_name or slot.name, **facts)
-            for r in (adapters.known.copy().values() if adapters is not None else ())
+        modules = [r.module for r in adapters.known.copy().values()] if adapters is not None else slot.adapters
+        cards += [  # an unloaded model's: those configured, which a request loads it for
+            ModelCard(id=m.name, created=state.created, root=m.path, parent=m.base_model_name or slot.name, **facts)
+            for m in modules
         ]
     return cards
 

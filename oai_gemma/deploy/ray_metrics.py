@@ -4,6 +4,11 @@ Every replica pushes its rendered `/metrics` text every `PUSH_PERIOD_S` seconds 
 (the hub); the ingress reads them all from it and relabels. A replica that stops pushing (it died) drops out
 after a few periods, and the one Ray starts in its place appears under its own `replica` label, as a
 Prometheus target that restarted would.
+
+The hub also keeps the last `POST /models/load` or `/models/unload` order per model (several models, api/model_router.py):
+the ingress sends such a request to one replica and, once it answered 200, leaves the order here; every replica
+reads the orders when it pushes and carries out those it has not yet (a replica Ray starts later too), so a model is
+loaded or unloaded on every replica within a push period or so (its own load's time added).
 """
 
 from __future__ import annotations
@@ -27,6 +32,16 @@ STALE_AFTER_S = 3 * PUSH_PERIOD_S
 class MetricsHub:
     def __init__(self) -> None:
         self.latest: dict[str, tuple[float, str]] = {}
+        self.orders: dict[str, tuple[int, str]] = {}
+        """Model id -> (the order's number, "load" or "unload"): its last order."""
+        self.count = 0
+
+    def order(self, model: str, action: str) -> None:
+        self.count += 1
+        self.orders[model] = (self.count, action)
+
+    def get_orders(self) -> dict[str, tuple[int, str]]:
+        return dict(self.orders)
 
     def put(self, replica: str, text: str) -> None:
         self.latest[replica] = (time.monotonic(), text)
@@ -48,13 +63,16 @@ def hub(app_name: str):
     ).remote()
 
 
-async def push_forever(app_name: str, replica: str, render) -> None:
-    """A replica's task: push `render()` (its `/metrics` bytes) to the hub until cancelled."""
+async def push_forever(app_name: str, replica: str, render, follow=None) -> None:
+    """A replica's task: push `render()` (its `/metrics` bytes) to the hub until cancelled; and hand the model
+    orders to `follow(orders)` each time."""
     target = None
     while True:
         try:
             target = target or hub(app_name)
             await target.put.remote(replica, render().decode())
+            if follow is not None:
+                follow(await target.get_orders.remote())
         except Exception as exc:  # noqa: BLE001 - the hub was killed (or not up yet): a new one next time
             log.warning("pushing metrics failed (%r); retrying", exc)
             target = None

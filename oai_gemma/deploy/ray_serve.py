@@ -41,6 +41,8 @@ ROUTERS = {
     "least-ongoing": "oai_gemma.deploy.ray_router:LeastOngoingRouter",
 }
 RETRIES = 3
+ORDERS = {("POST", "/models/load"): "load", ("POST", "/models/unload"): "unload"}
+"""Requests that one replica answers and every replica then carries out (ray_metrics.py's hub keeps the order)."""
 """Tries for a request whose replica died before sending anything (the router may still list the dead one)."""
 
 
@@ -85,7 +87,31 @@ class EngineReplica:
             await asyncio.sleep(0.1)
         context = serve.get_replica_context()
         self.replica, self.app_name = context.replica_id.unique_id, context.app_name
-        self.pusher = asyncio.ensure_future(push_forever(self.app_name, self.replica, self.state.render_metrics))
+        self.followed: dict[str, int] = {}
+        """Model id -> the number of the last hub order (ray_metrics.py) carried out for it here."""
+        self.pusher = asyncio.ensure_future(push_forever(self.app_name, self.replica, self.state.render_metrics, self.follow))
+
+    def follow(self, orders: dict[str, tuple[int, str]]) -> None:
+        """Carry out the model load and unload orders not carried out here yet, each on a task of its own (the
+        router does one at a time)."""
+        for model, (number, action) in orders.items():
+            slot = self.state.router.slots.get(model)
+            if slot is not None and self.followed.get(model) != number:
+                self.followed[model] = number
+                asyncio.ensure_future(self._carry_out(slot, action))
+
+    async def _carry_out(self, slot, action: str) -> None:
+        try:
+            if action == "unload":
+                await self.state.router.unload(slot, "request")
+                return
+            slot.pending += 1
+            try:
+                await self.state.ensure_loaded(slot)
+            finally:
+                slot.pending -= 1
+        except APIError as exc:
+            log.warning("%s of %s ordered on every replica failed here: %s", action, slot.name, exc.message)
 
     async def handle(self, call: HTTPCall):
         async for batch in serve_call(self.app, call, self.replica):
@@ -144,9 +170,14 @@ class IngressApp:
             scope["method"], scope["path"], scope.get("query_string", b""), list(scope.get("headers", [])), body,
             prompt_prefix(body) if scope["method"] == "POST" else b"", tuple(scope["client"]) if scope.get("client") else None,
         )
-        await self._forward(call, send)
+        status = await self._forward(call, send)
+        action = ORDERS.get((scope["method"], scope["path"]))
+        if action and status == 200:  # one replica did it (the key and the body checked there): now every replica
+            await hub(self.app_name).order.remote(msgspec.json.decode(body)["model"], action)
 
-    async def _forward(self, call: HTTPCall, send) -> None:
+    async def _forward(self, call: HTTPCall, send) -> int | None:
+        """The replica's answer sent on; its status (None when none came)."""
+        status = None
         for attempt in range(RETRIES):
             stream = None
             responses = self.engine.handle.remote(call)
@@ -156,11 +187,11 @@ class IngressApp:
                 while batch is not None:
                     for message in batch:
                         if message["type"] == "http.response.start":
-                            stream = _is_event_stream(message)
+                            stream, status = _is_event_stream(message), message["status"]
                             message = _without_request_id(message)
                         await send(message)
                     batch = await anext(responses, None)
-                return
+                return status
             except TimeoutError:
                 responses.cancel()
                 await _send_error(send, APIError(504, "no engine replica took the request in time", "server_error", None, "timeout"))

@@ -121,10 +121,12 @@ class Engine:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    def warm_up(self) -> None:
-        """Run every step shape once before serving: the first user request must not pay for compilation."""
+    def warm_up(self, grammars: bool = True) -> None:
+        """Run every step shape once before serving: the first user request must not pay for compilation. Then
+        start the grammar compiler's build, unless `grammars` is off (it is built at the first structured request)."""
         warm_up(self.core, lambda: self.grammars)
-        self.build_grammars()
+        if grammars:
+            self.build_grammars()
 
     def build_grammars(self) -> Future:
         """Start the grammar compiler's build, once, on its own thread (seconds holding the GIL: the vocabulary's

@@ -46,8 +46,10 @@ log = logging.getLogger("oai_gemma.engine")
 MB = 2**20
 
 
-def load_engine(settings: Settings) -> Engine:
-    """Everything start-up does before the server may say it is ready (seconds: run it off the event loop)."""
+def load_engine(settings: Settings, grammars: bool = True) -> Engine:
+    """Everything start-up does before the server may say it is ready (seconds: run it off the event loop).
+    `grammars` off: the grammar compiler is left to the first structured request (a model loaded beside others,
+    whose streams its build would stall holding the GIL; api/model_router.py)."""
     log.info("%s", version_line())
     log.info("start-up: %s; /health answers 503 until ready", start_plan(settings.model))
     started = time.monotonic()
@@ -59,12 +61,13 @@ def load_engine(settings: Settings) -> Engine:
     loaded_peak = resident_bytes("VmHWM")
     built_at = time.monotonic()
     log.info("warm-up: running every step shape once, so no request pays for it")
-    engine.warm_up()
+    engine.warm_up(grammars)
     warmed_at = time.monotonic()
     log.info("warm-up done in %.1f s", warmed_at - built_at)
     # ready means ready: the grammar compiler's build (its token trie: ~1 s holding the GIL) ends before /health says
     # 200, or the first request after it would wait that long; a tokenizer it cannot read was logged, and is no error
-    engine.build_grammars().exception()
+    if grammars:
+        engine.build_grammars().exception()
     release_free_memory()  # warm-up's activations
     runner = engine.core.runner
     phases = {"load": loaded_at - started, **runner.timings, "warm-up": warmed_at - built_at,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from .model.shared import shared
 from .sampling.grammar import GrammarCompiler, GrammarMasks, StructuredOutputUnavailable
 from .sequence import StepItem
 from .sampling.sampler import PlainRow, RowRandom, sample_with_logprobs
@@ -49,6 +50,17 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
             pass  # logged by build_grammars; the server serves without structured output
 
 
+def shared_compiler(tokenizer, eos_token_ids: list[int], cache_dir: Path | None) -> GrammarCompiler:
+    """The compiler of a tokenizer's content and eos ids, built once per process (model/shared.py: a second model
+    of the same tokenizer does not hold the GIL a second for its token trie); a tokenizer with no file (a hub id's
+    AutoTokenizer) gets its own."""
+    key = getattr(tokenizer, "content_key", None)
+    if key is None:
+        return GrammarCompiler(tokenizer, eos_token_ids, cache_dir)
+    key = ("grammar", key, tuple(eos_token_ids), tokenizer.bos_token_id, len(tokenizer))
+    return shared(key, lambda: GrammarCompiler(tokenizer, eos_token_ids, cache_dir))
+
+
 def build_grammars(tokenizer, eos_token_ids: list[int], masks: GrammarMasks, vocab_limit: int, device: torch.device,
                    cache_dir: Path | None) -> GrammarCompiler:
     """The grammar compiler (a second of one core: the vocabulary's token trie, from the token table cached in
@@ -56,7 +68,7 @@ def build_grammars(tokenizer, eos_token_ids: list[int], masks: GrammarMasks, voc
     waits for it (engine/factory.py), so the first request after ready does not. The CPU mask kernel is warmed here too; a GPU's is warmed on the engine thread,
     which owns the device (`warm_up`)."""
     try:
-        compiler = GrammarCompiler(tokenizer, eos_token_ids, cache_dir)
+        compiler = shared_compiler(tokenizer, eos_token_ids, cache_dir)
         if device.type == "cpu":
             masks.apply(torch.zeros(1, vocab_limit), [compiler.json_object().matcher()])
     except Exception as exc:  # a tokenizer llguidance cannot read (e.g. a stand-in): serve without it

@@ -1,9 +1,12 @@
 """Several models behind one server (issue 41): the embedded 270M twice (float32, and int8 with a shorter context)
-and the tiny multimodal model, `router.max_loaded = 2`; one real server process for the whole file, its tests in
+and the tiny multimodal model with a LoRA adapter of its own, `router.max_loaded = 2`; one real server process for the whole file, its tests in
 order (each leaves the server as the next expects: which models are loaded is part of what they check)."""
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import re
 import threading
 import time
@@ -11,9 +14,10 @@ import time
 import httpx
 import openai
 import pytest
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import NO_TIMEOUTS, ServerProcess, user, wait_for
+from conftest import NO_TIMEOUTS, VISION_ADAPTER, ServerProcess, user, wait_for
 
 pytestmark = pytest.mark.slow  # its own server of four models (docs/testing.md: the fast subset starts none)
 
@@ -22,12 +26,16 @@ BIG, SMALL, VISION, BROKEN = "big", "small-int8", "tiny-vision", "broken"
 
 
 @pytest.fixture(scope="module")
-def multi(tiny_vision_dir, tmp_path_factory):
+def multi(tiny_vision_dir, vision_adapter, tmp_path_factory):
     folder = tmp_path_factory.mktemp("multi")
     config, broken = folder / "models.toml", folder / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # passes the start's check; its load fails
+    adapter = json.dumps({"name": VISION_ADAPTER, "path": str(vision_adapter), "base_model_name": VISION})
     config.write_text(f"""
+[lora]
+modules = [{json.dumps(adapter)}]
+
 [router]
 max_loaded = 2
 load_wait = 2
@@ -58,9 +66,13 @@ def client(proc) -> openai.OpenAI:
     return openai.OpenAI(base_url=proc.url + "/v1", api_key=USER, max_retries=0, timeout=300)
 
 
+def cards(proc) -> dict[str, dict]:
+    return {c["id"]: c for c in httpx.get(proc.url + "/v1/models", headers={"Authorization": f"Bearer {USER}"}).json()["data"]}
+
+
 def statuses(proc) -> dict[str, str]:
-    cards = httpx.get(proc.url + "/v1/models", headers={"Authorization": f"Bearer {USER}"}).json()["data"]
-    return {c["id"]: c["status"]["value"] for c in cards}
+    """Each model's (its adapters' cards left out)."""
+    return {name: card["status"]["value"] for name, card in cards(proc).items() if not card.get("parent")}
 
 
 def metric(proc, name: str, model: str, extra: str = "") -> float:
@@ -101,11 +113,13 @@ def test_model_flags_and_tables_give_each_model_its_own_settings(tmp_path):
 
 
 def test_models_lists_every_model_and_only_the_first_is_loaded(multi):
-    cards = {c["id"]: c for c in httpx.get(multi.url + "/v1/models", headers={"Authorization": f"Bearer {USER}"}).json()["data"]}
-    assert list(cards) == [BIG, SMALL, VISION, BROKEN]
-    assert {k: c["status"]["value"] for k, c in cards.items()} == {BIG: "loaded", SMALL: "unloaded", VISION: "unloaded", BROKEN: "unloaded"}
-    assert cards[SMALL]["max_model_len"] == 512 and cards[BIG]["max_model_len"] == 2048
-    assert cards[BIG]["modalities"] == ["text"]
+    listed = cards(multi)
+    assert list(listed) == [BIG, SMALL, VISION, VISION_ADAPTER, BROKEN]  # the adapter is its base's only, listed unloaded
+    assert {k: c["status"]["value"] for k, c in listed.items()} == {
+        BIG: "loaded", SMALL: "unloaded", VISION: "unloaded", VISION_ADAPTER: "unloaded", BROKEN: "unloaded"}
+    assert listed[VISION_ADAPTER]["parent"] == VISION
+    assert listed[SMALL]["max_model_len"] == 512 and listed[BIG]["max_model_len"] == 2048
+    assert listed[BIG]["modalities"] == ["text"]
     with pytest.raises(openai.NotFoundError) as err:
         chat(multi, "no-such-model")
     assert err.value.code == "model_not_found"
@@ -143,14 +157,24 @@ def _stream(proc, model: str, tokens: int, times: list[float], usage: list) -> N
             usage.append(chunk.usage.completion_tokens)
 
 
+def image_request() -> list[dict]:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                          {"type": "image_url", "image_url": {"url": url}}]}]
+
+
 def test_a_third_model_loads_while_another_streams_evicting_the_idle_one(multi):
     times, usage = [], []
     streaming = threading.Thread(target=_stream, args=(multi, BIG, 120, times, usage))
     streaming.start()
     assert wait_for(lambda: len(times) >= 3, 120)
     started = time.monotonic()
-    assert chat(multi, VISION).model == VISION  # loaded now: max_loaded = 2, so the idle int8 one goes
+    # the vision model loaded by an image request (max_loaded = 2, so the idle int8 one goes), answered from the image
+    answer = client(multi).chat.completions.create(model=VISION, messages=image_request(), max_tokens=4, temperature=0)
     ended = time.monotonic()
+    assert answer.model == VISION and answer.usage.prompt_tokens >= 256, answer.usage  # the image's soft tokens counted
     streaming.join()
     assert usage == [120]  # nothing of the running stream lost
     during = [t for t in times if started <= t <= ended]
@@ -194,6 +218,20 @@ def test_load_and_unload_endpoints(multi):
     assert post("/models/load", ADMIN, json={"model": SMALL}).json()["status"] == "loaded"
     assert statuses(multi) == {BIG: "loaded", SMALL: "loaded", VISION: "unloaded", BROKEN: "unloaded"}
     assert httpx.get(multi.url + "/models/load", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 405
+
+
+def test_an_adapter_of_an_unloaded_model_loads_its_base(multi):
+    assert statuses(multi)[VISION] == "unloaded" and cards(multi)[VISION_ADAPTER]["status"]["value"] == "unloaded"
+    answer = client(multi).chat.completions.create(model=VISION_ADAPTER, messages=image_request(), max_tokens=4, temperature=0)
+    assert answer.model == VISION_ADAPTER and answer.choices[0].message.content is not None
+    assert statuses(multi) == {BIG: "unloaded", SMALL: "loaded", VISION: "loaded", BROKEN: "unloaded"}  # the least recently used went
+    assert cards(multi)[VISION_ADAPTER]["status"]["value"] == "loaded" and cards(multi)[VISION_ADAPTER]["parent"] == VISION
+    with pytest.raises(openai.NotFoundError):  # an adapter nobody is configured with: as any unknown name
+        chat(multi, "no-such-adapter")
+    # loaded beside another model, its grammar compiler (a tokenizer of its own) is built at its first structured request
+    answer = client(multi).chat.completions.create(model=VISION, messages=user("A JSON object, please."), max_tokens=24,
+                                                   temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer.choices[0].message.content), dict), answer.choices[0].message.content
 
 
 def test_idle_unload_after_keep_alive_frees_the_memory(multi):

@@ -1,5 +1,6 @@
 """A real two-replica Ray Serve run (`oai-gemma serve --replicas 2`) with the embedded model: one Ray cluster for
-the whole module, each replica one engine on one CPU with a small KV cache."""
+the whole module, each replica one engine on one CPU with a small KV cache; each replica also serves the embedded
+model a second time as `second` (several models, loaded on request)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray.serve", reason="the Ray Serve tests need the `ray` extra")
 
-from conftest import MODEL, ServerProcess, user
+from conftest import MODEL, ServerProcess, user, wait_for
 
 pytestmark = pytest.mark.slow
 
-REPLICA = "x-oai-gemma-replica"
+REPLICA, SECOND = "x-oai-gemma-replica", "second"
 LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log")).with_suffix(".ray.log")
 
 
@@ -29,6 +30,7 @@ LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log"
 def ray_server():
     proc = ServerProcess(
         "--replicas", "2", "--replica-cpus", "1", "--max-num-seqs", "4", "--routing", "prefix", log=LOG,
+        *("--model", f"{MODEL}=embedded", "--model", f"{SECOND}=embedded"),
         env={"RAY_DEDUP_LOGS": "0"},
     )
     with proc:
@@ -120,7 +122,7 @@ def test_metrics_carry_every_replica_with_a_replica_label(ray_server):
         tokens = {
             s.labels["replica"]: s.value
             for f in text_string_to_metric_families(text) if f.name == "oai_gemma:generation_tokens"
-            for s in f.samples
+            for s in f.samples if s.labels["model_name"] == MODEL  # `second`'s series beside it
         }
         if served <= {r for r, v in tokens.items() if v > 0} or time.monotonic() > deadline:
             break
@@ -172,3 +174,21 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost_or_hung(ray_server)
             break
         time.sleep(2)
     assert len(served) == 2
+
+
+def test_models_load_and_unload_reach_every_replica(ray_server):
+    """One replica answers `/models/load`; the others follow the order the ingress leaves in the hub."""
+
+    def loaded() -> dict[str, float]:
+        text = httpx.get(ray_server.url + "/metrics", timeout=30).text
+        return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text) if f.name == "oai_gemma:model_loaded"
+                for s in f.samples if s.labels["model_name"] == SECOND}
+
+    assert wait_for(lambda: len(loaded()) == 2, 120) and set(loaded().values()) == {0.0}
+    answer = httpx.post(ray_server.url + "/models/load", json={"model": SECOND}, timeout=300)
+    assert answer.status_code == 200 and answer.json()["status"] == "loaded", answer.text
+    assert wait_for(lambda: list(loaded().values()) == [1.0, 1.0], 180), loaded()
+    assert httpx.post(ray_server.url + "/models/load", json={"model": "no-such-model"}, timeout=60).status_code == 404
+    answer = httpx.post(ray_server.url + "/models/unload", json={"model": SECOND}, timeout=300)
+    assert answer.status_code == 200 and answer.json()["status"] == "unloaded", answer.text
+    assert wait_for(lambda: list(loaded().values()) == [0.0, 0.0], 180), loaded()

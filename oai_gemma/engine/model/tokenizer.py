@@ -6,12 +6,16 @@ Why not `AutoTokenizer`: for Gemma-3's 33 MB tokenizer.json it parses the file i
 Python over the vocabulary's 6,000-odd added tokens (measured on the busy 2-core machine, one process: 12.8 s the
 Rust parse alone, 32.9 s `AutoTokenizer.from_pretrained`; the same ratio on a quiet one is ~1 s of a warm start).
 A source without a local tokenizer.json (a hub id, a sentencepiece-only model) still goes through AutoTokenizer
-(`load_tokenizer`)."""
+(`load_tokenizer`). The Rust tokenizer of one tokenizer.json content is built once per process (model/shared.py:
+several models, one load not stalling the others' streams); the rest (special tokens, chat template) is each
+directory's own."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from .shared import Holder, file_digest, shared
 
 SPECIAL = ("bos", "eos", "unk", "pad")
 
@@ -24,7 +28,10 @@ class RustTokenizer:
 
         self.source_file = directory / "tokenizer.json"
         """Its file: the key of the grammar engine's cached token table (engine/sampling/token_table.py)."""
-        self.backend_tokenizer = Tokenizer.from_file(str(self.source_file))
+        self.content_key = file_digest(self.source_file)
+        """Its file's content: models with the same one share the Rust tokenizer and the grammar compiler."""
+        self._shared = shared(("tokenizer", self.content_key), lambda: Holder(Tokenizer.from_file(str(self.source_file))))
+        self.backend_tokenizer = self._shared.value
         config_file = directory / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
         for name in SPECIAL:
