@@ -302,7 +302,8 @@ def test_loads_and_unloads_from_many_clients_leave_one_registration_per_name_and
 
     def use(name: str) -> str:
         try:
-            return chat(client, name, max_tokens=1).choices[0].finish_reason
+            # ignore_eos: served means "length" whatever the adapter's first token (a stop token ends it otherwise)
+            return chat(client, name, max_tokens=1, extra_body={"ignore_eos": True}).choices[0].finish_reason
         except openai.NotFoundError:  # unloaded before the route saw it, or after it and before the engine did
             return "gone"
 

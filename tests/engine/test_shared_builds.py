@@ -19,19 +19,19 @@ from oai_gemma.settings import ModelSettings
 
 @pytest.fixture
 def copies(tmp_path) -> tuple[Path, Path, Path]:
-    """The embedded model's tokenizer files twice (the second with its own special tokens' config, as the 1B's
-    differs from the 270M's), and once with a changed tokenizer.json."""
+    """A tokenizer.json of this test's own (the embedded model's plus a token, so no model the session loaded shares
+    it) twice (the second with its own special tokens' config, as the 1B's differs from the 270M's), and once
+    changed (one token more)."""
     source = embedded_model_dir()
     same, other, changed = tmp_path / "same", tmp_path / "other", tmp_path / "changed"
-    for folder in (same, other, changed):
+    data = json.loads((source / "tokenizer.json").read_text())
+    for folder, extra in ((same, ["<only-this-test>"]), (other, ["<only-this-test>"]), (changed, ["<only-this-test>", "<extra>"])):
         folder.mkdir()
-        shutil.copy(source / "tokenizer.json", folder)
+        tokens = [{"id": 262144 + i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                   "normalized": False, "special": True} for i, text in enumerate(extra)]
+        (folder / "tokenizer.json").write_text(json.dumps({**data, "added_tokens": data["added_tokens"] + tokens}))
     shutil.copy(source / "tokenizer_config.json", same)
     (other / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<end_of_turn>"}))
-    data = json.loads((changed / "tokenizer.json").read_text())
-    data["added_tokens"].append({"id": 262144, "content": "<extra>", "single_word": False, "lstrip": False,
-                                 "rstrip": False, "normalized": False, "special": True})
-    (changed / "tokenizer.json").write_text(json.dumps(data))
     return same, other, changed
 
 
@@ -49,9 +49,9 @@ def test_one_tokenizer_content_is_built_once_and_freed_with_its_last_user(copies
 
 
 def test_the_grammar_compiler_is_shared_by_tokenizer_content(copies):
-    _, other, _ = copies
-    cache = ModelSettings().cache_path  # the token tables the server's starts made: no build from the JSON here
-    first, second = RustTokenizer(embedded_model_dir()), RustTokenizer(other)
+    same, other, _ = copies
+    cache = ModelSettings().cache_path
+    first, second = RustTokenizer(same), RustTokenizer(other)  # this test's own content: no other holder
     compiler = shared_compiler(first, [1, 106], cache)
     assert shared_compiler(second, [1, 106], cache) is compiler
     assert compiler.json_object().matcher() is not None
