@@ -16,6 +16,9 @@ from oai_gemma.engine.model.tokenizer import RustTokenizer
 from oai_gemma.engine.warmup import shared_compiler
 from oai_gemma.settings import ModelSettings
 
+# fast subset (issue 36.4): 22 s of tokenizer and token-trie builds; test_multi_model (slow too) shares them through a server
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def copies(tmp_path) -> tuple[Path, Path, Path]:
