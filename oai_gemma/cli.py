@@ -11,7 +11,7 @@ import sys
 import msgspec
 import msgspec.inspect
 
-from .cpu import configure_cpu
+from .cpu import compute_thread, configure_cpu
 from .logs import configure_logging
 from .settings import SECTIONS, ModelSettings, ServerSettings, Settings, field_docs, load_settings, model_source_problem, served_models
 from .version import version_line
@@ -234,7 +234,22 @@ def prepare(args: argparse.Namespace) -> int:
     from .engine.factory import load_engine
     from .engine.sampling.grammar import StructuredOutputUnavailable
 
-    engine = load_engine(settings)
+    # on a compute thread, as `serve` loads: the invariance check's verdict is kept under the thread count that
+    # serving runs with (this thread computes with one), so the first `serve` finds it
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(load_engine(settings))
+        except BaseException as exc:  # raised again below, on this thread
+            outcome.append(exc)
+
+    thread = compute_thread(run, "oai-gemma-prepare")
+    thread.start()
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    engine = outcome[0]
     try:
         engine.grammars  # built in the background after warm-up: wait for it (and its token table)
     except StructuredOutputUnavailable as exc:
