@@ -41,9 +41,9 @@ ROUTERS = {
     "least-ongoing": "oai_gemma.deploy.ray_router:LeastOngoingRouter",
 }
 RETRIES = 3
+"""Tries for a request whose replica died before sending anything (the router may still list the dead one)."""
 ORDERS = {("POST", "/models/load"): "load", ("POST", "/models/unload"): "unload"}
 """Requests that one replica answers and every replica then carries out (ray_metrics.py's hub keeps the order)."""
-"""Tries for a request whose replica died before sending anything (the router may still list the dead one)."""
 
 
 class Lifespan:

@@ -55,12 +55,10 @@ class _DotLinear(QuantizedLinear):
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             for name, t in cls(rows(lo, hi)).tensors().items():
-                def at(row: int) -> int:  # a field's first dimension: one entry a row (scale) or a group of 8 (packed)
-                    return row * t.shape[0] // (hi - lo)
-
+                per = (hi - lo) // t.shape[0]  # rows one entry of the field stands for: 1 (a scale) or 8 (packed)
                 if name not in whole:
-                    whole[name] = torch.empty((at(n), *t.shape[1:]), dtype=t.dtype)
-                whole[name][at(lo) : at(hi)] = t
+                    whole[name] = torch.empty((n // per, *t.shape[1:]), dtype=t.dtype)
+                whole[name][lo // per : hi // per] = t
         return cls.from_tensors(whole)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
