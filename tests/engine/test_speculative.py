@@ -150,14 +150,13 @@ def test_drafts_right_or_wrong_give_the_tokens_of_plain_decoding(params):
 def test_verified_sampling_keeps_the_target_distribution():
     """Chi-square of the first two emitted tokens over 6,000 draws against the target's own distribution, with
     a draft that is likely, and a penalty that makes the second position depend on the first draft."""
-    torch.manual_seed(0)
     row0, row1 = torch.tensor([1.0, 2.0, 0.5, 0.0, -1.0, 1.5]), torch.tensor([0.3, 0.2, 2.0, 1.0, 0.0, -0.5])
     params = {"temperature": 1.0, "presence_penalty": 1.0}
     speculator = Speculator(SpeculativeConfig())
     draws = 200
     firsts, seconds = torch.zeros(VOCAB), torch.zeros(VOCAB)
-    for _ in range(30):
-        seqs = [sequence(prompt=(3,), **params) for _ in range(draws)]
+    for r in range(30):  # seeded: an unseeded request draws from the OS, and 1 run in 1,000 fails a p = 0.001 test
+        seqs = [sequence(prompt=(3,), seed=r * draws + i, **params) for i in range(draws)]
         for seq in seqs:
             seq.output_ids, seq.draft = [3], [1, 2]
         logits = torch.stack([row0, row1, row1] * draws)
