@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from ..cpu import compute_thread
+from ..cpu import TURNS, compute_thread
 from ..engine.cache.memory import release_free_memory, resident_bytes
 from ..engine.config import LoraModule, parse_module
 from ..engine.engine import Engine
@@ -149,7 +149,7 @@ class ModelRouter:
             engine = load_engine(slot.settings, grammars=not beside)
             return engine, Services.build(engine, slot.settings, self.store)
 
-        try:  # beside loaded models a load computes on one thread, so their steps keep the cores
+        try:  # beside loaded models a load computes on one thread, in turns with their steps (cpu.Turns)
             engine, services = await _in_thread(build, one_thread=beside)
         finally:
             slot.loading = False
@@ -268,7 +268,8 @@ def _in_thread(work: Callable, one_thread: bool) -> asyncio.Future:
 
             torch.set_num_threads(1)
         try:
-            outcome, error = work(), None
+            with TURNS.load():  # loaded models' steps and this load's units of work take turns on the cores
+                outcome, error = work(), None
         except BaseException as exc:  # noqa: BLE001  (handed to the awaiting request)
             outcome, error = None, exc
         loop.call_soon_threadsafe(_settle, future, outcome, error)

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..cpu import STEP_TURNS, compute_thread
+from ..cpu import TURNS, compute_thread
 from .sampling.detokenizer import IncrementalDetokenizer, StopMatcher
 from .sampling.grammar import GrammarMasks
 from .model.loader import LoadedModel
@@ -162,7 +162,7 @@ class EngineCore:
                     # included): only a message can change that, so sleep until one comes
                     self._take_inbox(block=not stepped)
                     if self._busy():
-                        with STEP_TURNS:  # one engine steps at a time: torch's threads serve the whole process
+                        with TURNS.step():  # one engine steps at a time: torch's threads serve the whole process
                             stepped = self._step()
                     else:
                         stepped = False

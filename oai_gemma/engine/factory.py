@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from ..cpu import compute_thread_count
+from ..cpu import TURNS, compute_thread_count
 from ..settings import EMBEDDED, Settings
 from ..version import provenance, version_line
 from .cache.kv_cache import BLOCK_SIZE, KVCache
@@ -68,7 +68,9 @@ def load_engine(settings: Settings, grammars: bool = True) -> Engine:
     # 200, or the first request after it would wait that long; a tokenizer it cannot read was logged, and is no error
     if grammars:
         engine.build_grammars().exception()
+    TURNS.offer()  # beside streaming models, each of these steps is a unit of the load's work (cpu.Turns)
     release_free_memory()  # warm-up's activations
+    TURNS.offer()
     runner = engine.core.runner
     phases = {"load": loaded_at - started, **runner.timings, "warm-up": warmed_at - built_at,
               "grammar compiler": time.monotonic() - warmed_at}

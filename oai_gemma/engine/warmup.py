@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..cpu import TURNS
 from .model.shared import shared
 from .sampling.grammar import GrammarCompiler, GrammarMasks, StructuredOutputUnavailable
 from .sequence import StepItem
@@ -42,6 +43,7 @@ def warm_up(core: EngineCore, grammars: Callable[[], GrammarCompiler]) -> None:
             RowRandom(1),
         ),
     ]
+    TURNS.offer()  # (each layer, MLP call and lm_head call above a unit of a load's work too: cpu.Turns)
     sample_with_logprobs(logits[:1].repeat(2, 1), rows, core.limits.eos_token_ids)
     if runner.device.type != "cpu":  # a GPU's mask kernel compiles on its first call: pay that before ready
         try:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ...cpu import TURNS
 from ..ops import native
 from ..ops.fused import projections
 
@@ -157,7 +158,9 @@ def post_attention(hidden, attn, w: LayerWeights, eps: float, linear=F.linear):
     """Output projection, residuals and the gated-GELU MLP of one layer."""
     hidden, x = residual_norm(hidden, linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps,
                               w.pre_feedforward_norm)
+    TURNS.offer()  # the MLP's calls are units of a load's warm-up too (cpu.Turns; a no-op on an engine's thread)
     gate, up = projections(linear, x, (w.gate, w.up))
+    TURNS.offer()
     mlp = linear(_gelu_times(gate, up), w.down)
     return residual_norm(hidden, mlp, w.post_feedforward_norm, eps)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ...cpu import TURNS
 from ..ops.linear import FrozenLinear
 from ..ops.choice import linear_for
 from ..ops.quantized import PerStepLinear
@@ -75,6 +76,10 @@ class Layout:
         return linear
 
 
+READ_BYTES = 16 * 2**20
+"""The most `read_rows` reads in one call (a few ms of copying)."""
+
+
 def chunk_rows(in_features: int) -> int:
     """Rows per chunk: a multiple of 16 (every int8 layout's row group), about CHUNK_BYTES of float32."""
     return max(16, CHUNK_BYTES // (4 * in_features) // 16 * 16)
@@ -82,11 +87,13 @@ def chunk_rows(in_features: int) -> int:
 
 def read_rows(fd: int, offset: int, count: int) -> torch.Tensor:
     """`count` bytes of an open file from `offset` into a fresh (aligned) uint8 tensor: read, not mapped, so the file's
-    pages never count in this process's resident memory."""
+    pages never count in this process's resident memory. Read READ_BYTES at a time, each a unit of a load's work
+    (`cpu.Turns`: streaming models may step between two; a q8 lm_head of 262k rows is 300 MB in one tensor)."""
     buffer = torch.empty(count, dtype=torch.uint8)
     view, done = memoryview(buffer.numpy()), 0
     while done < count:
-        got = os.preadv(fd, [view[done:]], offset + done)
+        TURNS.offer()
+        got = os.preadv(fd, [view[done : done + READ_BYTES]], offset + done)
         if got <= 0:
             raise OSError(f"short read at byte {offset + done}")
         done += got

@@ -28,6 +28,7 @@ from .loader import LoadedModel
 from .streamed import from_safetensors
 from .vision_weights import image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
+from ...cpu import TURNS
 from ..ops.fused import fuse_layers
 from ..ops.invariance import PROMPT_KERNEL_TOKENS, Invariance, RoleLinear, TiledLinear, tiled
 from ..ops.linear import FrozenLinear, call_linear
@@ -255,6 +256,7 @@ class ModelRunner:
             batch.prefills, batch.decodes, self.lora, self.lora_names, hidden.device, exact=self.invariance is not None,
         )
         for li in range(len(self.weights)) if layers is None else layers:
+            TURNS.offer()  # a layer is a unit of a load's warm-up (cpu.Turns; a no-op on an engine's thread)
             w = self.weights[li]
             device = self.layer_devices[li]
             if hidden.device != device:  # device_map="auto": the next layer is on another GPU
@@ -319,6 +321,7 @@ class ModelRunner:
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of last-layer hidden states [rows, hidden] (at most the largest row bucket).
         The rows are padded to a row bucket: the lm_head runs only at the shapes warm-up compiled."""
+        TURNS.offer()  # the lm_head is a unit of a load's warm-up too
         wanted = hidden.shape[0]
         padded = bucket(wanted, self.logits_buckets)
         if padded > wanted:

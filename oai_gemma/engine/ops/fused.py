@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ...cpu import TURNS
 from .int_dot import Q4Linear, Q8Linear
 from .quantized import KERNEL_ROWS, NativeInt8Linear
 
@@ -62,6 +63,7 @@ def fuse_layers(layers) -> int:
     fused = 0
     for w in layers:
         for names in (("q", "k", "v"), ("gate", "up")):
+            TURNS.offer()  # a group is a unit of a load's work (cpu.Turns)
             parts = [getattr(w, name) for name in names]
             if type(parts[0]) in FUSES and all(type(p) is type(parts[0]) for p in parts):
                 Fused(parts)  # the parts read the same rows: the same inputs

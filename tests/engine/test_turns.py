@@ -1,0 +1,133 @@
+"""`cpu.Turns`: engines' steps and a load take the cores in turns, in arrival order; a load hands them over at its
+`offer`s (issue 41: a model loading beside streaming ones). Orders of events, no timings."""
+
+import threading
+import time
+
+from oai_gemma.cpu import Turns
+
+
+def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.001)
+
+
+def step_thread(turns: Turns, events: list, name: str, steps: int = 1) -> threading.Thread:
+    """An engine thread stepping `steps` times back to back (nothing between its turns, as the engine loop)."""
+    def run() -> None:
+        for i in range(steps):
+            with turns.step():
+                events.append(f"{name}{i}")
+
+    return threading.Thread(target=run)
+
+
+def test_a_load_hands_the_cores_to_a_waiting_step_at_an_offer_and_gets_them_back():
+    turns, events = Turns(), []
+    step = step_thread(turns, events, "step")
+
+    def load() -> None:
+        with turns.load():
+            events.append("unit 1")
+            step.start()
+            until(lambda: turns.waiting == 1)
+            turns.offer()  # the last step took 0 s: its share is spent
+            events.append("unit 2")
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    step.join()
+    assert events == ["unit 1", "step0", "unit 2"]
+
+
+def test_a_load_keeps_the_cores_until_its_share_of_a_step_is_spent_or_while_nothing_waits():
+    turns, events = Turns(), []
+    turns.step_seconds = 3600.0  # a load's turn may last half an hour
+    step = step_thread(turns, events, "step")
+
+    def load() -> None:
+        with turns.load():
+            turns.offer()  # nothing waits
+            events.append("unit 1")
+            step.start()
+            until(lambda: turns.waiting == 1)
+            turns.offer()  # a step waits, but the share is not spent
+            events.append("unit 2")
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    step.join()
+    assert events == ["unit 1", "unit 2", "step0"]
+
+
+def test_a_step_that_asks_again_at_once_goes_behind_a_waiting_load():
+    """A FIFO, not a lock: an engine stepping back to back would take a lock again before the load's thread woke."""
+    turns, events = Turns(), []
+    gate = threading.Event()
+
+    def run() -> None:
+        with turns.step():
+            events.append("step0")
+            gate.wait()
+        for i in (1, 2):
+            with turns.step():
+                events.append(f"step{i}")
+
+    def load() -> None:
+        with turns.load():
+            events.append("load")
+
+    engine, loader = threading.Thread(target=run), threading.Thread(target=load)
+    engine.start()
+    until(lambda: events == ["step0"])
+    loader.start()
+    until(lambda: turns.waiting == 1)
+    gate.set()
+    engine.join()
+    loader.join()
+    assert events == ["step0", "load", "step1", "step2"]
+
+
+def test_two_engines_stepping_back_to_back_alternate():
+    turns, events = Turns(), []
+    gate = threading.Event()
+
+    def first() -> None:
+        with turns.step():
+            gate.wait()
+        for i in range(3):
+            with turns.step():
+                events.append(f"a{i}")
+
+    engines = [threading.Thread(target=first), step_thread(turns, events, "b", 3)]
+    engines[0].start()
+    until(lambda: turns.waiting == 0 and turns._serving == 0 and turns._next == 1)
+    engines[1].start()
+    until(lambda: turns.waiting == 1)
+    gate.set()
+    for engine in engines:
+        engine.join()
+    assert events == ["b0", "a0", "b1", "a1", "b2", "a2"]
+
+
+def test_an_offer_off_the_loading_thread_does_nothing():
+    turns, events = Turns(), []
+    holding, release = threading.Event(), threading.Event()
+
+    def load() -> None:
+        with turns.load():
+            holding.set()
+            release.wait()
+            events.append("load")
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    holding.wait()
+    turns.offer()  # this thread loads nothing: no turn given or taken (it would wait for ever for one)
+    release.set()
+    loader.join()
+    assert events == ["load"] and turns.waiting == 0
