@@ -123,6 +123,22 @@ class Turns:
             self._loader = None
             self._give()
 
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """A stretch of a load with no units to yield between (imports, the source's config and tokenizer, a native
+        kernel's compile, the invariance check's timed runs): run beside the steps, as before turns, rather than stall
+        them for its length (a no-op on any other thread)."""
+        if threading.get_ident() != self._loader:
+            yield
+            return
+        self._loader = None
+        self._give()
+        try:
+            yield
+        finally:
+            self._take()
+            self._loader = threading.get_ident()
+
     def offer(self) -> None:
         """Between two units of a load's work (a no-op on any other thread): hand the cores over to the steps waiting
         once this turn has lasted its share, then wait for the next turn."""

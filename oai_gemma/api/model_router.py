@@ -147,7 +147,8 @@ class ModelRouter:
             # trie holds the GIL for seconds (where a model of the same tokenizer has one, that request finds it built,
             # engine/model/shared.py)
             engine = load_engine(slot.settings, grammars=not beside)
-            return engine, Services.build(engine, slot.settings, self.store)
+            with TURNS.aside():
+                return engine, Services.build(engine, slot.settings, self.store)
 
         try:  # beside loaded models a load computes on one thread, in turns with their steps (cpu.Turns)
             engine, services = await _in_thread(build, one_thread=beside)

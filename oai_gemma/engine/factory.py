@@ -53,9 +53,10 @@ def load_engine(settings: Settings, grammars: bool = True) -> Engine:
     log.info("%s", version_line())
     log.info("start-up: %s; /health answers 503 until ready", start_plan(settings.model))
     started = time.monotonic()
-    loaded = load(settings.model, lean=True, stream=True)  # the text weights read later, one tensor at a time
-    loaded_at = time.monotonic()
-    machine = probe(settings, loaded)
+    with TURNS.aside():  # beside streaming models: no unit of work in it to hand their steps the cores between
+        loaded = load(settings.model, lean=True, stream=True)  # the text weights read later, one tensor at a time
+        loaded_at = time.monotonic()
+        machine = probe(settings, loaded)
     log.info("CPU kernels: torch %s, native %s", provenance()["cpu_capability"], machine.kernel_isa)
     engine = build_engine(loaded, resolve(settings, machine), own_weights=True)  # nothing else uses this model: one copy of its weights
     loaded_peak = resident_bytes("VmHWM")
@@ -117,7 +118,8 @@ def build_engine(loaded: LoadedModel, config: EngineConfig, own_weights: bool = 
     started = time.monotonic()
     weights = load_weights(loaded, config.model, own_weights)
     measured = time.monotonic()
-    invariance, cost = measure_invariance(weights, config)
+    with TURNS.aside():  # timed runs (cached after the first): none of their time handed over
+        invariance, cost = measure_invariance(weights, config)
     config = replace(config, model=replace(config.model, batch_invariant="on" if invariance is not None else "off"))
     log.info("engine config: %s", json.dumps(config.as_dict()))
     runner = ModelRunner(weights, config, loaded.model, invariance)

@@ -131,3 +131,26 @@ def test_an_offer_off_the_loading_thread_does_nothing():
     release.set()
     loader.join()
     assert events == ["load"] and turns.waiting == 0
+
+
+def test_a_load_steps_aside_for_a_stretch_with_no_units_and_takes_a_turn_again_after():
+    turns, events = Turns(), []
+    turns.step_seconds = 3600.0  # no offer would hand the cores over
+    step = step_thread(turns, events, "step")
+    aside = threading.Event()
+
+    def load() -> None:
+        with turns.load():
+            step.start()
+            until(lambda: turns.waiting == 1)
+            with turns.aside():  # the step runs meanwhile
+                aside.set()
+                until(lambda: events == ["step0"])
+                events.append("aside")
+            events.append("unit")
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    step.join()
+    assert aside.is_set() and events == ["step0", "aside", "unit"] and turns.waiting == 0
