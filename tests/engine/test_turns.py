@@ -154,3 +154,22 @@ def test_a_load_steps_aside_for_a_stretch_with_no_units_and_takes_a_turn_again_a
     loader.join()
     step.join()
     assert aside.is_set() and events == ["step0", "aside", "unit"] and turns.waiting == 0
+
+
+def test_a_read_in_many_units_reads_the_same_bytes(tmp_path, monkeypatch):
+    """`read_rows` reads READ_BYTES at a time (a unit of a load each, so a 300 MB lm_head is no single stall)."""
+    import os
+
+    from oai_gemma.engine.model import layout
+
+    data = os.urandom(1000)
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setattr(layout, "READ_BYTES", 7)
+    offers = []
+    monkeypatch.setattr(layout.TURNS, "offer", lambda: offers.append(1))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert bytes(layout.read_rows(fd, 3, 990).numpy()) == data[3:993]
+    finally:
+        os.close(fd)
+    assert len(offers) == 142  # ceil(990 / 7)
