@@ -30,6 +30,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from ...cpu import TURNS
 from . import native
 from .native import woq_int8_linear
 
@@ -189,7 +190,10 @@ class NativeInt8Linear(RowsQuantized):
         at a time (one copy of each weight: the float32 tile is the only other, issue 37)."""
         x, n = x.float(), self.scale.numel()
         step = max(self.GROUP, DEQUANTIZE_BYTES // (4 * x.shape[1]) // self.GROUP * self.GROUP)
-        parts = [F.linear(x, self.dequantized(lo, min(n, lo + step))).to(out_dtype) for lo in range(0, n, step)]
+        parts = []
+        for lo in range(0, n, step):
+            TURNS.offer()  # a tile is a unit of a load's warm-up (cpu.Turns; a no-op on an engine's thread)
+            parts.append(F.linear(x, self.dequantized(lo, min(n, lo + step))).to(out_dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
