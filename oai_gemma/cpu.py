@@ -88,8 +88,8 @@ class Turns:
     A step is one turn. A load holds a turn while it loads, and at each `offer` between two units of its work
     (a tensor read, a layer fused, a warm-up step) it hands the cores over to the steps waiting, once its turn has
     lasted `LOAD_SHARE` of the last step: beside streaming models each of their steps waits at most that long and
-    the unit in progress (the longest measured on the 1B: a 128-token MLP call of its warm-up, ~0.1 s at one
-    thread), while the load gets about a third of the time. A FIFO of tickets, not a lock: an engine that releases
+    the unit in progress (the 1B's longest: a tile of a 128-token MLP call of its warm-up, under 0.09 s of one
+    core), while the load gets about a third of the time. A FIFO of tickets, not a lock: an engine that releases
     a lock takes it again before a waiting thread wakes. The load computes on one thread even in its turn: a second
     OpenMP team in the process makes every team's waiting workers sleep at once (see this module's docstring)."""
 
