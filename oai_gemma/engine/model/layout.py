@@ -20,6 +20,7 @@ import os
 import re
 import struct
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,11 @@ class Layout:
         """The linear of weight `name` ([out, in] = `shape`), from its `stored` tensors (the cache) or its rows."""
         kind = self.kind(name)
         if kind is None:
-            return FrozenLinear(rows(0, shape[0]).to(self.dtype))
+            weight = rows(0, shape[0]).to(self.dtype)
+            # packing is one oneDNN call: a large weight's (the lm_head's, seconds) runs beside streaming models' steps
+            # rather than stall them for its length (cpu.Turns)
+            with TURNS.aside() if weight.numel() * weight.element_size() > ASIDE_BYTES else nullcontext():
+                return FrozenLinear(weight)
         if stored is not None:
             linear = kind.from_tensors(stored)
         elif hasattr(kind, "from_rows"):
@@ -76,6 +81,8 @@ class Layout:
         return linear
 
 
+ASIDE_BYTES = 64 * 2**20
+"""A float weight packed beside streaming models' steps from this size on (`Layout.make`)."""
 READ_BYTES = 16 * 2**20
 """The most `read_rows` reads in one call (a few ms of copying)."""
 
