@@ -69,20 +69,19 @@ def load_engine(settings: Settings, grammars: bool = True) -> Engine:
     # 200, or the first request after it would wait that long; a tokenizer it cannot read was logged, and is no error
     if grammars:
         engine.build_grammars().exception()
-    TURNS.offer()  # beside streaming models, each of these steps is a unit of the load's work (cpu.Turns)
-    release_free_memory()  # warm-up's activations
-    TURNS.offer()
-    runner = engine.core.runner
-    phases = {"load": loaded_at - started, **runner.timings, "warm-up": warmed_at - built_at,
-              "grammar compiler": time.monotonic() - warmed_at}
-    log.info("start-up phases: %s", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
-    total, weights, kv = resident_bytes(), engine.weight_bytes, runner.cache.resident_bytes()
-    log.info(
-        "resident memory: %.0f MB (weights %.0f, KV cache %.0f of %.0f allocated, other %.0f: runtime, tokenizer, "
-        "grammar, activations); weights quantized: %s; peak %.0f MB while loading, %.0f MB by the end of warm-up",
-        total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB, (total - weights - kv) / MB, runner.quantization,
-        loaded_peak / MB, resident_bytes("VmHWM") / MB,
-    )
+    with TURNS.aside():  # memory given back and counted: no unit of work to hand streaming models' steps the cores between
+        release_free_memory()  # warm-up's activations
+        runner = engine.core.runner
+        phases = {"load": loaded_at - started, **runner.timings, "warm-up": warmed_at - built_at,
+                  "grammar compiler": time.monotonic() - warmed_at}
+        log.info("start-up phases: %s", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+        total, weights, kv = resident_bytes(), engine.weight_bytes, runner.cache.resident_bytes()
+        log.info(
+            "resident memory: %.0f MB (weights %.0f, KV cache %.0f of %.0f allocated, other %.0f: runtime, tokenizer, "
+            "grammar, activations); weights quantized: %s; peak %.0f MB while loading, %.0f MB by the end of warm-up",
+            total / MB, weights / MB, kv / MB, runner.cache.nbytes / MB, (total - weights - kv) / MB, runner.quantization,
+            loaded_peak / MB, resident_bytes("VmHWM") / MB,
+        )
     return engine
 
 

@@ -61,11 +61,11 @@ class Layout:
         """The linear of weight `name` ([out, in] = `shape`), from its `stored` tensors (the cache) or its rows."""
         kind = self.kind(name)
         if kind is None:
-            weight = rows(0, shape[0]).to(self.dtype)
-            # packing is one oneDNN call: a large weight's (the lm_head's, seconds) runs beside streaming models' steps
-            # rather than stall them for its length (cpu.Turns)
-            with TURNS.aside() if weight.numel() * weight.element_size() > ASIDE_BYTES else nullcontext():
-                return FrozenLinear(weight)
+            # a cast and a pack of the whole weight, one call each: a large weight's (the lm_head's, seconds) run beside
+            # streaming models' steps rather than stall them for their length (cpu.Turns)
+            large = shape[0] * shape[1] * self.dtype.itemsize > ASIDE_BYTES
+            with TURNS.aside() if large else nullcontext():
+                return FrozenLinear(rows(0, shape[0]).to(self.dtype))
         if stored is not None:
             linear = kind.from_tensors(stored)
         elif hasattr(kind, "from_rows"):
