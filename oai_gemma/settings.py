@@ -39,7 +39,7 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
-    quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4", "q4-mix"] = "auto"
     """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/ops/quantized.py),
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.
