@@ -2,10 +2,12 @@
 measure random-weight checkpoints allow (their distributions are flat, so perplexity says nothing; the ratio of two
 layouts' errors does). Each layout runs every call through its kernels (batch-invariant mode: the prefill chunks
 too, activations quantized as a decode step's are). A layout is a `model.quantization` value (`int8`, `q4`, ...)
-of `--model-dir`, or another checkpoint directory read as float32 `none` (llama.cpp's GGUF dequantized to float32,
-tests/.. or `benchmarks/logit_error.py --dequantize FILE.gguf DIR`: its weight quantization alone, as ours).
+of `--model-dir`, or another checkpoint directory read as float32 `none` (llama.cpp's GGUF dequantized to float32
+by `--dequantize FILE.gguf DIR`: its weight quantization alone, as ours is measured).
 
-    python benchmarks/logit_error.py --model-dir ~/.cache/oai-gemma-bench/gemma-3-1b-random int8 q4 /tmp/q4km-1b
+    C=~/.cache/oai-gemma-bench/gemma-3-1b-random
+    python benchmarks/logit_error.py --model-dir $C --reference /tmp/ref-1b.pt \
+        --dequantize $C/gguf/gemma-3-1b-random-q4_k_m.gguf /tmp/q4km-1b /tmp/q4km-1b int8 q4 q4-mix
 
 Mean KL divergence (float32 || layout, nats a position), RMS and largest logit difference, top-1 agreement;
 the first layout is the one the others' ratios are taken against. docs/engine.md, "Quality at the 1B shape".
