@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -97,15 +98,38 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.stop(wait=False)
 
-    def stop(self) -> None:
-        self.proc.terminate()
+    def stop(self, wait: bool = True) -> None:
+        """SIGTERM, and SIGKILL if it has not exited 20 s later. `wait=False` (leaving a `with` block, a shared
+        server's eviction): the wait is on a thread, so the next test need not wait out a process's exit (1-2 s
+        of freeing a model each); the session waits for every one at its end (`pytest_sessionfinish`). A test
+        that needs the process gone (a restart on the same store) calls `stop()`."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        if wait:
+            self._reap()
+        else:
+            thread = threading.Thread(target=self._reap, name=f"stop-{self.port}")
+            thread.start()
+            _EXITING.append(thread)
+        self.log.close()  # the process writes through its own descriptor until it exits
+
+    def _reap(self) -> None:
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.log.close()
+            self.proc.wait()
+
+
+_EXITING: list[threading.Thread] = []
+"""Servers stopped without waiting (`ServerProcess.stop(wait=False)`), still exiting."""
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for thread in _EXITING:
+        thread.join()
 
 
 class SharedServers:
@@ -130,7 +154,7 @@ class SharedServers:
             self.running.move_to_end(key)
             return self.running[key]
         while len(self.running) >= self.KEEP:
-            self.running.popitem(last=False)[1].stop()
+            self.running.popitem(last=False)[1].stop(wait=False)
         proc = ServerProcess(*extra, env=env, launcher=launcher, log=self.logs / f"{name}-{len(self.started)}.log")
         self.running[key] = proc.__enter__()
         self.started.append(key)
@@ -138,7 +162,7 @@ class SharedServers:
 
     def close(self) -> None:
         while self.running:
-            self.running.popitem()[1].stop()
+            self.running.popitem()[1].stop(wait=False)
 
 
 @pytest.fixture(scope="session")
