@@ -128,6 +128,8 @@ _EXITING: list[threading.Thread] = []
 
 
 def pytest_sessionfinish(session, exitstatus):
+    for proc in _EARLY.values():  # started early, and no test got to use it (a failure with -x, an interrupt)
+        proc.stop()
     for thread in _EXITING:
         thread.join()
 
@@ -172,9 +174,28 @@ def shared_servers(tmp_path_factory):
     servers.close()
 
 
+_EARLY: dict[str, ServerProcess] = {}
+"""The session server, started when collection showed a test will use it (`pytest_collection_modifyitems`)."""
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselected what they deselect
+def pytest_collection_modifyitems(session, config, items):
+    """The session server starts loading as soon as the run is known to need it: its start (about 11 s of CPU over
+    14 s on 2 idle cores, most of a core idle) overlaps the tests that run before its first user, often other
+    servers' starts, instead of following them."""
+    if not config.option.collectonly and any(_uses_the_session_server(item) for item in items):
+        _EARLY["server"] = ServerProcess()
+
+
+def _uses_the_session_server(item) -> bool:
+    """The `server` fixture here, not a module's own of that name (tests/chat/test_images.py's, LoRA's, ...)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("server")
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
+
 @pytest.fixture(scope="session")
 def server():
-    with ServerProcess() as proc:
+    with _EARLY.pop("server", None) or ServerProcess() as proc:
         yield proc
 
 
