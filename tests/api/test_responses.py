@@ -392,25 +392,18 @@ def test_store_survives_a_restart_and_keys_never_read_each_other(tmp_path):
     def clients(url):
         return [openai.OpenAI(base_url=url + "/v1", api_key=k, max_retries=0, timeout=120) for k in ("key-a", "key-b")]
 
-    # the restarted server loads while the first one serves: it opens the store at its first request (the store
-    # connects lazily), after the first one has exited
-    restarted = ServerProcess(env=env, log=tmp_path / "restarted.log")
-    try:
-        with ServerProcess(env=env, log=log) as server:
-            a, b = clients(server.url)
-            first = a.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4)
-            with pytest.raises(openai.NotFoundError):
-                b.responses.retrieve(first.id)
-            with pytest.raises(openai.NotFoundError):
-                b.responses.delete(first.id)
-            with pytest.raises(openai.BadRequestError):
-                b.responses.create(model=MODEL, input="And?", previous_response_id=first.id, max_output_tokens=4)
-            second = a.responses.create(model=MODEL, input="Say bye.", max_output_tokens=4)
-            server.stop()  # gone before the next one opens the store (leaving the block would not wait)
-    except BaseException:
-        restarted.stop()
-        raise
-    with restarted as server:
+    with ServerProcess(env=env, log=log) as server:
+        a, b = clients(server.url)
+        first = a.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.delete(first.id)
+        with pytest.raises(openai.BadRequestError):
+            b.responses.create(model=MODEL, input="And?", previous_response_id=first.id, max_output_tokens=4)
+        second = a.responses.create(model=MODEL, input="Say bye.", max_output_tokens=4)
+        server.stop()  # gone before the next one opens the store (leaving the block would not wait)
+    with ServerProcess(env=env, log=log) as server:
         a, b = clients(server.url)
         assert a.responses.retrieve(first.id).output_text == first.output_text
         assert a.responses.retrieve(second.id).output_text == second.output_text
