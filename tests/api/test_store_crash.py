@@ -84,34 +84,22 @@ def test_sigkill_during_a_burst_of_stored_responses_loses_no_completed_response(
     rng = random.Random(29)
     completed: dict[str, dict] = {}
     unfinished: set[str] = set()
-
-    def start(kill: int) -> ServerProcess:
-        return ServerProcess(*SMALL, env={"OAI_GEMMA_RESPONSES__STORE_PATH": str(store), **NO_TIMEOUTS}, log=tmp_path / f"server-{kill}.log")
-
-    # each round's server loads while the round before runs (start-up is most of a round): it opens the store at its
-    # first request (the store connects lazily), which comes after the kill, so each round still opens a crashed store
-    following = start(0)
-    try:
-        for kill in range(KILLS):
-            server, following = following, None
-            with server:
-                following = start(kill + 1) if kill + 1 < KILLS else None
-                check_store(server.url, completed, unfinished)
-                burst = Burst(server.url, kill)
-                deadline = time.monotonic() + 900  # a shared, busy CPU may take minutes over the first one
-                while not burst.completed and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                time.sleep(rng.uniform(0.0, 2.0))  # a random moment in the burst
-                server.proc.kill()
-                server.proc.wait()
-                burst.join()
-            assert burst.completed, "no response completed before the kill"
-            assert integrity(store) == "ok"
-            completed.update(burst.completed)
-            unfinished |= burst.created - burst.completed.keys()
-    finally:
-        if following is not None:
-            following.stop()
+    for kill in range(KILLS):
+        server = ServerProcess(*SMALL, env={"OAI_GEMMA_RESPONSES__STORE_PATH": str(store), **NO_TIMEOUTS}, log=tmp_path / f"server-{kill}.log")
+        with server:
+            check_store(server.url, completed, unfinished)
+            burst = Burst(server.url, kill)
+            deadline = time.monotonic() + 900  # a shared, busy CPU may take minutes over the first one
+            while not burst.completed and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 2.0))  # a random moment in the burst
+            server.proc.kill()
+            server.proc.wait()
+            burst.join()
+        assert burst.completed, "no response completed before the kill"
+        assert integrity(store) == "ok"
+        completed.update(burst.completed)
+        unfinished |= burst.created - burst.completed.keys()
     with sqlite3.connect(store) as db:  # the last round, read directly (no server start needed)
         stored = dict(db.execute("SELECT id, response FROM responses").fetchall())
     for response_id, response in completed.items():
