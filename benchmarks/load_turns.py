@@ -40,7 +40,8 @@ def main() -> None:
     from oai_gemma.engine.factory import load_engine
     from oai_gemma.engine.sequence import StepItem
 
-    runner = load_engine(models["first"][0]).core.runner
+    first = load_engine(models["first"][0])  # kept: the second shares its tokenizer, as beside a loaded model
+    runner = first.core.runner
     scratch, stop, ends = [runner.cache.scratch] * 8, threading.Event(), []
 
     def steps() -> None:
