@@ -39,17 +39,19 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
-    quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4", "q4-mix"] = "auto"
     """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/ops/quantized.py),
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.
     `per-step`: bf16 only, each linear kept twice, int8 for steps of few rows (native kernel) and packed bf16 for
-    the others, chosen per step by its row count. `auto`: where the project's native kernel compiles, `int8` if
-    the CPU computes in float32 (faster at every load there, +0.5% perplexity) and `per-step` if in bf16; else
-    `none`. `q8`: every linear int8 x int8 (activations quantized per block of 32 in the kernel, integer dot
-    products: faster from a few rows on); `q4`: the projections in 4-bit blocks of 32 (GGUF's Q4_0, fewer bytes
-    per token) and the lm_head as `q8` (both need the native kernels). docs/engine.md, "Weight-only quantized
-    weights" and "Integer dot products"."""
+    the others, chosen per step by its row count. `auto`: where the project's native kernel compiles, if the CPU
+    computes in float32 `q4-mix` for models of hidden size 1152 or more (gemma-3-1b and larger; where the integer
+    kernels run) and `int8` below (+0.5% perplexity), and `per-step` if in bf16; else `none`. `q8`: every linear
+    int8 x int8 (activations quantized per block of 32 in the kernel, integer dot products: faster from a few rows
+    on); `q4`: the projections in 4-bit blocks of 32 (GGUF's Q4_1, fewer bytes per token) and the lm_head as `q8`;
+    `q4-mix`: `q4` with v and down as `q8` in llama.cpp's Q4_K_M `use_more_bits` layers (all three need the
+    native kernels). docs/engine.md, "Weight-only quantized weights", "Integer dot products" and "Quality at the
+    1B shape"."""
     compile: Literal["auto", "on", "off"] = "auto"
     """`auto`: compile the decode step on GPU only (on this CPU it did not pay, see docs/engine.md)."""
     cache_dir: str = ""

@@ -84,7 +84,7 @@ class Machine:
     """Why the native int8 kernel (engine/ops/native) cannot run here, built into `native_dir`; None: it runs."""
     native_dir: Path | None = None
     int_dot_missing: str | None = None
-    """Why the integer dot-product kernels (`model.quantization` q8, q4) cannot run here; None: they run."""
+    """Why the integer dot-product kernels (`model.quantization` q8, q4, q4-mix) cannot run here; None: they run."""
     kernel_isa: str = "none"
     """The native kernels' instruction set (`avx512-vnni`, `avx512`, `avx2`, `none`)."""
     threads: int = 0
@@ -104,7 +104,7 @@ class ModelConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "none"
-    """`model.quantization` as resolved: `none`, `int8`, `int4`, `per-step`, `q8` or `q4` (never `auto`)."""
+    """`model.quantization` as resolved: `none`, `int8`, `int4`, `per-step`, `q8`, `q4` or `q4-mix` (never `auto`)."""
     quantized_weights: Path | None = None
     """The file quantized weights are kept in between starts (None: quantized at every start, or not at all)."""
     static_decode: bool = False
@@ -271,15 +271,23 @@ def resolve(settings: Settings, machine: Machine) -> EngineConfig:
     )
 
 
+FOUR_BIT = "q4-mix"
+"""What `auto` is in float32 for a model of hidden size FOUR_BIT_HIDDEN or more, where the integer dot-product
+kernels run (docs/engine.md, "Quality at the 1B shape")."""
+FOUR_BIT_HIDDEN = 1152
+"""gemma-3-1b's hidden size. The 270m (640) keeps int8: 4-bit projections cost it +21% perplexity."""
+
+
 def _quantization(setting: str, machine: Machine) -> str:
     """`model.quantization` resolved. On a CPU float32's int8 and bf16's per-step run the native kernel; where it
     cannot (`machine.native_missing`), `auto` says why and what it costs, and `int8` in float32 or `per-step` is a
     start-up error (PyTorch's own int8 kernels are slower than float32 there: no point to it). `auto` where the
-    kernel runs on a CPU: `int8` in float32 (faster at 1, 8 and 32 streams, +0.5% perplexity; docs/engine.md),
-    `per-step` in bf16 (the int8 copy for steps of few rows, packed bf16 for the others); else none (a GPU has no
+    kernel runs on a CPU: in float32 `FOUR_BIT` for models of hidden size FOUR_BIT_HIDDEN and more where the
+    integer dot-product kernels run (`four_bit_by_size`), else `int8` (faster at 1, 8 and 32 streams, +0.5%
+    perplexity; docs/engine.md); `per-step` in bf16 (the int8 copy for steps of few rows, packed bf16 for the others); else none (a GPU has no
     quantized path)."""
     why, dtype = machine.native_missing if machine.device == "cpu" else None, machine.dtype
-    dot_why = machine.int_dot_missing if machine.device == "cpu" and setting in ("q8", "q4") else None
+    dot_why = machine.int_dot_missing if machine.device == "cpu" and setting in ("q8", "q4", "q4-mix") else None
     if dot_why:
         raise ConfigError(f"model.quantization = \"{setting}\" needs the native integer dot-product kernels, which "
                           f"cannot run here: {dot_why}. Use quantization auto, int8 or none, or fix the cause.")
@@ -301,7 +309,17 @@ def _quantization(setting: str, machine: Machine) -> str:
         return setting
     if machine.device != "cpu" or machine.native_missing is not None:
         return "none"
+    if dtype == "float32" and machine.int_dot_missing is None and four_bit_by_size(machine.shape):
+        log.info("model.quantization = auto resolves to %s: a float32 CPU with the integer dot-product kernels and a "
+                 "model of hidden size %d >= %d (gemma-3-1b and larger; smaller ones take int8)", FOUR_BIT,
+                 machine.shape.hidden, FOUR_BIT_HIDDEN)
+        return FOUR_BIT
     return {"float32": "int8", "bfloat16": "per-step"}.get(dtype, "none")
+
+
+def four_bit_by_size(shape: TextShape | None) -> bool:
+    """Whether `auto` takes the 4-bit layout in float32: a text hidden size of at least FOUR_BIT_HIDDEN."""
+    return shape is not None and shape.hidden >= FOUR_BIT_HIDDEN
 
 
 def kv_blocks(machine: Machine, max_num_seqs: int, max_model_len: int, kv_cache_gib: float) -> int:

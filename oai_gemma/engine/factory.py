@@ -99,7 +99,7 @@ def probe(settings: Settings, loaded: LoadedModel) -> Machine:
         int_dot_missing=(missing or native.int_dot_unavailable()) if device.type == "cpu" else None,
         kernel_isa=native.kernel_isa() if device.type == "cpu" else "none", threads=compute_thread_count(),
         weights_name=weights_name(loaded.source_dir),
-        quantized_layouts={q: _layout(q, dtype) for q in ("int8", "int4", "per-step", "q8", "q4")},
+        quantized_layouts={q: _layout(q, dtype) for q in ("int8", "int4", "per-step", "q8", "q4", "q4-mix")},
     )
 
 

@@ -402,6 +402,7 @@ def test_store_survives_a_restart_and_keys_never_read_each_other(tmp_path):
         with pytest.raises(openai.BadRequestError):
             b.responses.create(model=MODEL, input="And?", previous_response_id=first.id, max_output_tokens=4)
         second = a.responses.create(model=MODEL, input="Say bye.", max_output_tokens=4)
+        server.stop()  # gone before the next one opens the store (leaving the block would not wait)
     with ServerProcess(env=env, log=log) as server:
         a, b = clients(server.url)
         assert a.responses.retrieve(first.id).output_text == first.output_text

@@ -108,19 +108,22 @@ def test_one_stream_is_reported_beside_the_floor_its_bytes_imply_and_the_engine_
 
 
 def test_the_peak_rss_of_a_server_counts_its_whole_process_tree():
-    """A parent that starts a child holding ~200 MB: the tree's peak includes the child's memory."""
+    """A parent that starts a child holding ~200 MB: the tree's peak includes the child's memory. The child holds
+    it until the parent is gone (its stdin, a pipe the parent holds, ends), not for a fixed time that a loaded
+    machine's slow start could use up before the sampler saw it."""
     import subprocess
     import sys
-    import time
 
+    from conftest import wait_for
     from oai_gemma.bench.memory import MB, PeakRss, tree_rss
 
-    code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
-            "'import time; b = bytearray(200 * 2**20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(3)']); child.wait()")
+    code = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', "
+            "'import sys; b = bytearray(200 * 2**20); b[::4096] = b\"x\" * len(b[::4096]); sys.stdin.read()'], "
+            "stdin=subprocess.PIPE); child.wait()")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
         with PeakRss(parent.pid, every=0.05) as peak:
-            time.sleep(2.0)
+            wait_for(lambda: peak.bytes > 200 * MB, 120)
         assert peak.bytes > 200 * MB
     finally:
         parent.kill()
@@ -129,20 +132,18 @@ def test_the_peak_rss_of_a_server_counts_its_whole_process_tree():
 
 
 def test_a_process_high_water_mark_counts_memory_it_has_freed_since():
+    """The process says when it has freed its 300 MB and then waits on its stdin: no sleep that a loaded machine
+    could outrun (it exited, or had not freed yet, when a fixed-time check read it)."""
     import subprocess
     import sys
 
     from oai_gemma.bench.memory import MB, high_water_mark, tree_rss
 
-    code = "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); del b; import time; time.sleep(5)"
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    code = ("import sys; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); del b; "
+            "print('freed', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        import time
-
-        deadline = time.monotonic() + 20
-        while (high_water_mark(proc.pid) or 0) < 300 * MB and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # past the `del`
+        assert proc.stdout.readline() == "freed\n"
         assert high_water_mark(proc.pid) > 300 * MB and tree_rss(proc.pid) < 200 * MB
     finally:
         proc.kill()

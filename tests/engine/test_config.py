@@ -2,8 +2,8 @@
 (README), and `resolve` puts each setting in the part that reads it."""
 
 from oai_gemma.engine.config import (
-    CacheConfig, EngineConfig, LoRAConfig, LoraModule, Machine, ModelConfig, SchedulerConfig, ServerConfig,
-    SpeculativeConfig, resolve,
+    FOUR_BIT, CacheConfig, EngineConfig, LoRAConfig, LoraModule, Machine, ModelConfig, SchedulerConfig, ServerConfig,
+    SpeculativeConfig, _quantization, resolve,
 )
 from oai_gemma.engine.shape import TextShape
 from oai_gemma.settings import EngineSettings, LoraSettings, ModelSettings, ServerSettings, Settings
@@ -49,3 +49,23 @@ def test_resolve_puts_each_setting_in_the_part_that_reads_it():
     assert config.lora == LoRAConfig(max_loras=2, runtime_loading=True) and config.lora.enabled
     assert config.server == ServerConfig(request_timeout=6, idle_timeout=7, max_backlog=8)
     assert (config.max_logits_rows, config.max_tokens_per_step) == (12, 256 + 12)
+
+
+def test_auto_quantization_is_four_bit_from_the_1b_on_in_float32_and_int8_below():
+    def machine(hidden: int, dtype: str = "float32", **found) -> Machine:
+        shape = TextShape(hidden=hidden, intermediate=4 * hidden, heads=4, kv_heads=1, head_dim=256, vocab=262144,
+                          sliding_window=512, sliding=(True, False), rms_eps=1e-6, query_pre_attn_scalar=256, rope=None)
+        return Machine(shape=shape, dtype=dtype, kv_bytes_per_token=1024, weights_name="m",
+                       quantized_layouts={"int8": "a", "q4-mix": "b"}, **found)
+
+    assert FOUR_BIT == "q4-mix"
+    assert _quantization("auto", machine(1152)) == FOUR_BIT  # gemma-3-1b
+    assert _quantization("auto", machine(2560)) == FOUR_BIT  # gemma-3-4b
+    assert _quantization("auto", machine(640)) == "int8"  # the embedded 270m keeps int8 (4-bit: +21% perplexity)
+    assert _quantization("auto", machine(1152, int_dot_missing="no AVX2")) == "int8"
+    assert _quantization("auto", machine(1152, "bfloat16")) == "per-step"
+    assert _quantization("auto", machine(1152, native_missing="no compiler")) == "none"
+    assert _quantization("int8", machine(1152)) == "int8" and _quantization("q4", machine(640)) == "q4"  # explicit stays
+    # the model cache keeps the resolved layout under its own name (not int8's file, not q4's)
+    file = resolve(Settings(), machine(1152)).model.quantized_weights
+    assert file is not None and file.name == "m-q4-mix-float32-b.safetensors"

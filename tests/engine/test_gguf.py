@@ -196,11 +196,12 @@ def test_vision_weights_read_from_the_mmproj_compute_the_models_image_features(v
 
 
 @pytest.mark.slow
-def test_a_server_on_a_gguf_and_its_mmproj_answers_a_chat_and_an_image_chat(cache, vision_model):
+def test_a_server_on_a_gguf_and_its_mmproj_answers_a_chat_and_an_image_chat(cache, vision_model, tmp_path):
     _, path, mmproj = vision_model
     _convert(cache, path, mmproj)  # converted once, by the test before or here
+    # its own log: the default one is the session server's, which tests read (a second writer truncated it)
     with ServerProcess("--model", str(path), "--mmproj", str(mmproj), "--max-num-seqs", "2",
-                       "--batch-invariant", "off") as server:
+                       "--batch-invariant", "off", log=tmp_path / "server.log") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["tiny-vision"]
         text = client.chat.completions.create(model="tiny-vision", max_tokens=4, temperature=0,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from oai_gemma.engine.ops import native
-from oai_gemma.engine.ops.choice import linear_for
+from oai_gemma.engine.ops.choice import linear_for, more_bits
 from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear, q4_blocks
 from oai_gemma.engine.ops.quantized import KERNEL_ROWS
 
@@ -168,6 +168,18 @@ def test_linear_for_picks_them():
         assert linear_for("q8", "projection.0", dtype) is Q8Linear
         assert linear_for("q4", "lm_head", dtype) is Q8Linear
         assert linear_for("q4", "projection.3", dtype) is Q4Linear
+
+
+def test_q4_mix_keeps_v_and_down_in_q8_in_the_layers_llamas_q4_k_m_gives_more_bits():
+    # the layers whose attn_v / ffn_down llama.cpp's Q4_K_M files of the 1B (26 layers) and 4B (34) hold at 6-8 bits
+    assert [i for i in range(26) if more_bits(i, 26)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 22, 23, 24, 25]
+    assert [i for i in range(34) if more_bits(i, 34)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29, 30, 31, 32, 33]
+    pick = {i: linear_for("q4-mix", f"projection.{i}", torch.float32, 26) for i in range(26 * 7)}
+    assert pick[2] is Q8Linear and pick[6] is Q8Linear  # layer 0's v and down
+    assert pick[3 * 7 + 2] is Q4Linear and pick[3 * 7 + 6] is Q4Linear  # layer 3: not one of them
+    assert pick[5 * 7 + 6] is Q8Linear and pick[25 * 7 + 2] is Q8Linear
+    assert sum(cls is Q8Linear for cls in pick.values()) == 2 * 13  # the rest 4-bit: q, k, o, gate, up everywhere
+    assert linear_for("q4-mix", "lm_head", torch.float32, 26) is Q8Linear
 
 
 def test_the_q4_layout_version_names_its_cache_file():

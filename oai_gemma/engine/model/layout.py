@@ -46,14 +46,15 @@ NAMES = {dtype: name for name, dtype in STORED.items()}
 @dataclass(frozen=True)
 class Layout:
     """What each linear weight becomes: `quantization` as resolved (engine/config.py; "none": packed float), in the
-    model's `dtype`."""
+    model's `dtype`; `layers`: the model's layer count (`q4-mix` picks by layer)."""
 
     quantization: str
     dtype: torch.dtype
+    layers: int = 0
 
     def kind(self, name: str):
         """The quantized class of weight `name` ("lm_head" or "projection.{i}"), or None: packed float."""
-        return None if self.quantization == "none" else linear_for(self.quantization, name, self.dtype)
+        return None if self.quantization == "none" else linear_for(self.quantization, name, self.dtype, self.layers)
 
     def make(self, name: str, rows: Rows, shape: tuple[int, int], stored: dict[str, torch.Tensor] | None = None):
         """The linear of weight `name` ([out, in] = `shape`), from its `stored` tensors (the cache) or its rows."""

@@ -1,6 +1,8 @@
 """What a weight setting (dtype, `model.quantization`) costs in quality, measured on the real model: perplexity
-of a fixed text, and how many greedy tokens agree with a reference. Used by tests/engine/test_quantization.py and
-benchmarks/quantization_quality.py (docs/engine.md, "Weight-only quantized weights")."""
+of a fixed text, how many greedy tokens agree with a reference, and the next-token logits' error against a
+reference's (`logit_error`: what random-weight checkpoints can measure, their distributions being flat). Used by
+tests/engine/test_quantization.py, benchmarks/quantization_quality.py and benchmarks/logit_error.py (docs/engine.md,
+"Weight-only quantized weights")."""
 
 from __future__ import annotations
 
@@ -13,20 +15,48 @@ from .runner import ModelRunner
 
 
 @torch.inference_mode()
-def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 256) -> float:
-    """exp(mean negative log-likelihood) of ids[1:] given what precedes each, prefilled in `chunk`-token steps."""
-    total, count = 0.0, 0
+def chunk_logits(runner: ModelRunner, ids: list[int], chunk: int = 256):
+    """The float32 next-token logits after each of ids[:-1] (one sequence in slot 0, prefilled in `chunk`-token
+    steps), yielded a row bucket at a time: the 262k-column logits of a whole text would not fit."""
     for start in range(0, len(ids) - 1, chunk):
         item = StepItem(runner.sequence_blocks(0), ids[start : start + chunk], start, want_logits=False, keep_hidden=True)
         runner.forward([item], [])
-        targets = ids[start + 1 : start + chunk + 1]
-        rows = runner.row_buckets[-1]
-        for first in range(0, len(targets), rows):
-            logits = runner.logits_of(item.hidden[first : min(first + rows, len(targets))]).float()
-            picked = torch.tensor(targets[first : first + rows])
-            total -= float(torch.log_softmax(logits, dim=-1).gather(1, picked[:, None]).sum())
-            count += len(picked)
+        count, rows = min(chunk, len(ids) - 1 - start), runner.row_buckets[-1]
+        for first in range(0, count, rows):
+            yield runner.logits_of(item.hidden[first : min(first + rows, count)]).float()
+
+
+def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 256) -> float:
+    """exp(mean negative log-likelihood) of ids[1:] given what precedes each, prefilled in `chunk`-token steps."""
+    total, count = 0.0, 0
+    for logits in chunk_logits(runner, ids, chunk):
+        picked = torch.tensor(ids[count + 1 : count + 1 + len(logits)])
+        total -= float(torch.log_softmax(logits, dim=-1).gather(1, picked[:, None]).sum())
+        count += len(picked)
     return math.exp(total / count)
+
+
+class LogitError:
+    """Next-token logits against a reference's, position by position (`add`): the mean KL divergence of the
+    distributions (reference || other, nats), the root mean square and largest logit difference, and the share of
+    positions whose top token agrees."""
+
+    def __init__(self):
+        self.kl = self.squares = self.largest = 0.0
+        self.values = self.positions = self.agree = 0
+
+    def add(self, reference: torch.Tensor, other: torch.Tensor) -> None:
+        ref, out = torch.log_softmax(reference, dim=-1), torch.log_softmax(other, dim=-1)
+        self.kl += float((ref.exp() * (ref - out)).sum())
+        diff = other - reference
+        self.squares += float(diff.square().sum())
+        self.largest = max(self.largest, float(diff.abs().max()))
+        self.values, self.positions = self.values + diff.numel(), self.positions + len(diff)
+        self.agree += int((reference.argmax(-1) == other.argmax(-1)).sum())
+
+    def summary(self) -> dict[str, float]:
+        return {"mean_kl": self.kl / self.positions, "rms": math.sqrt(self.squares / self.values),
+                "max": self.largest, "top1_agree": self.agree / self.positions}
 
 
 @torch.inference_mode()

@@ -352,7 +352,7 @@ def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemm
         raise ConfigError(
             f"model.quantization = {config.quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
         )
-    layout = Layout(config.quantization, dtype)
+    layout = Layout(config.quantization, dtype, text_config.num_hidden_layers)
     if streamed:
         weights = from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
                                    getattr(text_config, "tie_word_embeddings", True))

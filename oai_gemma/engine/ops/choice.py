@@ -11,14 +11,32 @@ from .native import native_unavailable
 from .quantized import DynamicInt8Linear, Int4Linear, Int8Linear, NativeInt8Linear, NativeQ8Linear
 
 
-def linear_for(quantization: str, name: str, dtype: torch.dtype):
-    """The quantized linear class for weight `name` (`lm_head` or a projection) under a `model.quantization`
-    value and the model's dtype; None: that weight stays as it is (packed float32). `per-step`: the int8 copy,
-    which the runner pairs with the packed weight (`PerStepLinear`). `q8`: every linear `Q8Linear` (int8 weights,
-    int8 activations); `q4`: the projections `Q4Linear` (4-bit blocks), the lm_head `Q8Linear`."""
-    if quantization in ("q8", "q4") and native.int_dot_unavailable() is None:
-        return Q4Linear if quantization == "q4" and name != "lm_head" else Q8Linear
-    if quantization in ("q8", "q4"):  # engine/config.py refuses this at start-up; direct callers get int8's choice
+PROJECTIONS_PER_LAYER = 7
+"""q, k, v, o, gate, up, down: a projection's number `projection.{i}` is layer i // 7, kind i % 7
+(engine/model/weights.py's PROJECTIONS)."""
+MORE_BITS_KINDS = (2, 6)
+"""v and down: the projections llama.cpp's Q4_K_M keeps at 6 bits in the `more_bits` layers."""
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and the last eighth of the layers and every third one between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def linear_for(quantization: str, name: str, dtype: torch.dtype, layers: int = 0):
+    """The quantized linear class for weight `name` (`lm_head` or `projection.{i}`) under a `model.quantization`
+    value and the model's dtype (`layers`: the model's layer count, which `q4-mix` needs); None: that weight stays
+    as it is (packed float32). `per-step`: the int8 copy, which the runner pairs with the packed weight
+    (`PerStepLinear`). `q8`: every linear `Q8Linear` (int8 weights, int8 activations); `q4`: the projections
+    `Q4Linear` (4-bit blocks), the lm_head `Q8Linear`; `q4-mix`: `q4` with v and down `Q8Linear` in the
+    `more_bits` layers (llama.cpp's Q4_K_M recipe)."""
+    if quantization in ("q8", "q4", "q4-mix") and native.int_dot_unavailable() is None:
+        if quantization == "q8" or name == "lm_head":
+            return Q8Linear
+        layer, kind = divmod(int(name.rpartition(".")[2]), PROJECTIONS_PER_LAYER)
+        mixed = quantization == "q4-mix" and kind in MORE_BITS_KINDS and more_bits(layer, layers)
+        return Q8Linear if mixed else Q4Linear
+    if quantization in ("q8", "q4", "q4-mix"):  # engine/config.py refuses this at start-up; direct callers get int8's choice
         quantization = "int8"
     native_lm_head = NativeQ8Linear if name == "lm_head" else NativeInt8Linear
     if quantization == "per-step":
