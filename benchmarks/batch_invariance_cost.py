@@ -1,5 +1,5 @@
 """What batch-invariant mode costs the engine's steps on this CPU: a 512-token prefill chunk and decode steps
-of 1, 8 and 32 rows (at two context lengths), timed with `engine.batch_invariant` off and on, on the embedded
+of 1, 8 and 32 rows (at two context lengths) and of 8 drafted rows (speculation), timed with `engine.batch_invariant` off and on, on the embedded
 model as the server loads it.
 
     python benchmarks/batch_invariance_cost.py --dtype bfloat16
@@ -43,6 +43,8 @@ def step_times(loaded, mode: str, quantization: str) -> dict[str, float]:
         for rows in (1, 8, 32):
             decodes = [StepItem(runner.sequence_blocks(row), [1234], context) for row in range(rows)]
             times[f"decode {rows} rows, context {context}"] = timed(lambda: runner.forward([], decodes), 7)
+    drafted = [StepItem(runner.sequence_blocks(row), [1234, 1235, 1236, 1237], 1000 + 7 * row, num_logits=4) for row in range(8)]
+    times["decode 8 rows with 3 drafts each, context 1000"] = timed(lambda: runner.forward([], drafted), 7)  # the shared set's c=8
     return times
 
 

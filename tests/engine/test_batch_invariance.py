@@ -214,6 +214,32 @@ def test_a_decode_row_ignores_longer_rows_beside_it():
         assert torch.equal(alone, decode_row_beside(built, [length, 60, 130, length + 3, 900])), length
 
 
+def prefill(built: ModelRunner, slot: int, length: int) -> None:
+    for start in range(0, length, 48):
+        built.forward([StepItem(built.sequence_blocks(slot), list(range(100 + start, min(length, start + 48) + 100)), start,
+                                False)], [])
+
+
+def test_a_drafted_sequences_rows_read_its_blocks_once_and_keep_each_positions_bits():
+    """A drafted sequence's k + 1 rows read the same blocks, so their keys are gathered once for all of them
+    (attention.py `_shared`), and each row's logits are bitwise those of its position decoded alone, one step per
+    token (speculation on = off), beside other rows (drafted or not): across a small span's end (64, 256 keys), into
+    the rows padded to 512, and past a sliding layer's window moving on by a block (positions 527+)."""
+    built = small_runner("float32", "int8", "auto")
+    tokens = [7, 11, 12, 13, 14, 15, 16, 17]
+    for slot, length in ((1, 300), (2, 700)):
+        prefill(built, slot, length)
+    for length in (58, 250, 524):
+        prefill(built, 0, length)
+        blocks = built.sequence_blocks(0)
+        one_by_one = torch.cat([built.forward([], [StepItem(blocks, [token], length + i)]) for i, token in enumerate(tokens)])
+        step = [StepItem(built.sequence_blocks(1), [5], 300), StepItem(blocks, tokens, length, num_logits=len(tokens)),
+                StepItem(built.sequence_blocks(2), [9, 10, 11], 700, num_logits=3)]
+        groups = [keys for kind in built._pack([], step).decode.values() for keys in kind]
+        assert any(keys.tables.shape[0] == 1 < keys.mask.shape[0] for keys in groups), "drafted rows' keys gathered once"
+        assert torch.equal(built.forward([], step)[1 : 1 + len(tokens)], one_by_one), length
+
+
 @pytest.mark.parametrize("dtype, quantization, mode", [
     ("float32", "int8", "auto"), ("float32", "none", "auto"), ("bfloat16", "none", "on"), ("bfloat16", "per-step", "on"),
 ])

@@ -19,7 +19,8 @@ class DecodeKeys:
     attend."""
 
     tables: torch.Tensor
-    """[rows, blocks] block ids (padding: the scratch block)."""
+    """[rows, blocks] block ids (padding: the scratch block); [1, blocks] where every row reads the same blocks (a
+    drafted sequence's positions: gathered once)."""
     mask: torch.Tensor
     """[rows, blocks * block_size]."""
     rows: torch.Tensor | None = None
@@ -41,10 +42,30 @@ def decode_keys(tables: list[list[int]], positions: list[int], window: int | Non
     if not span_step:
         return [_keys(tables, positions, firsts, max(counts), window, cache)]
     groups = span_groups(counts, size, span_step, window_blocks(window, size) if window else None, small)
-    if len(groups) == 1:
-        return [_keys(tables, positions, firsts, groups[0][0], window, cache)]
-    return [_keys([tables[i] for i in rows], [positions[i] for i in rows], [firsts[i] for i in rows], count, window, cache,
-                  torch.tensor(rows)) for count, rows in groups]
+    return [keys for count, rows in groups for keys in _shared(tables, positions, firsts, count, window, cache, rows,
+                                                              len(groups) == 1)]
+
+
+def _shared(tables, positions, firsts, count: int, window: int | None, cache: KVCache, rows: list[int],
+            only: bool) -> list[DecodeKeys]:
+    """A span group's rows, those that read the very same blocks (a drafted sequence's positions: engine/speculative/)
+    in a call of their own whose keys are gathered once and read by each of its rows (`DecodeKeys.tables` of one row,
+    expanded: the same values at the same span, so the same bits as gathered per row), the others in one call.
+    `only`: the step's one span group (no row sharing its blocks: all rows, in order)."""
+    by_blocks: dict[tuple[int, ...], list[int]] = {}
+    for i in rows:
+        by_blocks.setdefault(tuple(tables[i][firsts[i] : firsts[i] + count]), []).append(i)
+    shared = [group for group in by_blocks.values() if len(group) > 1]
+    rest = [i for group in by_blocks.values() if len(group) == 1 for i in group]
+    if only and not shared:
+        return [_keys(tables, positions, firsts, count, window, cache)]
+    out = [_keys([tables[i] for i in rest], [positions[i] for i in rest], [firsts[i] for i in rest], count, window, cache,
+                 torch.tensor(rest))] if rest else []
+    for group in shared:
+        keys = _keys([tables[i] for i in group], [positions[i] for i in group], [firsts[i] for i in group], count, window,
+                     cache, torch.tensor(group))
+        out.append(DecodeKeys(keys.tables[:1], keys.mask, keys.rows))
+    return out
 
 
 def _keys(tables, positions, firsts, count: int, window: int | None, cache: KVCache, rows=None) -> DecodeKeys:
@@ -115,8 +136,8 @@ def decode_attention(cache: KVCache, li: int, groups: list[DecodeKeys], q, scali
 
 
 def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> torch.Tensor:
-    keys, values = cache.blocks(li, rows.tables)  # [B, kv_heads, span, D]
     bsz, heads, head_dim = q.shape
+    keys, values = (t.expand(bsz, -1, -1, -1) for t in cache.blocks(li, rows.tables))  # [B, kv_heads, span, D]
     kv_heads = keys.shape[1]
     # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]
     qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)
