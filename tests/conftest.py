@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -98,40 +97,15 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop(wait=False)
+        self.stop()
 
-    def stop(self, wait: bool = True) -> None:
-        """SIGTERM, and SIGKILL if it has not exited 20 s later. `wait=False` (leaving a `with` block, a shared
-        server's eviction): the wait is on a thread, so the next test need not wait out a process's exit (1-2 s
-        of freeing a model each); the session waits for every one at its end (`pytest_sessionfinish`). A test
-        that needs the process gone (a restart on the same store) calls `stop()`."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        if wait:
-            self._reap()
-        else:
-            thread = threading.Thread(target=self._reap, name=f"stop-{self.port}")
-            thread.start()
-            _EXITING.append(thread)
-        self.log.close()  # the process writes through its own descriptor until it exits
-
-    def _reap(self) -> None:
+    def stop(self) -> None:
+        self.proc.terminate()
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
-
-
-_EXITING: list[threading.Thread] = []
-"""Servers stopped without waiting (`ServerProcess.stop(wait=False)`), still exiting."""
-
-
-def pytest_sessionfinish(session, exitstatus):
-    for proc in _EARLY.values():  # started early, and no test got to use it (a failure with -x, an interrupt)
-        proc.stop()
-    for thread in _EXITING:
-        thread.join()
+        self.log.close()
 
 
 class SharedServers:
@@ -156,7 +130,7 @@ class SharedServers:
             self.running.move_to_end(key)
             return self.running[key]
         while len(self.running) >= self.KEEP:
-            self.running.popitem(last=False)[1].stop(wait=False)
+            self.running.popitem(last=False)[1].stop()
         proc = ServerProcess(*extra, env=env, launcher=launcher, log=self.logs / f"{name}-{len(self.started)}.log")
         self.running[key] = proc.__enter__()
         self.started.append(key)
@@ -164,7 +138,7 @@ class SharedServers:
 
     def close(self) -> None:
         while self.running:
-            self.running.popitem()[1].stop(wait=False)
+            self.running.popitem()[1].stop()
 
 
 @pytest.fixture(scope="session")
@@ -174,28 +148,9 @@ def shared_servers(tmp_path_factory):
     servers.close()
 
 
-_EARLY: dict[str, ServerProcess] = {}
-"""The session server, started when collection showed a test will use it (`pytest_collection_modifyitems`)."""
-
-
-@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselected what they deselect
-def pytest_collection_modifyitems(session, config, items):
-    """The session server starts loading as soon as the run is known to need it: its start (about 11 s of CPU over
-    14 s on 2 idle cores, most of a core idle) overlaps the tests that run before its first user, often other
-    servers' starts, instead of following them."""
-    if not config.option.collectonly and any(_uses_the_session_server(item) for item in items):
-        _EARLY["server"] = ServerProcess()
-
-
-def _uses_the_session_server(item) -> bool:
-    """The `server` fixture here, not a module's own of that name (tests/chat/test_images.py's, LoRA's, ...)."""
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("server")
-    return bool(defs) and defs[-1].func.__module__ == __name__
-
-
 @pytest.fixture(scope="session")
 def server():
-    with _EARLY.pop("server", None) or ServerProcess() as proc:
+    with ServerProcess() as proc:
         yield proc
 
 
