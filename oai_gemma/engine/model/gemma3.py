@@ -154,13 +154,19 @@ def pre_attention(hidden, w: LayerWeights, cos, sin, eps: float, heads: int, kv_
     return q, k, v.reshape(-1, kv_heads, head_dim)
 
 
+def _offer_turn() -> None:
+    """`TURNS.offer()`, left out of a compiled layer function (the GPU's static decode: one graph, no load beside)."""
+    if not torch.compiler.is_compiling():
+        TURNS.offer()
+
+
 def post_attention(hidden, attn, w: LayerWeights, eps: float, linear=F.linear):
     """Output projection, residuals and the gated-GELU MLP of one layer."""
     hidden, x = residual_norm(hidden, linear(attn.reshape(attn.shape[0], -1), w.o), w.post_attention_norm, eps,
                               w.pre_feedforward_norm)
-    TURNS.offer()  # the MLP's calls are units of a load's warm-up too (cpu.Turns; a no-op on an engine's thread)
+    _offer_turn()  # the MLP's calls are units of a load's warm-up too (cpu.Turns; a no-op on an engine's thread)
     gate, up = projections(linear, x, (w.gate, w.up))
-    TURNS.offer()
+    _offer_turn()
     mlp = linear(_gelu_times(gate, up), w.down)
     return residual_norm(hidden, mlp, w.post_feedforward_norm, eps)
 
