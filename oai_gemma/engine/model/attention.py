@@ -59,11 +59,14 @@ def _shared(tables, positions, firsts, count: int, window: int | None, cache: KV
     rest = [i for group in by_blocks.values() if len(group) == 1 for i in group]
     if only and not shared:
         return [_keys(tables, positions, firsts, count, window, cache)]
-    out = [_keys([tables[i] for i in rest], [positions[i] for i in rest], [firsts[i] for i in rest], count, window, cache,
-                 torch.tensor(rest))] if rest else []
+
+    def call(ix: list[int]) -> DecodeKeys:
+        return _keys([tables[i] for i in ix], [positions[i] for i in ix], [firsts[i] for i in ix], count, window, cache,
+                     torch.tensor(ix))
+
+    out = [call(rest)] if rest else []
     for group in shared:
-        keys = _keys([tables[i] for i in group], [positions[i] for i in group], [firsts[i] for i in group], count, window,
-                     cache, torch.tensor(group))
+        keys = call(group)
         out.append(DecodeKeys(keys.tables[:1], keys.mask, keys.rows))
     return out
 
