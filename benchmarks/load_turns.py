@@ -2,7 +2,10 @@
 models) and without (the loader computing beside the steps on one thread, as before turns), interleaved in one run
 so that both modes see the same machine (issue 41's target: ITL p99 during a load at most 2x alone).
 
-    PYTHONPATH=. python benchmarks/load_turns.py [--second SOURCE] [--modes plain,turns,plain,turns]
+    PYTHONPATH=. python benchmarks/load_turns.py [--second SOURCE] [--quantization int8] [--modes plain,turns,plain,turns]
+
+Modes: `plain` (no turns), `turns`, and `whole` (turns, but a load's native quantized calls each one unit, as before
+they went in spans of outputs: ops/quantized.py `in_units`).
 
 The steps are the embedded 270M's (float32, unquantized, two threads: the server's `first` in
 benchmarks/multi_model_load_itl.py), one decode row each, every one a turn as the engine's; `second` (default the
@@ -27,17 +30,19 @@ from oai_gemma.settings import load_settings, served_models
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--second", default=str(Path.home() / ".cache/oai-gemma-bench/gemma-3-1b-random"))
+    parser.add_argument("--quantization", default="int8")
     parser.add_argument("--modes", default="plain,turns,plain,turns")
     args = parser.parse_args()
     config = Path(tempfile.mkdtemp()) / "models.toml"
     common = 'speculative = "off"\nmax_num_seqs = 4\n'
     config.write_text(f'[models.first]\nsource = "embedded"\nquantization = "none"\n{common}\n'
-                      f'[models.second]\nsource = "{args.second}"\nquantization = "int8"\n{common}')
+                      f'[models.second]\nsource = "{args.second}"\nquantization = "{args.quantization}"\n{common}')
     models = served_models(load_settings(config, {}, environ={}))
     configure_cpu(models["first"][0].engine)
     import torch
 
     from oai_gemma.engine.factory import load_engine
+    from oai_gemma.engine.ops import quantized
     from oai_gemma.engine.sequence import StepItem
 
     first = load_engine(models["first"][0])  # kept: the second shares its tokenizer, as beside a loaded model
@@ -55,14 +60,16 @@ def main() -> None:
         found = sorted(b - a for a, b in zip(ends, ends[1:]) if b >= lo and a <= hi)
         return statistics.median(found), found[int(0.99 * (len(found) - 1))], found[-1], len(found)
 
-    def load(turns: bool) -> None:
+    def load(mode: str) -> None:
         torch.set_num_threads(1)  # as api/model_router.py loads beside loaded models
-        if turns:
+        quantized.UNIT_MACS = 1 << 62 if mode == "whole" else unit
+        if mode != "plain":
             with TURNS.load():
                 load_engine(models["second"][0], grammars=False)
         else:
             load_engine(models["second"][0], grammars=False)
 
+    unit = quantized.UNIT_MACS
     stepper = compute_thread(steps, "steps")
     stepper.start()
     time.sleep(3)
@@ -70,7 +77,7 @@ def main() -> None:
         alone_from = time.perf_counter()
         time.sleep(4)
         started = time.perf_counter()
-        loader = threading.Thread(target=load, args=(mode == "turns",))
+        loader = threading.Thread(target=load, args=(mode,))
         loader.start()
         loader.join()
         ended = time.perf_counter()

@@ -149,6 +149,11 @@ class Turns:
             self._take()
 
     @property
+    def loading(self) -> bool:
+        """Whether this thread is a load's, in its turn: its long calls then go in units, an `offer` before each."""
+        return threading.get_ident() == self._loader
+
+    @property
     def waiting(self) -> int:
         """Threads waiting for a turn (the holder's not counted)."""
         return max(0, self._next - self._serving - 1)

@@ -4,6 +4,9 @@
 import threading
 import time
 
+import pytest
+import torch
+
 from oai_gemma.cpu import Turns
 
 
@@ -173,3 +176,43 @@ def test_a_read_in_many_units_reads_the_same_bytes(tmp_path, monkeypatch):
     finally:
         os.close(fd)
     assert len(offers) == 142  # ceil(990 / 7)
+
+
+def quantized_linears():
+    """One linear of each native layout (256 outputs of 128 inputs), where its kernel runs here."""
+    from oai_gemma.engine.ops import native
+    from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear
+    from oai_gemma.engine.ops.quantized import NativeInt8Linear, NativeQ8Linear
+
+    weight = torch.randn(256, 128, generator=torch.Generator().manual_seed(0)) * 0.05
+    kinds = [] if native.native_unavailable() else [NativeInt8Linear, NativeQ8Linear]
+    kinds += [] if native.int_dot_unavailable() else [Q8Linear, Q4Linear]
+    return [kind(weight) for kind in kinds]
+
+
+@pytest.mark.parametrize("linear", quantized_linears(), ids=lambda linear: type(linear).__name__)
+@pytest.mark.parametrize("rows", [1, 4, 128])
+def test_a_loads_quantized_call_goes_in_spans_of_outputs_an_offer_before_each_with_the_same_bits(linear, rows, monkeypatch):
+    """The 4B's 128-row gate and up call of its warm-up is one native call of 6.7G multiply-adds: on a load's thread
+    it goes in spans of outputs (ops/quantized.py `in_units`), so streaming models' steps wait for one span at most."""
+    from oai_gemma.engine.ops import quantized
+
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
+    # a prefill chunk's dequantized call (the integer dot-product layouts; int8's goes in tiles of its own), else the kernel
+    prefill = rows >= quantized.KERNEL_ROWS and not isinstance(linear, quantized.NativeInt8Linear)
+    call = linear if prefill else linear.rowwise
+    alone = call(x)  # off a load's thread: one call
+    turns, offers = Turns(), []
+    monkeypatch.setattr(quantized, "TURNS", turns)
+    monkeypatch.setattr(quantized, "UNIT_MACS", rows * 128 * 64)  # spans of 64 outputs: 4 of them
+    monkeypatch.setattr(turns, "offer", lambda: offers.append(turns.loading))
+    found = {}
+
+    def load() -> None:
+        with turns.load():
+            found["out"] = call(x)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    assert offers == [True] * 4 and torch.equal(found["out"], alone)

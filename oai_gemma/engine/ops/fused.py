@@ -14,7 +14,7 @@ import torch
 
 from ...cpu import TURNS
 from .int_dot import Q4Linear, Q8Linear
-from .quantized import KERNEL_ROWS, NativeInt8Linear
+from .quantized import KERNEL_ROWS, NativeInt8Linear, output_count
 
 FUSES = (Q4Linear, Q8Linear, NativeInt8Linear)
 """The layouts whose outputs do not depend on the other outputs of their call (exactly these classes: not the
@@ -29,7 +29,7 @@ class Fused:
         cls = type(parts[0])
         self.parts = parts
         self.whole = cls.from_tensors({f: torch.cat([p.tensors()[f] for p in parts]) for f in cls.FIELDS})
-        sizes = [_outputs(p) for p in parts]
+        sizes = [output_count(p) for p in parts]
         total, self.bounds = sum(sizes), []
         for part, size in zip(parts, sizes):  # the parts' tensors become views of the whole's (dim 0: by outputs)
             lo = self.bounds[-1][1] if self.bounds else 0
@@ -52,10 +52,6 @@ class Fused:
 
     def rowwise(self, x: torch.Tensor) -> torch.Tensor:
         return self.whole.rowwise(x)
-
-
-def _outputs(linear) -> int:
-    return linear.out_features if hasattr(linear, "out_features") else linear.scale.numel()
 
 
 def fuse_layers(layers) -> int:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .quantized import KERNEL_ROWS, QuantizedLinear, int8_per_channel
+from .quantized import KERNEL_ROWS, QuantizedLinear, in_units, int8_per_channel
 
 
 DOT_BLOCK = 32
@@ -67,22 +67,22 @@ class _DotLinear(QuantizedLinear):
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the integer dot-product kernels write float32 or bfloat16, not {out_dtype}")
         if x.shape[0] >= KERNEL_ROWS:
-            return F.linear(x.float(), self.dequantized()).to(out_dtype)
+            return in_units(self, x, lambda part, rows: F.linear(rows.float(), part.dequantized()).to(out_dtype))
         return self.rowwise(x, out_dtype)
 
     def rowwise(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The kernel at any row count: a row's result is its own whatever M (batch-invariant mode's call)."""
-        out_dtype = out_dtype or x.dtype
-        k = self.in_features
-        _check_dot_input(x, k)
-        x = x.contiguous()
-        rows = x.shape[0]
+        _check_dot_input(x, self.in_features)
+        return in_units(self, x.contiguous(), lambda part, rows: part.kernel(rows, out_dtype or x.dtype))
+
+    def kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        k, rows = self.in_features, x.shape[0]
         n = self.out_features
         y = torch.empty(rows, n, dtype=out_dtype)
         tile_rows, tile_groups = DOT_TILES[self.KIND][rows > 1]
-        kernel = native.q4_dot_linear() if self.KIND == "q4" else native.q8_dot_linear()
+        run = native.q4_dot_linear() if self.KIND == "q4" else native.q8_dot_linear()
         scale = self.packed if self.KIND == "q4" else self.scale  # q4's scales are inside `packed`
-        kernel(x.data_ptr(), rows, k, self.packed.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
+        run(x.data_ptr(), rows, k, self.packed.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
                x.dtype == torch.bfloat16, out_dtype == torch.bfloat16, tile_rows, tile_groups)
         return y
 

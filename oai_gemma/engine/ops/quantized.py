@@ -50,6 +50,9 @@ with AVX512's oneDNN; with AVX2's 2.05 vs 3.46 ms)."""
 DEQUANTIZE_BYTES = 16 << 20
 """A prefill chunk dequantizes a weight in tiles of about this many bytes of float32 (the 1B's 262k-row lm_head whole
 would be 1.2 GB; a 6912 x 1152 projection is 32 MB)."""
+UNIT_MACS = 1 << 26
+"""A load's call of a native quantized linear goes in spans of outputs of about this many multiply-adds (`in_units`:
+a few ms of one core)."""
 FORMAT = 2
 """The stored layout's version, part of the model cache's file name (2: float32 int8 as [N/8, K, 8])."""
 
@@ -79,6 +82,34 @@ class QuantizedLinear:
     @property
     def packed_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def outputs(self, lo: int, hi: int):
+        """This linear over its output channels lo..hi (multiples of its layout's group), its tensors views of these:
+        every field's first dimension runs over the outputs (packed groups of them, or one scale each)."""
+        n = output_count(self)
+        return type(self).from_tensors({f: t[lo * t.shape[0] // n : hi * t.shape[0] // n] for f, t in self.tensors().items()})
+
+
+def output_count(linear) -> int:
+    """A native quantized linear's (or a fused group's whole's) output channels."""
+    return linear.out_features if hasattr(linear, "out_features") else linear.scale.numel()
+
+
+def in_units(linear: QuantizedLinear, x: torch.Tensor, call) -> torch.Tensor:
+    """`call(linear, x)`; on a load's thread in its turn (cpu.Turns) over spans of the outputs of about UNIT_MACS
+    multiply-adds, an offer before each: the 4B's 128-row gate and up call of its warm-up is 6.7G multiply-adds, a
+    fifth of a second of one core that streaming models' steps would otherwise wait through whole (issue 41). Each
+    output is its own sum over the row's inputs in the native layouts: the same bits either way."""
+    if not TURNS.loading:
+        return call(linear, x)
+    n = output_count(linear)
+    group = n // linear.packed.shape[0]
+    span = max(group, UNIT_MACS // (x.shape[0] * x.shape[1]) // group * group)
+    parts = []
+    for lo in range(0, n, span):
+        TURNS.offer()
+        parts.append(call(linear.outputs(lo, min(n, lo + span)), x))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 class RowsQuantized(QuantizedLinear):
@@ -216,7 +247,9 @@ class NativeInt8Linear(RowsQuantized):
     def rowwise(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The kernel at any row count: each row's result is its own, bit for bit, whatever M (batch-invariant
         mode calls this instead of tiling; a prefill chunk then skips the dequantized matmul)."""
-        x = x.contiguous()
+        return in_units(self, x.contiguous(), lambda part, rows: part.kernel(rows, out_dtype))
+
+    def kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         rows, k = x.shape
         n = self.scale.numel()
         y = torch.empty(rows, n, dtype=out_dtype)
@@ -249,8 +282,7 @@ class NativeQ8Linear(NativeInt8Linear):
         groups, quads, _, _ = packed.shape
         return packed.permute(0, 2, 1, 3).reshape(groups * 16, quads * 4)
 
-    def rowwise(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        x = x.contiguous()
+    def kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         rows, k = x.shape
         n = self.scale.numel()
         y = torch.empty(rows, n, dtype=out_dtype)
