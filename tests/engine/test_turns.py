@@ -216,3 +216,19 @@ def test_a_loads_quantized_call_goes_in_spans_of_outputs_an_offer_before_each_wi
     loader.start()
     loader.join()
     assert offers == [True] * 4 and torch.equal(found["out"], alone)
+
+
+def test_quantized_weights_are_written_in_units(tmp_path, monkeypatch):
+    """`write_safetensors` writes READ_BYTES at a time, an offer before each (a first load's 2.5 GB of 4B weights)."""
+    from safetensors.torch import load_file
+
+    from oai_gemma.engine.model import layout
+
+    tensors = {"a": torch.arange(100, dtype=torch.int32), "b": torch.ones(3, 5), "empty": torch.empty(0)}
+    monkeypatch.setattr(layout, "READ_BYTES", 64)
+    offers = []
+    monkeypatch.setattr(layout.TURNS, "offer", lambda: offers.append(1))
+    layout.write_safetensors(tmp_path / "w.safetensors", tensors, {"kind": "test"})
+    read = load_file(tmp_path / "w.safetensors")
+    assert all(torch.equal(read[name], tensor) for name, tensor in tensors.items())
+    assert len(offers) == 7 + 1  # ceil(400 / 64) + ceil(60 / 64)

@@ -232,7 +232,8 @@ def prune(kept: Path, metadata: dict[str, str]) -> None:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file written tensor by tensor from the tensors' own memory."""
+    """A safetensors file written tensor by tensor from the tensors' own memory, READ_BYTES at a time, each a unit of
+    a load's work (`cpu.Turns`: a first load beside streaming models writes the 4B's 2.5 GB of quantized weights)."""
     header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for key, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
@@ -243,8 +244,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     with open(path, "wb") as file:
         file.write(struct.pack("<Q", len(raw)) + raw)
         for tensor in tensors.values():
-            if tensor.numel():
-                file.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+            raw = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
+            for done in range(0, len(raw), READ_BYTES):
+                TURNS.offer()
+                file.write(raw[done : done + READ_BYTES])
 
 
 def quantized_names(layout: Layout, count: int) -> list[str]:
