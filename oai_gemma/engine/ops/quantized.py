@@ -50,9 +50,9 @@ with AVX512's oneDNN; with AVX2's 2.05 vs 3.46 ms)."""
 DEQUANTIZE_BYTES = 16 << 20
 """A prefill chunk dequantizes a weight in tiles of about this many bytes of float32 (the 1B's 262k-row lm_head whole
 would be 1.2 GB; a 6912 x 1152 projection is 32 MB)."""
-UNIT_MACS = 1 << 26
+UNIT_MACS = 1 << 27
 """A load's call of a native quantized linear goes in spans of outputs of about this many multiply-adds (`in_units`:
-a few ms of one core)."""
+2-9 ms of one core on the AVX2 EPYC; the longest of the 4B's warm-up calls, its 128-token gate and up, 0.12 s whole)."""
 FORMAT = 2
 """The stored layout's version, part of the model cache's file name (2: float32 int8 as [N/8, K, 8])."""
 
