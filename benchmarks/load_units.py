@@ -8,8 +8,9 @@ most about `LOAD_SHARE` of a step plus the unit in progress).
 It loads `--first` (default the embedded 270M, as the server's first model: the process's one-time costs paid) and
 then the model as api/model_router.py loads one beside loaded models (a thread of one torch thread, in a turn,
 the grammar compiler left for later) with nothing streaming, so no offer hands the cores over: each stretch is one
-unit's length on one core, in the loader thread's CPU seconds (`time.thread_time`: what a shared machine's other
-work does not stretch; a quiet machine's wall time is about that, plus any wait for the disk).
+unit's length on one core, in the process's CPU seconds (`time.process_time`: what a shared machine's other work
+does not stretch; the loader's and its helper threads', such as the tokenizer's build, as nothing else computes; a
+quiet machine's wall time is about that, plus any wait for the disk).
 """
 
 from __future__ import annotations
@@ -51,25 +52,25 @@ class Recorder(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if threading.get_ident() == self.loader:
-            self.marks.append((time.thread_time(), "log", record.getMessage()[:90]))
+            self.marks.append((time.process_time(), "log", record.getMessage()[:90]))
 
     def install(self) -> None:
         offer, aside = TURNS.offer, TURNS.aside
 
         def traced_offer() -> None:
             if threading.get_ident() == self.loader:
-                self.marks.append((time.thread_time(), "offer", site()))
+                self.marks.append((time.process_time(), "offer", site()))
             offer()
 
         @contextmanager
         def traced_aside():
             mine = threading.get_ident() == self.loader and TURNS._loader == self.loader
             if mine:
-                self.marks.append((time.thread_time(), "aside+", site(3)))
+                self.marks.append((time.process_time(), "aside+", site(3)))
             with aside():
                 yield
             if mine:
-                self.marks.append((time.thread_time(), "aside-", site(3)))
+                self.marks.append((time.process_time(), "aside-", site(3)))
 
         TURNS.offer, TURNS.aside = traced_offer, traced_aside
         logging.getLogger("oai_gemma").addHandler(self)
@@ -120,10 +121,10 @@ def main() -> None:
     def load() -> None:
         torch.set_num_threads(1)  # as api/model_router.py loads beside loaded models
         recorder.loader = threading.get_ident()
-        times["start"], times["wall"] = time.thread_time(), time.perf_counter()
+        times["start"], times["wall"] = time.process_time(), time.perf_counter()
         with TURNS.load():
             load_engine(settings, grammars=False)
-        times["end"], times["wall"] = time.thread_time(), time.perf_counter() - times["wall"]
+        times["end"], times["wall"] = time.process_time(), time.perf_counter() - times["wall"]
 
     loader = threading.Thread(target=load)
     loader.start()
@@ -131,7 +132,7 @@ def main() -> None:
     start, end = times["start"], times["end"]
     turn, aside = stretches(recorder.marks, start, end)
     offers = sum(1 for _, kind, _ in recorder.marks if kind == "offer")
-    print(f"\nload {times['wall']:.2f} s, {end - start:.2f} s of the loader's CPU: in turn {sum(s for s, _, _ in turn):.2f} s in {len(turn)} stretches ({offers} offers), "
+    print(f"\nload {times['wall']:.2f} s, {end - start:.2f} s of CPU: in turn {sum(s for s, _, _ in turn):.2f} s in {len(turn)} stretches ({offers} offers), "
           f"aside {sum(s for s, _, _ in aside):.2f} s in {len(aside)}; in-turn stretches over {args.over * 1e3:.0f} ms: "
           f"{sum(1 for s, _, _ in turn if s > args.over)} ({sum(s for s, _, _ in turn if s > args.over):.2f} s)")
     print(f"uptime: {os.getloadavg()}")
