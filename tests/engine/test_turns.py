@@ -202,20 +202,24 @@ def test_a_loads_quantized_call_goes_in_spans_of_outputs_an_offer_before_each_wi
     prefill = rows >= quantized.KERNEL_ROWS and not isinstance(linear, quantized.NativeInt8Linear)
     call = linear if prefill else linear.rowwise
     alone = call(x)  # off a load's thread: one call
-    turns, offers = Turns(), []
+    turns, offers, events = Turns(), [], []
     monkeypatch.setattr(quantized, "TURNS", turns)
     monkeypatch.setattr(quantized, "UNIT_MACS", rows * 128 * 64)  # spans of 64 outputs: 4 of them
-    monkeypatch.setattr(turns, "offer", lambda: offers.append(turns.loading))
-    found = {}
+    monkeypatch.setattr(turns, "offer", lambda: offers.append(turns.loading))  # counted, never handed over
+    step, found = step_thread(turns, events, "step"), {}
 
     def load() -> None:
         with turns.load():
-            found["out"] = call(x)
+            found["alone"] = call(x)  # nothing waits: one call
+            step.start()
+            until(lambda: turns.waiting == 1)
+            found["beside"] = call(x)
 
     loader = threading.Thread(target=load)
     loader.start()
     loader.join()
-    assert offers == [True] * 4 and torch.equal(found["out"], alone)
+    step.join()
+    assert offers == [True] * 4 and torch.equal(found["alone"], alone) and torch.equal(found["beside"], alone)
 
 
 def test_quantized_weights_are_written_in_units(tmp_path, monkeypatch):

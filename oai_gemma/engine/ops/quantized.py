@@ -96,11 +96,12 @@ def output_count(linear) -> int:
 
 
 def in_units(linear: QuantizedLinear, x: torch.Tensor, call) -> torch.Tensor:
-    """`call(linear, x)`; on a load's thread in its turn (cpu.Turns) over spans of the outputs of about UNIT_MACS
-    multiply-adds, an offer before each: the 4B's 128-row gate and up call of its warm-up is 6.7G multiply-adds, a
-    fifth of a second of one core that streaming models' steps would otherwise wait through whole (issue 41). Each
-    output is its own sum over the row's inputs in the native layouts: the same bits either way."""
-    if not TURNS.loading:
+    """`call(linear, x)`; on a load's thread in its turn (cpu.Turns) while a step waits, over spans of the outputs of
+    about UNIT_MACS multiply-adds, an offer before each: the 4B's 128-row gate and up call of its warm-up is 6.7G
+    multiply-adds, a tenth of a second of one core that streaming models' steps would otherwise wait through whole
+    (issue 41). Each output is its own sum over the row's inputs in the native layouts: the same bits either way. With
+    no step waiting, one call (spans cost up to 1.5x a call in activation quantizing: a load alone pays nothing)."""
+    if not (TURNS.loading and TURNS.waiting):
         return call(linear, x)
     n = output_count(linear)
     group = n // linear.packed.shape[0]
