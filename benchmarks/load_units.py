@@ -7,8 +7,9 @@ most about `LOAD_SHARE` of a step plus the unit in progress).
 
 It loads `--first` (default the embedded 270M, as the server's first model: the process's one-time costs paid) and
 then the model as api/model_router.py loads one beside loaded models (a thread of one torch thread, in a turn,
-the grammar compiler left for later) with nothing streaming, so no offer hands the cores over: each stretch is one
-unit's length on one core, in the process's CPU seconds (`time.process_time`: what a shared machine's other work
+the grammar compiler left for later) beside a stand-in stream: a thread taking empty steps in turns throughout (so
+a step always waits, as beside a real stream, and each offer hands over for no time): each stretch is one unit's
+length on one core, in the process's CPU seconds (`time.process_time`: what a shared machine's other work
 does not stretch; the loader's and its helper threads', such as the tokenizer's build, as nothing else computes; a
 quiet machine's wall time is about that, plus any wait for the disk).
 """
@@ -126,9 +127,17 @@ def main() -> None:
             load_engine(settings, grammars=False)
         times["end"], times["wall"] = time.process_time(), time.perf_counter() - times["wall"]
 
+    def steps() -> None:  # empty steps in turns: a step always waits for the load's next offer
+        while loader.is_alive():
+            with TURNS.step():
+                pass
+
     loader = threading.Thread(target=load)
     loader.start()
+    stepper = threading.Thread(target=steps)
+    stepper.start()
     loader.join()
+    stepper.join()
     start, end = times["start"], times["end"]
     turn, aside = stretches(recorder.marks, start, end)
     offers = sum(1 for _, kind, _ in recorder.marks if kind == "offer")
