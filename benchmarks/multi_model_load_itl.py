@@ -47,6 +47,16 @@ def summary(times: list[float], start: float = 0.0, end: float = float("inf")) -
     return {"p50": statistics.median(gaps), "p99": gaps[int(0.99 * (len(gaps) - 1))], "max": gaps[-1], "n": len(gaps)}
 
 
+def two_models(second: str, quantization: str, more: str = "") -> tuple[ServerProcess, Path]:
+    """A server (started; `with` it to wait until ready) of `first` (the embedded 270M, loaded at start) and `second`
+    (its `more` settings added to its table), and its log's path."""
+    config = Path(tempfile.mkdtemp()) / "models.toml"
+    config.write_text(f'[models.first]\nsource = "embedded"\n\n[models.second]\nsource = "{second}"\n'
+                      f'quantization = "{quantization}"\n{more}')
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    return ServerProcess("--config", str(config), "--max-num-seqs", "4", "--speculative", "off", log=log), log
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--second", default="embedded")
@@ -54,11 +64,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
-    config = Path(tempfile.mkdtemp()) / "models.toml"
-    config.write_text(f'[models.first]\nsource = "embedded"\n\n[models.second]\nsource = "{args.second}"\n'
-                      f'quantization = "{args.quantization}"\n')
-    log = Path(tempfile.mkdtemp()) / "server.log"
-    with ServerProcess("--config", str(config), "--max-num-seqs", "4", "--speculative", "off", log=log) as server:
+    server, log = two_models(args.second, args.quantization)
+    with server:
         httpx.post(server.url + "/models/load", json={"model": "second"}, timeout=600)  # quantized once into the cache
         for run in range(args.runs):
             httpx.post(server.url + "/models/unload", json={"model": "second"}, timeout=600)

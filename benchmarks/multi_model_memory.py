@@ -15,14 +15,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import ServerProcess  # noqa: E402
+from multi_model_load_itl import two_models  # noqa: E402
 
 MB = 2**20
 
@@ -48,12 +49,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--cycles", type=int, default=3)
     args = parser.parse_args()
-    config = Path(tempfile.mkdtemp()) / "models.toml"
-    config.write_text(f'[models.first]\nsource = "embedded"\n\n[models.second]\nsource = "{args.second}"\n'
-                      f'quantization = "{args.quantization}"\nkeep_alive = 1\n')
-    log = Path(tempfile.mkdtemp()) / "server.log"
     body = {"model": "second", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}
-    with ServerProcess("--config", str(config), "--max-num-seqs", "4", "--speculative", "off", log=log) as server:
+    server, log = two_models(args.second, args.quantization, "keep_alive = 1\n")
+    with server:
         for cycle in range(args.cycles):
             before = rss(server)
             httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1800).raise_for_status()

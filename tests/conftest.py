@@ -278,6 +278,19 @@ def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def stream_count(client: openai.OpenAI, model: str, tokens: int, times: list[float], usage: list) -> None:
+    """Stream `tokens` tokens of `model` (eos ignored), each content chunk's arrival (monotonic) into `times` and the
+    usage's completion tokens into `usage`: what a stream beside a load or an eviction got (issue 41's tests)."""
+    stream = client.chat.completions.create(
+        model=model, messages=user("Count to a thousand."), max_tokens=tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.monotonic())
+        if chunk.usage:
+            usage.append(chunk.usage.completion_tokens)
+
+
 def _reason(health: httpx.Response) -> str | None:
     """The `reason` of our /health's 503, None for another body (a proxy's, while its replicas start)."""
     try:

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import NO_TIMEOUTS, VISION_ADAPTER, ServerProcess, user, wait_for
+from conftest import NO_TIMEOUTS, VISION_ADAPTER, ServerProcess, stream_count, user, wait_for
 
 pytestmark = pytest.mark.slow  # its own server of four models (docs/testing.md: the fast subset starts none)
 
@@ -147,14 +147,7 @@ def test_first_request_loads_a_model_then_switching_loads_nothing(multi):
 
 
 def _stream(proc, model: str, tokens: int, times: list[float], usage: list) -> None:
-    stream = client(proc).chat.completions.create(
-        model=model, messages=user("Count to a thousand."), max_tokens=tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.monotonic())
-        if chunk.usage:
-            usage.append(chunk.usage.completion_tokens)
+    stream_count(client(proc), model, tokens, times, usage)
 
 
 def image_request() -> list[dict]:

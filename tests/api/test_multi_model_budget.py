@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from conftest import NO_TIMEOUTS, ServerProcess, user, wait_for
+from conftest import NO_TIMEOUTS, ServerProcess, stream_count, user, wait_for
 
 pytestmark = pytest.mark.slow  # its own server (docs/testing.md: the fast subset starts none)
 
@@ -53,18 +52,7 @@ def test_a_third_model_evicts_the_idle_one_by_the_budget_never_the_streaming_one
     assert all(1.5 * GIB < f < 2.25 * GIB for f in footprints), footprints  # two fit the budget, three do not
     assert statuses(budget) == {"a": "loaded", "b": "loaded", "c": "unloaded"}
     times, usage = [], []
-
-    def stream() -> None:
-        chunks = client(budget).chat.completions.create(
-            model="a", messages=user("Count to a thousand."), max_tokens=80, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        for chunk in chunks:
-            if chunk.choices and chunk.choices[0].delta.content:
-                times.append(time.monotonic())
-            if chunk.usage:
-                usage.append(chunk.usage.completion_tokens)
-
-    streaming = threading.Thread(target=stream)
+    streaming = threading.Thread(target=stream_count, args=(client(budget), "a", 80, times, usage))
     streaming.start()
     assert wait_for(lambda: len(times) >= 3, 300)
     answer = client(budget).chat.completions.create(model="c", messages=user("Hi."), max_tokens=2)
