@@ -14,8 +14,8 @@ re-laid-out weight, engine/ops/linear.py), `int8` (engine/ops/quantized.py's Nat
 calls it: its AVX2 kernel below KERNEL_ROWS rows, the weight dequantized per call from there),
 `int8-kernel` (the kernel at every row count), `bf16` (weights and activations in bfloat16), `q8a7` and `q8` (int8
 weights times activations quantized per block of 32 to 7 or 8 bits: engine/model/vision_layout.py; `q8a7` is what
-the server runs beside the integer text layouts). `--quality`: one whole encode in float32, in q8a7 and in q8, the
-projected features' cosine and errors against float32's.
+the server runs beside the integer text layouts). `--quality`: one whole encode in float32 and in each int8 layout
+of `--layouts`, the projected features' cosine and errors against float32's (`--layers 0`: no timings).
 """
 
 from __future__ import annotations
@@ -134,12 +134,12 @@ def time_layers(holder: nn.Module, weights: VisionWeights, layers: int, pixels: 
     return {"unit_rows": job.rows, "slowest_unit_s": slowest, "units_s": units, "one_call_s": one_call}
 
 
-def quality(source: str, pixels: torch.Tensor) -> list[dict]:
-    """One whole encode in float32, q8a7 and q8 (unit by unit, as the server runs them): each layout's projected
+def quality(source: str, pixels: torch.Tensor, layouts: list[str]) -> list[dict]:
+    """One whole encode in float32 and in each int8 layout of `layouts` (unit by unit, as the server runs them): their projected
     features against float32's: cosine per token (min, mean), relative error (norm of the difference over the
     float32 features' norm), largest absolute error beside the largest float32 value, and the encode's seconds."""
     out, seconds = {}, {}
-    for layout, activations in (("f32", 0), ("q8a7", 7), ("q8", 8)):
+    for layout, activations in (("f32", 0), *((name, 7 if name == "q8a7" else 8) for name in layouts if name in ("q8a7", "q8"))):
         weights = from_modules(load_tower(source))
         job = VisionEncode(to_q8(weights, activations) if activations else weights, pixels)
         job.run(1e9)
@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--rows", type=int, default=0, help="rows per unit (default: the encode's own choice)")
-    parser.add_argument("--quality", action="store_true", help="q8a7's and q8's features against float32's, one whole encode each")
+    parser.add_argument("--quality", action="store_true", help="the int8 layouts' features against float32's, one whole encode each")
     args = parser.parse_args(argv)
     pixels = torch.randn(1, 3, 896, 896, generator=torch.Generator().manual_seed(0))
-    for layout in args.layouts.split(","):
+    for layout in args.layouts.split(",") if args.layers else ():  # --layers 0: --quality alone
         holder = load_tower(args.source)
         weights = from_modules(holder)  # before the swap: the server's float32 tensors (q8a7, q8: their own layout)
         weights = to_q8(weights, 7 if layout == "q8a7" else 8) if layout in ("q8", "q8a7") else weights
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             job.run(1e9)
             print(json.dumps({"layout": layout, "full_encode_s": round(job.seconds, 2), "units": job.units_done}), flush=True)
     if args.quality:
-        for row in quality(args.source, pixels):
+        for row in quality(args.source, pixels, args.layouts.split(",")):
             print(json.dumps(row), flush=True)
 
 

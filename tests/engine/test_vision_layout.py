@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from oai_gemma.engine.config import ModelConfig
 from oai_gemma.engine.model.loader import load
+from oai_gemma.engine.model.runner import load_weights
 from oai_gemma.engine.model.vision_encode import VisionEncode
 from oai_gemma.engine.model.vision_layout import LINEARS, VisionLinear, to_q8, tower_layout
 from oai_gemma.engine.ops import native
@@ -95,3 +97,15 @@ def test_the_server_picks_q8_beside_the_integer_text_layouts_only(model):
     linear_bytes = sum(getattr(layer, name).numel() * 4 for layer in floats.layers for name, _ in LINEARS)
     saved = floats.nbytes() - tower_layout(from_modules(model.model), "q4-mix").nbytes()
     assert 0.7 * linear_bytes < saved < 0.75 * linear_bytes  # int8 weights: a quarter of float32's, plus the scales
+
+
+def test_the_runner_s_weights_take_q8a7_with_the_integer_text_layouts(tiny_vision_dir, model):
+    """engine/model/runner.py's `load_weights` (the server's path: the checkpoint streamed) gives `q8` text a q8a7
+    tower whose features stay close to the float32 tower's."""
+    loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"), lean=True, stream=True)
+    weights = load_weights(loaded, ModelConfig(dtype="float32", quantization="q8"))
+    assert all(isinstance(layer.q_weight, VisionLinear) and layer.q_weight.activations == 7 for layer in weights.vision.layers)
+    x = pixels(seed=2)
+    expected = image_features(from_modules(model.model), x)
+    got = image_features(weights.vision, x)
+    assert F.cosine_similarity(got, expected, dim=-1).min() > 0.9999

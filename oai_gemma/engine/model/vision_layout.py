@@ -53,12 +53,13 @@ class VisionLinear:
         if activations == 7:
             n, k = weight.shape
             levels = self.linear.packed.permute(0, 2, 1, 3).reshape(n // 8, 8, k // DOT_BLOCK, DOT_BLOCK)
-            self.block_sums = levels.sum(-1, dtype=torch.int32).transpose(1, 2).contiguous()
-            """[N/8, K/32, 8] int32: each output's weights summed per block (the kernel takes 64 of each off)."""
+            self.block_sums = levels.sum(-1, dtype=torch.int32).transpose(1, 2).to(torch.int16).contiguous()
+            """[N/8, K/32, 8] int16 (at most 32 * 127): each output's weights summed per block (the kernel takes 64 of
+            each off)."""
 
     @property
     def packed_bytes(self) -> int:
-        sums = self.block_sums.numel() * 4 if self.activations == 7 else 0
+        sums = self.block_sums.numel() * 2 if self.activations == 7 else 0
         return self.linear.packed_bytes + self.bias.numel() * 4 + sums
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

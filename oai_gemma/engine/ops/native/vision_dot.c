@@ -6,8 +6,8 @@
    activations unsigned (x + 64 <= 127) and the weights signed (|w| <= 127), a pair is at most 2 * 127 * 127 =
    32,258: exact, with no vpsignb to move the activations' signs onto the weights (int_dot.c's q8 needs one a
    product), so a block of 32 products is two instructions (vpmaddubsw, vpmaddwd) and an add. The offset adds
-   64 * (the block's weight sum) to each dot product; that sum is stored with the weights (`wsum`, int32 per
-   output and block) and taken off in integers, so the sums are exact.
+   64 * (the block's weight sum) to each dot product; that sum is stored with the weights (`wsum`, int16 per
+   output and block: |sum| <= 32 * 127) and taken off in integers, so the sums are exact.
 
    Every output is one fixed sequence of float operations over the blocks in order, whatever the row count, tile or
    thread, and each row is quantized alone: a row's result does not depend on the rows beside it. K must be a
@@ -55,7 +55,7 @@ static void quantize_row(const float *x, int64_t K, uint8_t *u, float *scale)
 
 static inline __attribute__((always_inline)) void tile(
     const int rows, const int groups, const uint8_t *u, const float *xs, int64_t m0, int64_t K, const int8_t *w,
-    const int32_t *wsum, const float *scale, const float *bias, float *y, int64_t y0, int64_t N)
+    const int16_t *wsum, const float *scale, const float *bias, float *y, int64_t y0, int64_t N)
 {
     const int64_t quads = K / 4, blocks = K / BLOCK;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -78,7 +78,8 @@ static inline __attribute__((always_inline)) void tile(
             }
         }
         for (int g = 0; g < groups; g++) {
-            const __m256i offset = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(wsum + (g * blocks + b) * 8)), 6);
+            const __m256i sum = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(wsum + (g * blocks + b) * 8)));
+            const __m256i offset = _mm256_slli_epi32(sum, 6);
             for (int m = 0; m < rows; m++) {
                 const __m256 s = _mm256_set1_ps(xs[(m0 + m) * blocks + b]);
                 acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[m][g], offset)), s, acc[m][g]);
@@ -96,14 +97,14 @@ static inline __attribute__((always_inline)) void tile(
 #define T(r, g) tile(r, g, u, xs, m0, K, w, wsum, scale, bias, y, y0, N)
 
 static void tile_of(int r, int g, const uint8_t *u, const float *xs, int64_t m0, int64_t K, const int8_t *w,
-                    const int32_t *wsum, const float *scale, const float *bias, float *y, int64_t y0, int64_t N)
+                    const int16_t *wsum, const float *scale, const float *bias, float *y, int64_t y0, int64_t N)
 {
     switch (r * 16 + g) { CASES(1) CASES(2) CASES(3) CASES(4) default: no_tile("vision_dot", r, g); }
 }
 
-/* x [M, K] float32, w [N/8, K/4, 8, 4] int8, wsum [N/8, K/32, 8] int32 (each output's block sums of w), scale [N]
+/* x [M, K] float32, w [N/8, K/4, 8, 4] int8, wsum [N/8, K/32, 8] int16 (each output's block sums of w), scale [N]
    and bias [N] float32 -> y [M, N] float32. tile_rows x tile_groups: the register tile, 1..4 each. */
-void q7_dot_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const int32_t *wsum, const float *scale,
+void q7_dot_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const int16_t *wsum, const float *scale,
                    const float *bias, int64_t N, float *y, int tile_rows, int tile_groups)
 {
     const int64_t blocks = K / BLOCK, groups = N / 8, tiles = (groups + tile_groups - 1) / tile_groups;
