@@ -30,12 +30,7 @@ static void quantize_row(const float *x, int64_t K, uint8_t *u, float *scale)
     for (int64_t b = 0; b < K / BLOCK; b++) {
         __m256 v[4];
         for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + b * BLOCK + i * 8);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float amax = _mm_cvtss_f32(h);
+        const float amax = abs_max32(v);
         const __m256 inverse = _mm256_set1_ps(amax > 0 ? LEVELS / amax : 0.0f);
         __m256i q32[4];
         for (int i = 0; i < 4; i++) {
