@@ -95,7 +95,10 @@ def test_the_server_picks_q8_beside_the_integer_text_layouts_only(model):
         assert isinstance(weights.layers[0].fc1_weight, VisionLinear) is quantized, quantization
     floats = from_modules(model.model)
     linear_bytes = sum(getattr(layer, name).numel() * 4 for layer in floats.layers for name, _ in LINEARS)
-    saved = floats.nbytes() - tower_layout(from_modules(model.model), "q4-mix").nbytes()
+    lazy = tower_layout(from_modules(model.model), "q4-mix")
+    assert lazy.nbytes() == floats.nbytes()  # the server's: quantized at the first encode, float until then
+    image_features(lazy, pixels())
+    saved = floats.nbytes() - lazy.nbytes()
     assert 0.7 * linear_bytes < saved < 0.75 * linear_bytes  # int8 weights: a quarter of float32's, plus the scales
 
 
@@ -105,7 +108,10 @@ def test_the_runner_s_weights_take_q8a7_with_the_integer_text_layouts(tiny_visio
     loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"), lean=True, stream=True)
     weights = load_weights(loaded, ModelConfig(dtype="float32", quantization="q8"))
     assert all(isinstance(layer.q_weight, VisionLinear) and layer.q_weight.activations == 7 for layer in weights.vision.layers)
+    assert weights.vision.layers[0].fc1_weight.source is not None  # quantized at the first encode, not at start-up
     x = pixels(seed=2)
     expected = image_features(from_modules(model.model), x)
     got = image_features(weights.vision, x)
+    assert weights.vision.layers[-1].fc2_weight.source is None
     assert F.cosine_similarity(got, expected, dim=-1).min() > 0.9999
+    assert torch.equal(image_features(weights.vision, x), got)  # the second encode: the same bits

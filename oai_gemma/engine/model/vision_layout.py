@@ -23,7 +23,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ...progress import Phase
 from ..ops import native
 from ..ops.int_dot import DOT_BLOCK, Q8Linear
 from .vision_weights import VisionWeights
@@ -46,11 +45,20 @@ class VisionLinear:
     moves) or 8 (int_dot.c's `Q8Linear`, Q8_0 blocks: 0.7x its error, measured ~1.45x its time)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, pad_outputs: int = 0, pad_inputs: int = 0,
-                 activations: int = 7):
+                 activations: int = 7, lazy: bool = False):
+        """`lazy`: keep the float weight until the first call quantizes it (the server's: ~3.7 s of CPU for the 4B's
+        tower stays off the warm start and is spread over the first image's encode, a layer at a time)."""
+        self.activations, self.source = activations, (weight, bias, pad_outputs, pad_inputs)
+        if not lazy:
+            self._quantize()
+
+    def _quantize(self) -> None:
+        weight, bias, pad_outputs, pad_inputs = self.source
+        self.source = None
         weight = F.pad(weight.detach().float(), (0, pad_inputs, 0, pad_outputs))
-        self.linear, self.activations = Q8Linear(weight), activations
+        self.linear = Q8Linear(weight)
         self.bias = F.pad(bias.detach().float(), (0, pad_outputs))
-        if activations == 7:
+        if self.activations == 7:
             n, k = weight.shape
             levels = self.linear.packed.permute(0, 2, 1, 3).reshape(n // 8, 8, k // DOT_BLOCK, DOT_BLOCK)
             self.block_sums = levels.sum(-1, dtype=torch.int32).transpose(1, 2).to(torch.int16).contiguous()
@@ -59,10 +67,14 @@ class VisionLinear:
 
     @property
     def packed_bytes(self) -> int:
+        if self.source is not None:  # not quantized yet: the float weight and bias
+            return sum(t.numel() * t.element_size() for t in self.source[:2])
         sums = self.block_sums.numel() * 2 if self.activations == 7 else 0
         return self.linear.packed_bytes + self.bias.numel() * 4 + sums
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.source is not None:
+            self._quantize()
         rows = x.reshape(-1, x.shape[-1])
         if self.activations == 8:
             y = self.linear.rowwise(rows if rows.dtype == torch.bfloat16 else rows.float(), torch.float32)
@@ -92,14 +104,15 @@ def why_not_q8(weights: VisionWeights) -> str | None:
     return why
 
 
-def to_q8(weights: VisionWeights, activations: int = 7) -> VisionWeights:
+def to_q8(weights: VisionWeights, activations: int = 7, lazy: bool = False) -> VisionWeights:
     """Every encoder layer's projections as `VisionLinear`s (`activations`: 7 for `q8a7`, 8 for `q8`), in place, one
-    layer at a time (each layer's float weights let go as it is done); the patch embedding and the projector stay."""
+    layer at a time (each layer's float weights let go as it is done; `lazy`: at each linear's first call); the
+    patch embedding and the projector stay."""
     pad = -weights.shape.intermediate % DOT_BLOCK
     for layer in weights.layers:
         for weight_name, bias_name in LINEARS:
             pads = {"fc1_weight": (pad, 0), "fc2_weight": (0, pad)}.get(weight_name, (0, 0))
-            linear = VisionLinear(getattr(layer, weight_name), getattr(layer, bias_name), *pads, activations=activations)
+            linear = VisionLinear(getattr(layer, weight_name), getattr(layer, bias_name), *pads, activations=activations, lazy=lazy)
             setattr(layer, weight_name, linear)
             setattr(layer, bias_name, None)
     return weights
@@ -107,12 +120,13 @@ def to_q8(weights: VisionWeights, activations: int = 7) -> VisionWeights:
 
 def tower_layout(weights: VisionWeights | None, quantization: str) -> VisionWeights | None:
     """The server's tower for the text's `quantization`: `q8a7` where the text runs the integer dot-product kernels
-    and the tower's shape allows it, else as it is (float in the model's dtype)."""
+    and the tower's shape allows it (each linear quantized at its first call: `VisionLinear`'s `lazy`), else as it
+    is (float in the model's dtype)."""
     if weights is None or quantization not in LAYOUTS:
         return weights
     why = why_not_q8(weights)
     if why is not None:
         log.info("vision tower in %s (the int8 layout cannot run: %s)", weights.dtype, why)
         return weights
-    with Phase(log, "the vision tower's linears to int8 (q8a7)"):
-        return to_q8(weights)
+    log.info("vision tower: its linears in int8 x 7-bit activations (q8a7), quantized at the first image's encode")
+    return to_q8(weights, lazy=True)
