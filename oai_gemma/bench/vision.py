@@ -12,7 +12,10 @@ layout too (the figure to set against llama-server's image encode).
 Layouts: `f32` (F.linear on the checkpoint's weights in float32: what the server runs), `f32-packed` (oneDNN's
 re-laid-out weight, engine/ops/linear.py), `int8` (engine/ops/quantized.py's NativeInt8Linear as the runner
 calls it: its AVX2 kernel below KERNEL_ROWS rows, the weight dequantized per call from there),
-`int8-kernel` (the kernel at every row count), `bf16` (weights and activations in bfloat16).
+`int8-kernel` (the kernel at every row count), `bf16` (weights and activations in bfloat16), `q8a7` and `q8` (int8
+weights times activations quantized per block of 32 to 7 or 8 bits: engine/model/vision_layout.py; `q8a7` is what
+the server runs beside the integer text layouts). `--quality`: one whole encode in float32 and in each int8 layout
+of `--layouts`, the projected features' cosine and errors against float32's (`--layers 0`: no timings).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from ..engine.model.lean import fill, read_checkpoint
 from ..engine.model.lean_config import model_config
 from ..engine.model.lean_vision import BiasedLinear, Projector, VisionTower, checkpoint_name
 from ..engine.model.vision_encode import VisionEncode
+from ..engine.model.vision_layout import VisionLinear, to_q8
 from ..engine.model.vision_weights import VisionWeights, embed, from_modules
 
-LAYOUTS = ("f32", "f32-packed", "int8", "int8-kernel", "bf16")
+LAYOUTS = ("f32", "f32-packed", "int8", "int8-kernel", "bf16", "q8a7", "q8")
 
 
 def load_tower(source: str) -> nn.Module:
@@ -78,6 +82,11 @@ def relayout(holder: nn.Module, layout: str) -> int:
         elif layout == "f32-packed":
             frozen = FrozenLinear(weight)
             swapped, nbytes = _Swapped(frozen, bias, frozen.packed_bytes or weight.numel() * 4), 0
+        elif layout in ("q8", "q8a7"):
+            pad = -holder.vision_tower.config.intermediate_size % 32
+            pads = (pad, 0) if name.endswith("fc1") else (0, pad) if name.endswith("fc2") else (0, 0)
+            q8 = VisionLinear(weight, bias, *pads, activations=7 if layout == "q8a7" else 8)
+            swapped = _Swapped(q8, torch.zeros(()), q8.packed_bytes)
         elif layout == "bf16":
             w = weight.bfloat16()
             swapped = _Swapped(lambda x, w=w: F.linear(x.bfloat16(), w), bias, w.numel() * 2)
@@ -125,6 +134,26 @@ def time_layers(holder: nn.Module, weights: VisionWeights, layers: int, pixels: 
     return {"unit_rows": job.rows, "slowest_unit_s": slowest, "units_s": units, "one_call_s": one_call}
 
 
+def quality(source: str, pixels: torch.Tensor, layouts: list[str]) -> list[dict]:
+    """One whole encode in float32 and in each int8 layout of `layouts` (unit by unit, as the server runs them): their projected
+    features against float32's: cosine per token (min, mean), relative error (norm of the difference over the
+    float32 features' norm), largest absolute error beside the largest float32 value, and the encode's seconds."""
+    out, seconds = {}, {}
+    for layout, activations in (("f32", 0), *((name, 7 if name == "q8a7" else 8) for name in layouts if name in ("q8a7", "q8"))):
+        weights = from_modules(load_tower(source))
+        job = VisionEncode(to_q8(weights, activations) if activations else weights, pixels)
+        job.run(1e9)
+        out[layout], seconds[layout] = job.features, job.seconds
+    ref, rows = out.pop("f32"), []
+    for layout, got in out.items():
+        cosine = F.cosine_similarity(got, ref, dim=-1)
+        rows.append({"quality": f"{layout} vs f32", "cosine_min": round(cosine.min().item(), 6),
+                     "cosine_mean": round(cosine.mean().item(), 6), "relative_error": round(((got - ref).norm() / ref.norm()).item(), 5),
+                     "max_abs_error": round((got - ref).abs().max().item(), 5), "max_abs_f32": round(ref.abs().max().item(), 5),
+                     "encode_s": round(seconds[layout], 2), "f32_encode_s": round(seconds["f32"], 2)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source")
@@ -132,11 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--rows", type=int, default=0, help="rows per unit (default: the encode's own choice)")
+    parser.add_argument("--quality", action="store_true", help="the int8 layouts' features against float32's, one whole encode each")
     args = parser.parse_args(argv)
     pixels = torch.randn(1, 3, 896, 896, generator=torch.Generator().manual_seed(0))
-    for layout in args.layouts.split(","):
+    for layout in args.layouts.split(",") if args.layers else ():  # --layers 0: --quality alone
         holder = load_tower(args.source)
-        weights = from_modules(holder)  # before the swap: the server's float32 tensors
+        weights = from_modules(holder)  # before the swap: the server's float32 tensors (q8a7, q8: their own layout)
+        weights = to_q8(weights, 7 if layout == "q8a7" else 8) if layout in ("q8", "q8a7") else weights
         nbytes = relayout(holder, layout)
         timing = time_layers(holder, weights, args.layers, pixels, args.rows)
         units = timing["units_s"]
@@ -150,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
             job = VisionEncode(weights, pixels)
             job.run(1e9)
             print(json.dumps({"layout": layout, "full_encode_s": round(job.seconds, 2), "units": job.units_done}), flush=True)
+    if args.quality:
+        for row in quality(args.source, pixels, args.layouts.split(",")):
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

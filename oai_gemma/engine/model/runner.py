@@ -26,6 +26,7 @@ from .layout import Layout
 from .lean import Rotary
 from .loader import LoadedModel
 from .streamed import from_safetensors
+from .vision_layout import tower_layout
 from .vision_weights import image_features
 from .weights import Gemma3Weights, from_modules, linear_bytes, text_parts
 from ...cpu import TURNS
@@ -148,8 +149,15 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of every weight the runner holds in memory (Gemma3Weights' and the module tree's, counted once)."""
         counted = {self.gemma.embedding.data_ptr()}
-        tree = [] if self.model is None else self.model.parameters()
-        held = sum(t.numel() * t.element_size() for t in tree if t.numel() and t.data_ptr() not in counted)
+        tree = [] if self.model is None else list(self.model.parameters())
+        vision = [] if self.gemma.vision is None else self.gemma.vision.tensors()  # the streamed path's tower: no tree
+        held = 0
+        for t in tree + vision:
+            if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in counted:
+                counted.add(t.data_ptr())
+                held += t.numel() * t.element_size()
+            elif t is not None and not isinstance(t, torch.Tensor):  # the tower's quantized linears (vision_layout.py)
+                held += t.packed_bytes
         return self.gemma.nbytes() + held
 
     def decode_bytes(self) -> int:
@@ -362,4 +370,5 @@ def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemm
     else:
         weights = from_modules(model, layout, config.quantized_weights, own_weights and not config.static_decode)
     fuse_layers(weights.layers)  # q/k/v and gate/up one kernel call each where their layout allows (same bits)
+    weights.vision = tower_layout(weights.vision, config.quantization)  # q8 beside the integer text layouts
     return weights

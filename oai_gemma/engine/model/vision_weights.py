@@ -98,12 +98,14 @@ class VisionWeights:
             tensor(f"{PROJECTOR}mm_soft_emb_norm.weight"), tensor(f"{PROJECTOR}mm_input_projection_weight"),
         )
 
-    def tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list:
+        """Every field's value: tensors, and a quantized layout's linears (vision_layout.py) with None for their biases."""
         top = (self.patch_weight, self.patch_bias, self.position, self.post_weight, self.post_bias, self.soft_norm, self.projection)
         return [*top, *(getattr(w, f.name) for w in self.layers for f in fields(w))]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        held = self.tensors()
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else getattr(t, "packed_bytes", 0) for t in held)
 
 
 def embed(w: VisionWeights, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -115,19 +117,25 @@ def embed(w: VisionWeights, pixel_values: torch.Tensor) -> torch.Tensor:
 def qkv(w: VisionWeights, layer: VisionLayer, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """layer_norm1 of `rows` [..., width] and its q, k, v projections (each [..., width])."""
     normed = F.layer_norm(rows, layer.ln1_weight.shape, layer.ln1_weight, layer.ln1_bias, w.eps)
-    return (F.linear(normed, layer.q_weight, layer.q_bias), F.linear(normed, layer.k_weight, layer.k_bias),
-            F.linear(normed, layer.v_weight, layer.v_bias))
+    return (project(normed, layer.q_weight, layer.q_bias), project(normed, layer.k_weight, layer.k_bias),
+            project(normed, layer.v_weight, layer.v_bias))
 
 
 def mix(w: VisionWeights, layer: VisionLayer, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """`rows` [crops, n, width] after their attention over the crop's keys and their MLP: q [crops, heads, n,
     head_dim], k and v [crops, heads, patches, head_dim]."""
     out = F.scaled_dot_product_attention(q, k, v, scale=w.head_dim**-0.5)
-    out = F.linear(out.transpose(1, 2).reshape(*rows.shape[:-1], -1).contiguous(), layer.o_weight, layer.o_bias)
+    out = project(out.transpose(1, 2).reshape(*rows.shape[:-1], -1).contiguous(), layer.o_weight, layer.o_bias)
     mixed = rows + out
     normed = F.layer_norm(mixed, layer.ln2_weight.shape, layer.ln2_weight, layer.ln2_bias, w.eps)
-    hidden = F.gelu(F.linear(normed, layer.fc1_weight, layer.fc1_bias), approximate="tanh")
-    return mixed + F.linear(hidden, layer.fc2_weight, layer.fc2_bias)
+    hidden = F.gelu(project(normed, layer.fc1_weight, layer.fc1_bias), approximate="tanh")
+    return mixed + project(hidden, layer.fc2_weight, layer.fc2_bias)
+
+
+def project(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A layer's projection: `F.linear` on a float weight, or a quantized layout's call (engine/model/vision_layout.py:
+    its bias inside)."""
+    return F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else weight(x)
 
 
 def heads(w: VisionWeights, x: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,8 @@ SIGNATURES = {
                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
     },
     "q4_quantize": {"q4_1_blocks": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]},
+    "vision_dot": {"q7_dot_linear": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int]},
 }
 """Each family's (sources.FAMILIES) functions and their argument types (all return nothing)."""
 
@@ -129,6 +131,13 @@ def q4_dot_linear():
     """The compiled `q4_dot_linear(x, M, K, w, scale, N, y, x_bf16, y_bf16, tile_rows, tile_groups)` (int_dot.c:
     4-bit weights in blocks of 32 with a float16 scale each, GGUF's Q4_0, times the same int8 activations)."""
     return _library("int_dot").q4_dot_linear
+
+
+def q7_dot_linear():
+    """The compiled `q7_dot_linear(x, M, K, w, wsum, scale, bias, N, y, tile_rows, tile_groups)` (vision_dot.c: int8
+    weights per output channel in int_dot.c's q8 layout times activations quantized per row and block of 32 to 7
+    bits, float32 in and out, the bias added)."""
+    return _library("vision_dot").q7_dot_linear
 
 
 def q4_1_blocks():

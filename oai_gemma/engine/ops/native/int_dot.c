@@ -44,12 +44,7 @@ static inline __attribute__((always_inline)) void quantize_block(const __m256 v[
                                                                  float *scale, int32_t *sum)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h);
+    const float amax = abs_max32(v);
     const __m256 inverse = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f), half = _mm256_set1_ps(0.5f);
     __m256i q32[4];
     for (int i = 0; i < 4; i++) {

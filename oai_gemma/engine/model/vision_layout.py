@@ -1,0 +1,132 @@
+"""The vision tower's projections with int8 weights and integer dot products (issue 37.4): `q8a7`, int8 weights per
+output channel times activations quantized per row and block of 32 inputs to 7 bits (engine/ops/native/
+vision_dot.c); `q8`, the same weights times 8-bit activations (engine/ops/int_dot.py's `Q8Linear`, GGUF's Q8_0).
+
+SigLIP at 896x896 runs its linears on 4,096 patch rows a layer: compute-bound, where float32 FMAs run at the
+cores' peak. AVX2's vpmaddubsw takes unsigned x signed bytes: 8-bit activations need a vpsignb a product to move
+their signs onto the weights, 7-bit ones stored offset by 64 do not, so `q8a7` runs the linears in ~0.5x float32's
+time and `q8` in ~0.72x (AVX2 EPYC, one thread, 256 rows of the 4B's shapes; docs/benchmarks.md "Issue 37.4: the
+tower's linears in integers"), with a quarter of the float32 weights' memory (the 4B's tower: ~400 MB instead of
+1.6 GB). The attention over 4,096 keys, the norms and the GELU stay float32. Every row's result is its own (exact
+integer sums, each row quantized alone), so the resumable encode's units (vision_encode.py) give bitwise the
+one-call encode's features in these layouts too.
+
+The server's tower is `q8a7` wherever the text takes an integer dot-product layout (`model.quantization` q8, q4,
+q4-mix: `tower_layout`); float otherwise. An intermediate size that is not a multiple of 32 (SigLIP's 4304) is
+padded: fc1 gets zero rows and zero biases (their GELU is exactly 0), fc2 the matching zero input columns.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import native
+from ..ops.int_dot import DOT_BLOCK, Q8Linear
+from .vision_weights import VisionWeights
+
+log = logging.getLogger("oai_gemma.engine")
+
+LAYOUTS = ("q8", "q4", "q4-mix")
+"""`model.quantization` values whose tower is `q8a7` (the text's own integer dot-product kernels run here)."""
+LINEARS = (("q_weight", "q_bias"), ("k_weight", "k_bias"), ("v_weight", "v_bias"), ("o_weight", "o_bias"),
+           ("fc1_weight", "fc1_bias"), ("fc2_weight", "fc2_bias"))
+"""A VisionLayer's projections: (weight field, bias field)."""
+TILE = (2, 4)
+"""vision_dot.c's register tile (rows, groups of 8 outputs): the fastest of six at 256 rows of the 4B's shapes or
+within 3% of it (AVX2 EPYC, one thread)."""
+
+
+class VisionLinear:
+    """A SigLIP projection with int8 weights per output channel and its float32 bias: rows [..., K] -> [..., N] (N
+    and K as padded). `activations`: 7 (the server's: vision_dot.c, each block's activations in -63..63, no sign
+    moves) or 8 (int_dot.c's `Q8Linear`, Q8_0 blocks: 0.7x its error, measured ~1.45x its time)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, pad_outputs: int = 0, pad_inputs: int = 0,
+                 activations: int = 7, lazy: bool = False):
+        """`lazy`: keep the float weight until the first call quantizes it (the server's: ~3.7 s of CPU for the 4B's
+        tower stays off the warm start and is spread over the first image's encode, a layer at a time)."""
+        self.activations, self.source = activations, (weight, bias, pad_outputs, pad_inputs)
+        if not lazy:
+            self._quantize()
+
+    def _quantize(self) -> None:
+        weight, bias, pad_outputs, pad_inputs = self.source
+        self.source = None
+        weight = F.pad(weight.detach().float(), (0, pad_inputs, 0, pad_outputs))
+        self.linear = Q8Linear(weight)
+        self.bias = F.pad(bias.detach().float(), (0, pad_outputs))
+        if self.activations == 7:
+            n, k = weight.shape
+            levels = self.linear.packed.permute(0, 2, 1, 3).reshape(n // 8, 8, k // DOT_BLOCK, DOT_BLOCK)
+            self.block_sums = levels.sum(-1, dtype=torch.int32).transpose(1, 2).to(torch.int16).contiguous()
+            """[N/8, K/32, 8] int16 (at most 32 * 127): each output's weights summed per block (the kernel takes 64 of
+            each off)."""
+
+    @property
+    def packed_bytes(self) -> int:
+        if self.source is not None:  # not quantized yet: the float weight and bias
+            return sum(t.numel() * t.element_size() for t in self.source[:2])
+        sums = self.block_sums.numel() * 2 if self.activations == 7 else 0
+        return self.linear.packed_bytes + self.bias.numel() * 4 + sums
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.source is not None:
+            self._quantize()
+        rows = x.reshape(-1, x.shape[-1])
+        if self.activations == 8:
+            y = self.linear.rowwise(rows if rows.dtype == torch.bfloat16 else rows.float(), torch.float32)
+            y += self.bias
+        else:
+            rows = rows.float().contiguous()
+            n, k = self.linear.out_features, self.linear.in_features
+            if rows.shape[1] != k:
+                raise ValueError(f"expected rows of {k} inputs, got {tuple(rows.shape)}")
+            y = torch.empty(rows.shape[0], n)
+            native.q7_dot_linear()(rows.data_ptr(), rows.shape[0], k, self.linear.packed.data_ptr(),
+                                   self.block_sums.data_ptr(), self.linear.scale.data_ptr(), self.bias.data_ptr(), n,
+                                   y.data_ptr(), *TILE)
+        return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def why_not_q8(weights: VisionWeights) -> str | None:
+    """Why this tower cannot take `q8a7` or `q8`, or None."""
+    why = native.int_dot_unavailable()
+    if why is None:
+        try:
+            native.q7_dot_linear()
+        except native.NativeKernelUnavailable as error:
+            why = str(error)
+    if why is None and weights.shape.hidden % DOT_BLOCK:
+        why = f"its width {weights.shape.hidden} is not a multiple of {DOT_BLOCK}"
+    return why
+
+
+def to_q8(weights: VisionWeights, activations: int = 7, lazy: bool = False) -> VisionWeights:
+    """Every encoder layer's projections as `VisionLinear`s (`activations`: 7 for `q8a7`, 8 for `q8`), in place, one
+    layer at a time (each layer's float weights let go as it is done; `lazy`: at each linear's first call); the
+    patch embedding and the projector stay."""
+    pad = -weights.shape.intermediate % DOT_BLOCK
+    for layer in weights.layers:
+        for weight_name, bias_name in LINEARS:
+            pads = {"fc1_weight": (pad, 0), "fc2_weight": (0, pad)}.get(weight_name, (0, 0))
+            linear = VisionLinear(getattr(layer, weight_name), getattr(layer, bias_name), *pads, activations=activations, lazy=lazy)
+            setattr(layer, weight_name, linear)
+            setattr(layer, bias_name, None)
+    return weights
+
+
+def tower_layout(weights: VisionWeights | None, quantization: str) -> VisionWeights | None:
+    """The server's tower for the text's `quantization`: `q8a7` where the text runs the integer dot-product kernels
+    and the tower's shape allows it (each linear quantized at its first call: `VisionLinear`'s `lazy`), else as it
+    is (float in the model's dtype)."""
+    if weights is None or quantization not in LAYOUTS:
+        return weights
+    why = why_not_q8(weights)
+    if why is not None:
+        log.info("vision tower in %s (the int8 layout cannot run: %s)", weights.dtype, why)
+        return weights
+    log.info("vision tower: its linears in int8 x 7-bit activations (q8a7), quantized at the first image's encode")
+    return to_q8(weights, lazy=True)
