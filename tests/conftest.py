@@ -25,11 +25,55 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 MODEL = "gemma-3-270m"
 MAX_MODEL_LEN = 2048
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+"""pytest-xdist's worker name (`gw0`, ...) under `-n N`, empty without: each worker is a session of its own, with its
+own servers, so a path they write is named by it."""
 LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log"))
+LOG = LOG.with_name(f"{LOG.stem}-{WORKER}{LOG.suffix}") if WORKER else LOG
 FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 """`ServerProcess(..., launcher=FAULT_SERVER)`: a server with the faults of tests/fault_server.py."""
 NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": "0"}
 """A shared, busy CPU can take minutes over a prefill: for tests that are not about request timeouts."""
+
+
+SHARING = {"api/test_hash_collision.py": "fault", "api/test_store_crash.py": "fault",
+           "chat/test_vision.py": "vision", "browser/test_playground.py": "vision"}
+"""Test files that share a `shared_servers` configuration across files: under `-n N --dist loadgroup` each group
+runs on one worker (one server start), and every other file is a group of its own (its module-scoped servers
+start once)."""
+
+
+HEAVY = ("fault", "engine/test_speculative_engine.py", "engine/test_quantization.py", "engine/test_batch_invariance.py",
+         "vision", "deploy/test_ray_serve.py", "deploy/test_readme.py", "engine/test_lora_server.py",
+         "engine/test_prefix_cache.py", "api/test_soak.py", "deploy/test_wheel.py", "api/test_admission.py")
+"""The longest groups (a quiet whole run's durations, docs/testing.md): under `-n N` they are handed out first,
+so that no worker is left running one of them alone at the end while the others have nothing to do."""
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist: each test file a group of its own (`--dist loadgroup`), the files in `SHARING` one group
+    each, and in a worker's collection the `HEAVY` groups first (every worker collects the same order)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    tests = Path(__file__).parent
+    groups = {}
+    for item in items:
+        name = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else str(item.path)
+        groups[item] = SHARING.get(name, name)
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    if WORKER:
+        items.sort(key=lambda item: HEAVY.index(groups[item]) if groups[item] in HEAVY else len(HEAVY))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker a core, at most 4 (each runs its own default server and in-process models: 3-4 GB), and
+    none on one core (one worker only adds a process); PYTEST_XDIST_AUTO_NUM_WORKERS still decides where set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0))
+    return 0 if cores < 2 else min(cores, 4)
 
 
 def wait_for(condition, timeout: float) -> bool:
