@@ -38,11 +38,8 @@ NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST
 
 SHARING = {"api/test_hash_collision.py": "fault", "api/test_store_crash.py": "fault",
            "chat/test_vision.py": "vision", "browser/test_playground.py": "vision"}
-"""Test files that share a `shared_servers` configuration across files: under `-n N --dist loadgroup` each group
-runs on one worker (one server start), and every other file is a group of its own (its module-scoped servers
-start once)."""
-
-
+"""Test files that share a `shared_servers` configuration across files: under `-n N` each group runs on one worker
+(one server start); every other file is a group of its own (its module-scoped servers start once)."""
 HEAVY = ("fault", "engine/test_speculative_engine.py", "engine/test_quantization.py", "engine/test_batch_invariance.py",
          "vision", "deploy/test_ray_serve.py", "deploy/test_readme.py", "engine/test_lora_server.py",
          "engine/test_prefix_cache.py", "api/test_soak.py", "deploy/test_wheel.py", "api/test_admission.py")
@@ -50,20 +47,34 @@ HEAVY = ("fault", "engine/test_speculative_engine.py", "engine/test_quantization
 so that no worker is left running one of them alone at the end while the others have nothing to do."""
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist: each test file a group of its own (`--dist loadgroup`), the files in `SHARING` one group
-    each, and in a worker's collection the `HEAVY` groups first (every worker collects the same order)."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    tests = Path(__file__).parent
-    groups = {}
-    for item in items:
-        name = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else str(item.path)
-        groups[item] = SHARING.get(name, name)
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
+def group_of(nodeid: str) -> str:
+    """A test's group under pytest-xdist: its file (relative to tests/), or its `SHARING` group."""
+    name = nodeid.split("::", 1)[0].removeprefix("tests/")
+    return SHARING.get(name, name)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (`--dist load`, the default, or loadfile/loadgroup/loadscope): whole groups to a worker (`group_of`),
+    in collection order: pytest-xdist's loadscope scheduler with this suite's groups. (Its own `loadgroup` reads
+    `xdist_group` marks into test ids, which pytest 9 no longer lets it change.)"""
+    if config.getvalue("dist") not in ("load", "loadfile", "loadgroup", "loadscope"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order below: HEAVY first, not the most tests first
+    return FileGroups(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    """In a pytest-xdist worker: the `HEAVY` groups first (every worker sorts the same collection the same way)."""
     if WORKER:
-        items.sort(key=lambda item: HEAVY.index(groups[item]) if groups[item] in HEAVY else len(HEAVY))
+        rank = {name: index for index, name in enumerate(HEAVY)}
+        items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(HEAVY)))
 
 
 @pytest.hookimpl(optionalhook=True)
