@@ -25,11 +25,66 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 MODEL = "gemma-3-270m"
 MAX_MODEL_LEN = 2048
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+"""pytest-xdist's worker name (`gw0`, ...) under `-n N`, empty without: each worker is a session of its own, with its
+own servers, so a path they write is named by it."""
 LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log"))
+LOG = LOG.with_name(f"{LOG.stem}-{WORKER}{LOG.suffix}") if WORKER else LOG
 FAULT_SERVER = (str(Path(__file__).with_name("fault_server.py")),)
 """`ServerProcess(..., launcher=FAULT_SERVER)`: a server with the faults of tests/fault_server.py."""
 NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST_TIMEOUT": "0"}
 """A shared, busy CPU can take minutes over a prefill: for tests that are not about request timeouts."""
+
+
+SHARING = {"api/test_hash_collision.py": "fault", "api/test_store_crash.py": "fault",
+           "chat/test_vision.py": "vision", "browser/test_playground.py": "vision"}
+"""Test files that share a `shared_servers` configuration across files: under `-n N` each group runs on one worker
+(one server start); every other file is a group of its own (its module-scoped servers start once)."""
+HEAVY = ("fault", "engine/test_speculative_engine.py", "engine/test_quantization.py", "engine/test_batch_invariance.py",
+         "vision", "deploy/test_ray_serve.py", "deploy/test_readme.py", "engine/test_lora_server.py",
+         "engine/test_prefix_cache.py", "api/test_soak.py", "deploy/test_wheel.py", "api/test_admission.py")
+"""The longest groups (a quiet whole run's durations, docs/testing.md): under `-n N` they are handed out first,
+so that no worker is left running one of them alone at the end while the others have nothing to do."""
+
+
+def group_of(nodeid: str) -> str:
+    """A test's group under pytest-xdist: its file (relative to tests/), or its `SHARING` group."""
+    name = nodeid.split("::", 1)[0].removeprefix("tests/")
+    return SHARING.get(name, name)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (`--dist load`, the default, or loadfile/loadgroup/loadscope): whole groups to a worker (`group_of`),
+    in collection order: pytest-xdist's loadscope scheduler with this suite's groups. (Its own `loadgroup` reads
+    `xdist_group` marks into test ids, which pytest 9 no longer lets it change.)"""
+    if config.getvalue("dist") not in ("load", "loadfile", "loadgroup", "loadscope"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order below: HEAVY first, not the most tests first
+    return FileGroups(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    """In a pytest-xdist worker: the `HEAVY` groups first (every worker sorts the same collection the same way)."""
+    if WORKER:
+        rank = {name: index for index, name in enumerate(HEAVY)}
+        items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(HEAVY)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker a core, at most 4 (each runs its own default server and in-process models: 3-4 GB), and
+    none on one core (one worker only adds a process); PYTEST_XDIST_AUTO_NUM_WORKERS still decides where set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0))
+    return 0 if cores < 2 else min(cores, 4)
 
 
 def wait_for(condition, timeout: float) -> bool:

@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray.serve", reason="the Ray Serve tests need the `ray` extra")
 
-from conftest import MODEL, ServerProcess, user, wait_for
+from conftest import LOG as SERVER_LOG, MODEL, ServerProcess, user, wait_for
 
 pytestmark = pytest.mark.slow
 
 REPLICA, SECOND = "x-oai-gemma-replica", "second"
-LOG = Path(os.environ.get("OAI_GEMMA_TEST_LOG", "/tmp/oai-gemma-test-server.log")).with_suffix(".ray.log")
+LOG = SERVER_LOG.with_suffix(".ray.log")
 
 
 @pytest.fixture(scope="module")
