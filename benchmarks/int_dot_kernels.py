@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear
+from oai_gemma.engine.ops.int_dot import Q4Linear, Q5Linear, Q8Linear
 from oai_gemma.engine.ops.quantized import NativeInt8Linear, NativeQ8Linear
 
 # name: (out_features, in_features, calls in one decode step of gemma-3-1b: 26 layers)
@@ -28,7 +28,7 @@ SHAPES = {
     "q": (1024, 1152, 26), "kv": (256, 1152, 52), "o": (1152, 1024, 26), "gate": (6912, 1152, 52),
     "down": (1152, 6912, 26), "lm_head": (262144, 1152, 1),
 }
-CANDIDATES = {"int8": NativeInt8Linear, "q8": Q8Linear, "q4": Q4Linear}
+CANDIDATES = {"int8": NativeInt8Linear, "q8": Q8Linear, "q4": Q4Linear, "q5": Q5Linear}
 STREAM_BYTES = 96 << 20
 """Each candidate's copies of a weight together exceed this (3x the EPYC's 32 MiB L3)."""
 
@@ -54,8 +54,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_line()}")
-    print("| shape (N x K) | rows | " + " | ".join(f"{c} min / median (ms)" for c in CANDIDATES) + " | q8 vs int8 | q4 vs int8 |")
-    print("|---|---:|" + "---:|" * (len(CANDIDATES) + 2))
+    print("| shape (N x K) | rows | " + " | ".join(f"{c} min / median (ms)" for c in CANDIDATES) + " | q8 vs int8 | q4 vs int8 | q5 vs int8 |")
+    print("|---|---:|" + "---:|" * (len(CANDIDATES) + 3))
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         n, k, _ = SHAPES[name]
@@ -77,11 +77,11 @@ def main() -> None:
             best = {c: min(s) for c, s in samples.items()}
             cells = " | ".join(f"{best[c]:.3f} / {statistics.median(samples[c]):.3f}" for c in CANDIDATES)
             print(f"| {name} ({n} x {k}) | {rows} | {cells} | {best['int8'] / best['q8']:.2f}x | "
-                  f"{best['int8'] / best['q4']:.2f}x |", flush=True)
+                  f"{best['int8'] / best['q4']:.2f}x | {best['int8'] / best['q5']:.2f}x |", flush=True)
             if name == "lm_head":
                 c = "q8 (lm_head's NativeQ8Linear)"
                 print(f"|  lm_head, NativeQ8Linear (existing AVX2 q8_linear) | {rows} | {best[c]:.3f} / "
-                      f"{statistics.median(samples[c]):.3f} | | | | |", flush=True)
+                      f"{statistics.median(samples[c]):.3f} | | | | | | |", flush=True)
 
 
 if __name__ == "__main__":

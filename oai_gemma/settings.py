@@ -49,7 +49,8 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     kernels run) and `int8` below (+0.5% perplexity), and `per-step` if in bf16; else `none`. `q8`: every linear
     int8 x int8 (activations quantized per block of 32 in the kernel, integer dot products: faster from a few rows
     on); `q4`: the projections in 4-bit blocks of 32 (GGUF's Q4_1, fewer bytes per token) and the lm_head as `q8`;
-    `q4-mix`: `q4` with v and down as `q8` in llama.cpp's Q4_K_M `use_more_bits` layers (all three need the
+    `q4-mix`: `q4` with v and down as `q8` in llama.cpp's Q4_K_M `use_more_bits` layers and the lm_head in 5-bit
+    blocks (GGUF's Q5_1: 6 bits a weight, 226 MB a token at the 1B where q8 reads 303) (all three need the
     native kernels). docs/engine.md, "Weight-only quantized weights", "Integer dot products" and "Quality at the
     1B shape"."""
     compile: Literal["auto", "on", "off"] = "auto"

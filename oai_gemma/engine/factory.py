@@ -37,7 +37,7 @@ from .model.invariance_check import measure_invariance
 from .model.runner import ModelRunner, load_weights
 from .ops import native
 from .ops.choice import linear_for
-from .ops.int_dot import Q4Linear
+from .ops.int_dot import Q4Linear, Q5Linear
 from .ops.quantized import FORMAT, NativeQ8Linear
 from .shape import TextShape
 
@@ -142,11 +142,13 @@ def weights_name(source_dir: str) -> str:
 
 def _layout(quantization: str, dtype: torch.dtype) -> str:
     """The stored layout of quantized weights: torch's version (its int4 layout is torch's own), the format's
-    version, whether the lm_head is the native q8 kind (which depends on the kernel running here) and the q4
-    projections' own layout version."""
+    version, whether the lm_head is the native q8 kind (which depends on the kernel running here), the q4
+    projections' own layout version and the q5 lm_head's (`q4-mix`'s: its files before the q5 lm_head are never read
+    back as it)."""
     q8 = "q8" if linear_for(quantization, "lm_head", dtype) is NativeQ8Linear else ""
     q4 = f"q4v{Q4Linear.VERSION}" if linear_for(quantization, "projection.0", dtype) is Q4Linear else ""
-    return f"torch{torch.__version__}-f{FORMAT}{q8}{q4}"
+    q5 = f"q5v{Q5Linear.VERSION}" if linear_for(quantization, "lm_head", dtype) is Q5Linear else ""
+    return f"torch{torch.__version__}-f{FORMAT}{q8}{q4}{q5}"
 
 
 def explain_load_failure(error: BaseException, source: str) -> str:

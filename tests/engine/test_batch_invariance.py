@@ -23,7 +23,7 @@ from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.invariance_check import measure_invariance
 from oai_gemma.engine.model.runner import ModelRunner, StepItem, load_weights
 from oai_gemma.engine.ops import native
-from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear
+from oai_gemma.engine.ops.int_dot import Q4Linear, Q5Linear, Q8Linear
 from oai_gemma.engine.ops.quantized import NativeInt8Linear, NativeQ8Linear
 from oai_gemma.engine.types import GenerationRequest, SamplingParams
 from oai_gemma.settings import ModelSettings
@@ -279,13 +279,13 @@ def test_without_the_mode_the_same_compositions_differ():
 
 
 @pytest.mark.skipif(native.native_unavailable() is not None, reason="the native kernels cannot run here")
-@pytest.mark.parametrize("layout", [NativeInt8Linear, NativeQ8Linear, Q8Linear, Q4Linear], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("layout", [NativeInt8Linear, NativeQ8Linear, Q8Linear, Q4Linear, Q5Linear], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_row_exact_kernels_give_a_row_the_same_bits_alone_and_in_any_batch(layout, dtype):
     """Why the mode calls these untiled (`rowwise`): integer sums are exact and each output's float steps run in one
     order, so row i of M rows equals row i alone, for M across the kernels' tiles (4 rows), the AVX2 loop's panels
     (from 16 rows) and prefill sizes (from 128, where their plain call dequantizes instead)."""
-    if layout in (Q8Linear, Q4Linear) and native.int_dot_unavailable() is not None:
+    if layout in (Q8Linear, Q4Linear, Q5Linear) and native.int_dot_unavailable() is not None:
         pytest.skip(native.int_dot_unavailable())
     generator = torch.Generator().manual_seed(0)
     linear = layout(torch.randn(192, 320, generator=generator))

@@ -79,5 +79,27 @@ def test_other_layouts_and_mixed_layers_are_left_alone():
     frozen = SimpleNamespace(**{name: FrozenLinear(torch.randn(32, 64, generator=g)) for name in ("q", "k", "v", "gate", "up")})
     assert fuse_layers([frozen]) == 0 and not hasattr(frozen.q, "fused")
     mixed = layer(Q8Linear)
-    mixed.v = Q4Linear(torch.randn(32, 128, generator=g))
+    mixed.q = Q4Linear(torch.randn(64, 128, generator=g))
     assert fuse_layers([mixed]) == 1 and not hasattr(mixed.q, "fused") and hasattr(mixed.gate, "fused")
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_q_and_k_fuse_alone_where_v_is_another_layout(m):
+    # q4-mix's use_more_bits layers: 4-bit q and k, v in q8; one call for q and k, one for v, each part's own bits
+    w = layer(Q4Linear)
+    w.v = Q8Linear(torch.randn(32, 128, generator=torch.Generator().manual_seed(1)) * 0.05)
+    x = rows(m)
+    alone = [part(x) for part in (w.q, w.k, w.v)]
+    assert fuse_layers([w]) == 2 and w.q.fused is w.k.fused and not hasattr(w.v, "fused")
+    calls = []
+
+    def plain(x, linear):
+        calls.append(linear)
+        return linear(x)
+
+    plain.fuses = True
+    outs = projections(plain, x, (w.q, w.k, w.v))
+    assert calls == [w.q.fused, w.v]
+    assert all(torch.equal(out, expected) for out, expected in zip(outs, alone))
+    for linear in (TiledLinear(8), RoleLinear(8, prefill_rows=m // 2, real_rows=m, rows=m)):
+        assert all(torch.equal(out, expected) for out, expected in zip(projections(linear, x, (w.q, w.k, w.v)), alone))

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 
 from oai_gemma.engine.ops import native
 from oai_gemma.engine.ops.choice import linear_for, more_bits
-from oai_gemma.engine.ops.int_dot import Q4Linear, Q8Linear, q4_blocks
+from oai_gemma.engine.ops.int_dot import Q4Linear, Q5Linear, Q8Linear, q4_blocks
 from oai_gemma.engine.ops.quantized import KERNEL_ROWS
 
 pytestmark = pytest.mark.skipif(native.int_dot_unavailable() is not None,
                                 reason=f"the integer dot-product kernels cannot run here: {native.int_dot_unavailable()}")
 
-CLASSES = [Q8Linear, Q4Linear]
+CLASSES = [Q8Linear, Q4Linear, Q5Linear]
 
 
 def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -154,7 +154,7 @@ def test_the_stored_form_reads_back_and_the_prefill_path_agrees(cls):
     again = cls.from_tensors({name: t.clone() for name, t in linear.tensors().items()})
     x = rows_of(KERNEL_ROWS, 256)
     assert torch.equal(again(x[:9]), linear(x[:9]))
-    bits = 8 if cls is Q8Linear else 4
+    bits = {Q8Linear: 8, Q4Linear: 4, Q5Linear: 5}[cls]
     assert linear.packed_bytes == 128 * 256 * bits // 8 + (128 * 4 if cls is Q8Linear else 128 * 256 // 32 * 4)
     # from KERNEL_ROWS rows: the dequantized weight times float activations, within the activations' 8 bits
     prefill = linear(x)
@@ -179,7 +179,8 @@ def test_q4_mix_keeps_v_and_down_in_q8_in_the_layers_llamas_q4_k_m_gives_more_bi
     assert pick[3 * 7 + 2] is Q4Linear and pick[3 * 7 + 6] is Q4Linear  # layer 3: not one of them
     assert pick[5 * 7 + 6] is Q8Linear and pick[25 * 7 + 2] is Q8Linear
     assert sum(cls is Q8Linear for cls in pick.values()) == 2 * 13  # the rest 4-bit: q, k, o, gate, up everywhere
-    assert linear_for("q4-mix", "lm_head", torch.float32, 26) is Q8Linear
+    assert linear_for("q4-mix", "lm_head", torch.float32, 26) is Q5Linear  # GGUF's Q5_1: 226 MB a token, not 303
+    assert linear_for("q4", "lm_head", torch.float32, 26) is Q8Linear  # q4 keeps the q8 lm_head
 
 
 def test_the_q4_layout_version_names_its_cache_file():
@@ -190,6 +191,26 @@ def test_the_q4_layout_version_names_its_cache_file():
     assert f"q4v{Q4Linear.VERSION}" in _layout("q4", torch.float32)
     assert "q4v" not in _layout("q8", torch.float32) and "q4v" not in _layout("int8", torch.float32)
     assert Q4Linear(weights(16, 64)).packed.shape == (2, 2, 160)
+
+
+def test_the_q5_lm_head_names_q4_mixs_cache_file():
+    # q4-mix's files from before its q5 lm_head hold a q8 one under the same tensor names: never read back as q5
+    from oai_gemma.engine.factory import _layout
+
+    assert f"q5v{Q5Linear.VERSION}" in _layout("q4-mix", torch.float32)
+    assert "q5v" not in _layout("q4", torch.float32) and "q5v" not in _layout("q8", torch.float32)
+    assert Q5Linear(weights(16, 64)).packed.shape == (2, 2, 192)
+
+
+def test_q5_levels_take_all_five_bits_and_halve_q4s_error():
+    weight = weights(64, 256, seed=4)
+    levels, scales, mins = q4_blocks(weight, bits=5)
+    assert int(levels.max()) == 31 and int(levels.min()) == 0
+    linear = Q5Linear(weight)
+    dequantized = levels.float() * scales.float()[..., None] + mins.float()[..., None]
+    assert torch.equal(linear.dequantized(), dequantized.view(64, 256)), "the fifth bits read back"
+    q4_error = ((Q4Linear(weight).dequantized() - weight) ** 2).sum()
+    assert ((dequantized.view(64, 256) - weight) ** 2).sum() <= 0.3 * q4_error  # ~1/4: half the step
 
 
 @pytest.mark.parametrize("cls", CLASSES)

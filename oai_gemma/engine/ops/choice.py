@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .int_dot import Q4Linear, Q8Linear
+from .int_dot import Q4Linear, Q5Linear, Q8Linear
 from .native import native_unavailable
 from .quantized import DynamicInt8Linear, Int4Linear, Int8Linear, NativeInt8Linear, NativeQ8Linear
 
@@ -29,8 +29,11 @@ def linear_for(quantization: str, name: str, dtype: torch.dtype, layers: int = 0
     as it is (packed float32). `per-step`: the int8 copy, which the runner pairs with the packed weight
     (`PerStepLinear`). `q8`: every linear `Q8Linear` (int8 weights, int8 activations); `q4`: the projections
     `Q4Linear` (4-bit blocks), the lm_head `Q8Linear`; `q4-mix`: `q4` with v and down `Q8Linear` in the
-    `more_bits` layers (llama.cpp's Q4_K_M recipe)."""
+    `more_bits` layers (llama.cpp's Q4_K_M recipe) and the lm_head `Q5Linear` (GGUF's Q5_1: 226 MB a token at the 1B
+    where q8 reads 303; docs/engine.md, "Quality at the 1B shape")."""
     if quantization in ("q8", "q4", "q4-mix") and native.int_dot_unavailable() is None:
+        if quantization == "q4-mix" and name == "lm_head":
+            return Q5Linear
         if quantization == "q8" or name == "lm_head":
             return Q8Linear
         layer, kind = divmod(int(name.rpartition(".")[2]), PROJECTIONS_PER_LAYER)

@@ -1,5 +1,6 @@
 """Projections that read the same rows in one kernel call: q/k/v and gate/up (issue 37: a 1B decode step made 182
-kernel calls, each a parallel region and an activation quantization; fused it makes 104).
+kernel calls, each a parallel region and an activation quantization; fused it makes 104; `q4-mix`'s 13 layers with
+v in q8 fuse q and k alone: 117, not 130).
 
 Only the native quantized layouts fuse (`FUSES`): each of their outputs is its own sum over the row's inputs in one
 fixed order, so the whole call gives every output the bits its own projection's call gives (tested). The parts stay
@@ -55,25 +56,35 @@ class Fused:
 
 
 def fuse_layers(layers) -> int:
-    """Fuse each layer's q/k/v and gate/up where their layout allows; returns how many groups were fused."""
+    """Fuse each layer's q/k/v and gate/up where their layout allows (q and k alone where v's layout is another:
+    `q4-mix`'s v in q8 beside 4-bit q and k); returns how many groups were fused."""
     fused = 0
     for w in layers:
-        for names in (("q", "k", "v"), ("gate", "up")):
+        for names in (("q", "k", "v"), ("q", "k"), ("gate", "up")):
             TURNS.offer()  # a group is a unit of a load's work (cpu.Turns)
             parts = [getattr(w, name) for name in names]
-            if type(parts[0]) in FUSES and all(type(p) is type(parts[0]) for p in parts):
+            if (type(parts[0]) in FUSES and all(type(p) is type(parts[0]) for p in parts)
+                    and not any(hasattr(p, "fused") for p in parts)):
                 Fused(parts)  # the parts read the same rows: the same inputs
                 fused += 1
     return fused
 
 
 def projections(linear, x: torch.Tensor, parts) -> list[torch.Tensor]:
-    """Each part's `linear(x, part)`: one call of their `Fused` where they are one and the step's `linear` is a plain
-    call (`fuses`: not LoRA's per-projection wrapper), its outputs split (q and k contiguous for the native norm)."""
-    if isinstance(parts[0], torch.Tensor):  # plain weights (F.linear: the static decode step)
+    """Each part's `linear(x, part)`: one call of a `Fused` for each run of parts that is one (all of them, or q and k
+    before v) where the step's `linear` is a plain call (`fuses`: not LoRA's per-projection wrapper), its outputs
+    split (q and k contiguous for the native norm)."""
+    if isinstance(parts[0], torch.Tensor) or not getattr(linear, "fuses", False):  # plain weights: F.linear
         return [linear(x, part) for part in parts]
-    fused = getattr(parts[0], "fused", None)
-    if fused is None or not getattr(linear, "fuses", False) or any(getattr(p, "fused", None) is not fused for p in parts):
-        return [linear(x, part) for part in parts]
-    out = linear(x, fused)
-    return [out[:, lo:hi] for lo, hi in fused.bounds]
+    outs, i = [], 0
+    while i < len(parts):
+        fused = getattr(parts[i], "fused", None)
+        run = tuple(parts[i : i + len(fused.parts)]) if fused is not None else ()
+        if fused is None or len(run) != len(fused.parts) or any(a is not b for a, b in zip(run, fused.parts)):
+            outs.append(linear(x, parts[i]))
+            i += 1
+            continue
+        out = linear(x, fused)
+        outs += [out[:, lo:hi] for lo, hi in fused.bounds]
+        i += len(run)
+    return outs

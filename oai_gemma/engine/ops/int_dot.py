@@ -12,9 +12,10 @@ from .quantized import KERNEL_ROWS, QuantizedLinear, in_units, int8_per_channel
 
 DOT_BLOCK = 32
 """Input columns per activation scale (both integer dot-product layouts) and per 4-bit weight scale and min (`Q4Linear`)."""
-DOT_TILES = {"q8": ((1, 4), (2, 4)), "q4": ((1, 4), (4, 3))}
+DOT_TILES = {"q8": ((1, 4), (2, 4)), "q4": ((1, 4), (4, 3)), "q5": ((1, 4), (4, 2))}
 """Register tiles of int_dot.c (rows of x, groups of 8 outputs) for one row and for several (measured on the AVX2
-EPYC, one thread, the 6912 x 1152 gate, nine tiles each: the fastest at 8 and 32 rows or within 3% of it)."""
+EPYC, one thread, the 6912 x 1152 gate, nine tiles each: the fastest at 8 and 32 rows or within 3% of it; q5 at
+8 rows of a 2048 x 1152 weight, seven tiles: (4, 2) the fastest, (4, 3) within 3%)."""
 
 
 def _check_dot_input(x: torch.Tensor, k: int) -> None:
@@ -80,8 +81,8 @@ class _DotLinear(QuantizedLinear):
         n = self.out_features
         y = torch.empty(rows, n, dtype=out_dtype)
         tile_rows, tile_groups = DOT_TILES[self.KIND][rows > 1]
-        run = native.q4_dot_linear() if self.KIND == "q4" else native.q8_dot_linear()
-        scale = self.packed if self.KIND == "q4" else self.scale  # q4's scales are inside `packed`
+        run = native.dot_linear(self.KIND)
+        scale = self.scale if self.KIND == "q8" else self.packed  # q4's and q5's scales are inside `packed`
         run(x.data_ptr(), rows, k, self.packed.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
                x.dtype == torch.bfloat16, out_dtype == torch.bfloat16, tile_rows, tile_groups)
         return y
@@ -112,17 +113,17 @@ class Q8Linear(_DotLinear):
         return self.packed.permute(0, 2, 1, 3).reshape(groups * 8, quads * 4).float() * self.scale[:, None]
 
 
-def q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def q4_blocks(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (levels uint8 [N, K/32, 32] in 0..15, scale and min float16 [N, K/32]): GGUF's Q4_1, a level
     q standing for scale * q + min, each block's pair chosen by least squares among a few roundings (as llama.cpp's
     make_qkx searches; engine/ops/native/q4_quantize.c, seconds for a 1B where the torch version took half an hour).
     On gemma-3-270m's projections: 0.57x the squared error of the least-squares Q4_0 (symmetric) scales, perplexity
-    with float activations 10.32 against 13.38 (float32 8.58; docs/engine.md)."""
+    with float activations 10.32 against 13.38 (float32 8.58; docs/engine.md). `bits` 5: GGUF's Q5_1, levels 0..31."""
     n, k = weight.shape
     levels = torch.empty(n, k // DOT_BLOCK, DOT_BLOCK, dtype=torch.uint8)
     scales = torch.empty(n, k // DOT_BLOCK, dtype=torch.float16)
     mins = torch.empty(n, k // DOT_BLOCK, dtype=torch.float16)
-    search = native.q4_1_blocks()
+    search = native.q4_1_blocks() if bits == 4 else native.q5_1_blocks()
     chunk = max(1, (1 << 22) // k)  # rows converted to float32 at a time (16 MiB)
     for start in range(0, n, chunk):
         rows = weight[start : start + chunk].detach().float().contiguous()
@@ -143,25 +144,35 @@ class Q4Linear(_DotLinear):
     FIELDS = ("packed",)
     VERSION = 4
     """The stored layout's version (part of the model cache's file name: a stale layout is never read back)."""
+    BITS = 4
+    LEVEL_BYTES = 128
+    """Bytes of a block's levels (eight outputs x 32 inputs) before its scales and mins."""
 
     def __init__(self, weight: torch.Tensor):
         n, k = weight.shape
         self._check_shape(n, k)
-        levels, scales, mins = q4_blocks(weight)
-        quads = levels.view(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, k // 32, 4, 2, 32)
-        nibbles = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).reshape(n // 8, k // 32, 128)
-        per_block = [t.view(n // 8, 8, k // 32).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (scales, mins)]
-        self.packed = torch.cat([nibbles, *per_block], dim=2).contiguous()
+        levels, scales, mins = q4_blocks(weight, self.BITS)
+        quads = levels.view(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [groups, blocks, quad, output, input]
+        self.packed = torch.cat([self.pack_levels(quads.reshape(n // 8, k // 32, 8, 32)),
+                                 *(t.view(n // 8, 8, k // 32).permute(0, 2, 1).contiguous().view(torch.uint8)
+                                   for t in (scales, mins))], dim=2).contiguous()
+
+    @staticmethod
+    def pack_levels(quads: torch.Tensor) -> torch.Tensor:
+        """[groups, blocks, 8 quads, 32] levels -> [groups, blocks, 128]: row r's byte j holds quad 2r's value j in its
+        low nibble and quad 2r + 1's in its high one."""
+        rows = quads.view(*quads.shape[:2], 4, 2, 32)
+        return (rows[:, :, :, 0] | (rows[:, :, :, 1] << 4)).reshape(*quads.shape[:2], 128)
 
     @property
     def scale(self) -> torch.Tensor:
         """The blocks' float16 scales [N/8, K/32, 8] (a view of `packed`)."""
-        return self.packed[:, :, 128:144].view(torch.float16)
+        return self.packed[:, :, self.LEVEL_BYTES : self.LEVEL_BYTES + 16].view(torch.float16)
 
     @property
     def min(self) -> torch.Tensor:
         """The blocks' float16 mins [N/8, K/32, 8] (a view of `packed`)."""
-        return self.packed[:, :, 144:160].view(torch.float16)
+        return self.packed[:, :, self.LEVEL_BYTES + 16 : self.LEVEL_BYTES + 32].view(torch.float16)
 
     @property
     def out_features(self) -> int:
@@ -171,11 +182,16 @@ class Q4Linear(_DotLinear):
     def in_features(self) -> int:
         return self.packed.shape[1] * DOT_BLOCK
 
-    def levels(self) -> torch.Tensor:
-        """The levels [N, K/32, 32] (0..15) as float32."""
+    def quads(self) -> torch.Tensor:
+        """The levels as [groups, blocks, 8 quads, 32] uint8 (`pack_levels`' input)."""
         groups, blocks, _ = self.packed.shape
         rows = self.packed[:, :, :128].reshape(groups, blocks, 4, 1, 32)
-        levels = torch.cat([rows & 15, rows >> 4], dim=3).view(groups, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4)
+        return torch.cat([rows & 15, rows >> 4], dim=3).view(groups, blocks, 8, 32)
+
+    def levels(self) -> torch.Tensor:
+        """The levels [N, K/32, 32] (0..15; q5: 0..31) as float32."""
+        groups, blocks, _ = self.packed.shape
+        levels = self.quads().view(groups, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4)
         return levels.reshape(groups * 8, blocks, DOT_BLOCK).float()
 
     def per_output(self, t: torch.Tensor) -> torch.Tensor:
@@ -186,3 +202,27 @@ class Q4Linear(_DotLinear):
     def dequantized(self) -> torch.Tensor:
         scale, low = self.per_output(self.scale)[..., None], self.per_output(self.min)[..., None]
         return (self.levels() * scale + low).view(self.out_features, self.in_features)
+
+
+class Q5Linear(Q4Linear):
+    """The `q5` lm_head (`q4-mix`'s): GGUF's Q5_1, 5-bit levels in blocks of 32 with a float16 scale and min (6 bits a
+    weight: the 1B's 262k-row lm_head reads 226 MB a token where `Q8Linear`'s reads 303), times the same int8
+    activations. `packed` uint8 [N/8, K/32, 192]: `Q4Linear`'s low nibbles, then 32 bytes of the levels' fifth bits
+    (byte j's bit i: quad i's value j, so each quad's bit is one shift and mask away), then the scales and mins."""
+
+    KIND = "q5"
+    VERSION = 1
+    BITS = 5
+    LEVEL_BYTES = 160
+
+    @staticmethod
+    def pack_levels(quads: torch.Tensor) -> torch.Tensor:
+        fifth = quads >> 4
+        bits = sum((fifth[:, :, i].to(torch.int32) << i) for i in range(8)).to(torch.uint8)
+        return torch.cat([Q4Linear.pack_levels(quads & 15), bits], dim=2)
+
+    def quads(self) -> torch.Tensor:
+        groups, blocks, _ = self.packed.shape
+        bits = self.packed[:, :, 128:160]
+        fifth = torch.stack([(bits >> i) & 1 for i in range(8)], dim=2)
+        return super().quads() | (fifth << 4)

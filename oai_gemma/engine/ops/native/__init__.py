@@ -68,14 +68,16 @@ SIGNATURES = {
     },
     "lora": {"lora_project": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]},
     "int_dot": {"q8_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int],
-                "q4_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int]},
+                "q4_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int],
+                "q5_dot_linear": [*_INT8_LINEAR, ctypes.c_int, ctypes.c_int]},
     "layer": {
         "qk_norm_rope": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p,
                          ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4],
         "residual_norm": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
     },
-    "q4_quantize": {"q4_1_blocks": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]},
+    "q4_quantize": {name: [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                    for name in ("q4_1_blocks", "q5_1_blocks")},
     "vision_dot": {"q7_dot_linear": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int]},
 }
@@ -138,6 +140,17 @@ def q7_dot_linear():
     weights per output channel in int_dot.c's q8 layout times activations quantized per row and block of 32 to 7
     bits, float32 in and out, the bias added)."""
     return _library("vision_dot").q7_dot_linear
+
+
+def dot_linear(kind: str):
+    """The compiled integer dot-product kernel of layout `kind` (`q8`, `q4`, `q5`: `q5_dot_linear` is q4's with 5-bit
+    levels, GGUF's Q5_1), all with the arguments of `q8_dot_linear`."""
+    return getattr(_library("int_dot"), f"{kind}_dot_linear")
+
+
+def q5_1_blocks():
+    """The compiled `q5_1_blocks(w, blocks, levels, scale, min)`: `q4_1_blocks`' search with levels 0..31."""
+    return _library("q4_quantize").q5_1_blocks
 
 
 def q4_1_blocks():

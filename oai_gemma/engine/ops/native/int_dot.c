@@ -3,7 +3,7 @@
    (vpmaddubsw: u8 x s8 pairs summed to int16, vpmaddwd: pairs of int16 summed to int32), as llama.cpp's
    Q8_0 / Q4_0 x Q8_0 dot products do on AVX2.
 
-   Two weight layouts, both in groups of 8 output channels:
+   Three weight layouts, all in groups of 8 output channels:
    - `q8`: int8 weights, one float32 scale per output channel, [N/8][K/4][8][4]: one 32-byte load is four input
      columns of eight outputs. vpmaddubsw takes unsigned x signed bytes: |x| times w with x's sign moved onto w
      (vpsignb). A block's int32 sums are exact; each is scaled by the block's activation scale into a float
@@ -15,6 +15,8 @@
      The unsigned levels multiply the signed activations directly (15 * 127 * 2 fits int16, and a block's eight
      quads summed in int16 still fit: 30,480); the min multiplies the block's activation sum (its scale times its
      integer sum), one more FMA a block.
+   - `q5`: `q4` with 5-bit levels (GGUF's Q5_1, 0..31; `q4-mix`'s lm_head), [N/8][K/32][192 bytes]: q4's 128 bytes of
+     low nibbles, then 32 bytes of the levels' fifth bits (byte j's bit i: quad i's value j), then the scales and mins.
 
    Every output is one fixed sequence of float operations over the blocks in order (the integer sums are exact),
    whatever the row count, tile or thread, and each row is quantized alone: a row's result does not depend on
@@ -87,6 +89,7 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int x_bf16, activ
 #define MAX_ROWS 4
 #define MAX_GROUPS 4
 #define Q4_BYTES 160 /* a q4 block of 8 outputs x 32 inputs: 128 bytes of levels, 8 float16 scales, 8 float16 mins */
+#define Q5_BYTES 192 /* a q5 block: q4's with 32 bytes of the levels' fifth bits after the nibbles */
 #ifndef PREFETCH
 #define PREFETCH 1024
 #endif
@@ -138,53 +141,96 @@ static inline __attribute__((always_inline)) void tile_q8(
 }
 
 /* ---- q4: 4-bit weights in blocks of 32, a float16 scale a block (F16C widens them) ---------------------------- */
+/* Bit `bit` of each byte moved to bit 4 (16-bit shifts: bit 4 of either byte takes only that byte's own bit). */
+static inline __attribute__((always_inline)) __m256i to_bit4(__m256i v, const int bit)
+{
+    return bit < 4 ? _mm256_slli_epi16(v, 4 - bit) : bit == 4 ? v : _mm256_srli_epi16(v, bit - 4);
+}
+
+/* Row r of a block's levels (`at`: the block's first byte) as two vectors of unsigned bytes: quads 2r and 2r + 1
+   (the low and high nibbles; with `five` the fifth bits put at bit 4 of each). */
+static inline __attribute__((always_inline)) void levels_row(const uint8_t *at, const int r, const int five,
+                                                             __m256i *lo, __m256i *hi)
+{
+    const __m256i low = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(at + r * 32));
+    *lo = _mm256_and_si256(packed, low);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    if (five) { /* read again each r (from L1) rather than held: sixteen registers are few here */
+        const __m256i fifth = _mm256_loadu_si256((const __m256i *)(at + 128));
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(to_bit4(fifth, 2 * r), bit4));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(to_bit4(fifth, 2 * r + 1), bit4));
+    }
+}
+
+/* acc += each block sum (int32 [rows][groups]) times the block's activation scale and weight scale, plus the weight
+   min times the activation's block sum (scale times integer sum); the scales and mins at byte `at` of each group. */
+static inline __attribute__((always_inline, target("f16c"))) void scale_block(
+    const int rows, const int groups, const activations *a, int64_t m0, int64_t blocks, int64_t b,
+    const uint8_t *const group[MAX_GROUPS], int64_t at, __m256i dots[MAX_ROWS][MAX_GROUPS], __m256 acc[MAX_ROWS][MAX_GROUPS])
+{
+    __m256 ws[MAX_GROUPS], wm[MAX_GROUPS];
+    for (int g = 0; g < groups; g++) {
+        ws[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + at)));
+        wm[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + at + 16)));
+    }
+    for (int m = 0; m < rows; m++) {
+        const float xs = a->scale[(m0 + m) * blocks + b];
+        const __m256 s = _mm256_set1_ps(xs), s_sum = _mm256_set1_ps(xs * (float)a->sum[(m0 + m) * blocks + b]);
+        for (int g = 0; g < groups; g++) {
+            acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m][g]), _mm256_mul_ps(ws[g], s), acc[m][g]);
+            acc[m][g] = _mm256_fmadd_ps(wm[g], s_sum, acc[m][g]);
+        }
+    }
+}
+
+/* `five` (the q5 layout, GGUF's Q5_1 levels 0..31): a block is Q5_BYTES, its 32 bytes after the nibbles the levels'
+   fifth bits (byte j's bit i: quad i's value j), the scales and mins after them; row r's quads 2r and 2r + 1 take
+   bits 2r and 2r + 1 of it to bit 4. Five-bit products fill int16 in two rows r (8 x 31 x 127 a lane), so the
+   sums widen to int32 after rows 1 and 3 (four-bit ones after all four: 16 x 15 x 127). */
 static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
     const int rows, const int groups, const activations *a, int64_t m0, int64_t K, const uint8_t *w,
-    void *y, int64_t y0, int64_t N, int y_bf16)
+    void *y, int64_t y0, int64_t N, int y_bf16, const int five)
 {
     const int64_t blocks = K / BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const int block_bytes = five ? Q5_BYTES : Q4_BYTES, scales_at = five ? 160 : 128;
+    const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *group[MAX_GROUPS];
-    for (int g = 0; g < groups; g++) group[g] = w + g * blocks * Q4_BYTES;
+    for (int g = 0; g < groups; g++) group[g] = w + g * blocks * block_bytes;
     __m256 acc[MAX_ROWS][MAX_GROUPS];
     for (int m = 0; m < rows; m++)
         for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i sums[MAX_ROWS][MAX_GROUPS];
-        for (int m = 0; m < rows; m++)
-            for (int g = 0; g < groups; g++) sums[m][g] = _mm256_setzero_si256();
-        for (int g = 0; g < groups; g++) prefetch_ahead(group[g] + b * Q4_BYTES, Q4_BYTES);
+        __m256i sums[MAX_ROWS][MAX_GROUPS], sums32[MAX_ROWS][MAX_GROUPS];
+        for (int g = 0; g < groups; g++) {
+            prefetch_ahead(group[g] + b * block_bytes, block_bytes);
+            for (int m = 0; m < rows; m++) sums[m][g] = _mm256_setzero_si256();
+        }
+        #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             __m256i lo[MAX_GROUPS], hi[MAX_GROUPS];
-            for (int g = 0; g < groups; g++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(group[g] + b * Q4_BYTES + r * 32));
-                lo[g] = _mm256_and_si256(packed, low);
-                hi[g] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-            }
+            for (int g = 0; g < groups; g++) levels_row(group[g] + b * block_bytes, r, five, &lo[g], &hi[g]);
             for (int m = 0; m < rows; m++) {
                 int32_t q0, q1;
                 memcpy(&q0, a->q + (m0 + m) * K + b * BLOCK + r * 8, sizeof q0);
                 memcpy(&q1, a->q + (m0 + m) * K + b * BLOCK + r * 8 + 4, sizeof q1);
                 const __m256i x0 = _mm256_set1_epi32(q0), x1 = _mm256_set1_epi32(q1);
-                for (int g = 0; g < groups; g++)
-                    sums[m][g] = _mm256_add_epi16(sums[m][g], _mm256_add_epi16(_mm256_maddubs_epi16(lo[g], x0),
-                                                                               _mm256_maddubs_epi16(hi[g], x1)));
+                for (int g = 0; g < groups; g++) {
+                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[g], x0), _mm256_maddubs_epi16(hi[g], x1));
+                    sums[m][g] = _mm256_add_epi16(sums[m][g], pairs);
+                    if (five && r == 1) {
+                        sums32[m][g] = _mm256_madd_epi16(sums[m][g], ones);
+                        sums[m][g] = _mm256_setzero_si256();
+                    }
+                }
             }
         }
-        __m256 ws[MAX_GROUPS], wm[MAX_GROUPS];
-        for (int g = 0; g < groups; g++) {
-            ws[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + b * Q4_BYTES + 128)));
-            wm[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group[g] + b * Q4_BYTES + 144)));
-        }
-        for (int m = 0; m < rows; m++) {
-            const float xs = a->scale[(m0 + m) * blocks + b];
-            const __m256 s = _mm256_set1_ps(xs), s_sum = _mm256_set1_ps(xs * (float)a->sum[(m0 + m) * blocks + b]);
+        for (int m = 0; m < rows; m++)
             for (int g = 0; g < groups; g++) {
                 const __m256i dot = _mm256_madd_epi16(sums[m][g], ones);
-                acc[m][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[g], s), acc[m][g]);
-                acc[m][g] = _mm256_fmadd_ps(wm[g], s_sum, acc[m][g]);
+                sums[m][g] = five ? _mm256_add_epi32(dot, sums32[m][g]) : dot;
             }
-        }
+        scale_block(rows, groups, a, m0, blocks, b, group, b * block_bytes + scales_at, sums, acc);
     }
     for (int g = 0; g < groups; g++)
         for (int m = 0; m < rows; m++) store8(y, y0 + m * N + g * 8, acc[m][g], y_bf16);
@@ -193,20 +239,24 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
 #define CASES(T, R) case (R) * 16 + 1: T(R, 1); break; case (R) * 16 + 2: T(R, 2); break; \
                     case (R) * 16 + 3: T(R, 3); break; case (R) * 16 + 4: T(R, 4); break;
 #define Q8(r, g) tile_q8(r, g, a, m0, K, (const int8_t *)w, (const float *)scale, y, y0, N, y_bf16)
-#define Q4(r, g) tile_q4(r, g, a, m0, K, (const uint8_t *)w, y, y0, N, y_bf16)
+#define Q4(r, g) tile_q4(r, g, a, m0, K, (const uint8_t *)w, y, y0, N, y_bf16, 0)
+#define Q5(r, g) tile_q4(r, g, a, m0, K, (const uint8_t *)w, y, y0, N, y_bf16, 1)
 
 __attribute__((target("f16c")))
 static void tile_of(int q4, int r, int g, const activations *a, int64_t m0, int64_t K, const void *w,
                     const void *scale, void *y, int64_t y0, int64_t N, int y_bf16)
 {
-    if (q4) {
+    if (q4 == 5) {
+        switch (r * 16 + g) { CASES(Q5, 1) CASES(Q5, 2) CASES(Q5, 3) CASES(Q5, 4) default: no_tile("tile_q5", r, g); }
+    } else if (q4) {
         switch (r * 16 + g) { CASES(Q4, 1) CASES(Q4, 2) CASES(Q4, 3) CASES(Q4, 4) default: no_tile("tile_q4", r, g); }
     } else {
         switch (r * 16 + g) { CASES(Q8, 1) CASES(Q8, 2) CASES(Q8, 3) CASES(Q8, 4) default: no_tile("tile_q8", r, g); }
     }
 }
 
-/* Threads share tiles of `groups` groups of 8 outputs; each tile runs over the rows `rows` at a time. */
+/* Threads share tiles of `groups` groups of 8 outputs; each tile runs over the rows `rows` at a time. `q4`: 0 the q8
+   layout, 4 the q4, 5 the q5. */
 static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M, int64_t K, const void *w,
                 const void *scale, int64_t N, void *y, int x_bf16, int y_bf16)
 {
@@ -222,7 +272,8 @@ static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g0 = t * tile_groups;
         const int g = groups - g0 < tile_groups ? (int)(groups - g0) : tile_groups;
-        const void *wt = q4 ? (const void *)((const uint8_t *)w + g0 * blocks * Q4_BYTES) : (const void *)((const int8_t *)w + g0 * K * 8);
+        const void *wt = q4 ? (const void *)((const uint8_t *)w + g0 * blocks * (q4 == 5 ? Q5_BYTES : Q4_BYTES))
+                            : (const void *)((const int8_t *)w + g0 * K * 8);
         const void *st = q4 ? NULL : (const void *)((const float *)scale + g0 * 8);
         for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
             const int r = M - m0 < tile_rows ? (int)(M - m0) : tile_rows;
@@ -248,5 +299,12 @@ void q8_dot_linear(const void *x, int64_t M, int64_t K, const int8_t *w, const f
 void q4_dot_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *scale, int64_t N, void *y,
                    int x_bf16, int y_bf16, int tile_rows, int tile_groups)
 {
-    run(1, tile_rows, tile_groups, x, M, K, w, scale, N, y, x_bf16, y_bf16);
+    run(4, tile_rows, tile_groups, x, M, K, w, scale, N, y, x_bf16, y_bf16);
+}
+
+/* x [M, K], w [N/8, K/32, 192] uint8 (q4's nibbles, 32 bytes of fifth bits, 8 float16 scales, 8 mins) -> y [M, N]. */
+void q5_dot_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *scale, int64_t N, void *y,
+                   int x_bf16, int y_bf16, int tile_rows, int tile_groups)
+{
+    run(5, tile_rows, tile_groups, x, M, K, w, scale, N, y, x_bf16, y_bf16);
 }

@@ -1,4 +1,5 @@
-/* GGUF's Q4_1 quantization of a weight (`model.quantization = q4`, engine/ops/int_dot.py's `q4_blocks`): each
+/* GGUF's Q4_1 quantization of a weight (`model.quantization = q4`, engine/ops/int_dot.py's `q4_blocks`; Q5_1's with
+   levels 0..31 and 31 for 15 throughout, `q5_1_blocks`, the `q5` lm_head): each
    block of 32 weights w gets a float16 scale d and min m and 4-bit levels q in 0..15 standing for d * q + m, the pair
    chosen by least squares among a few roundings, as llama.cpp's make_qkx searches:
 
@@ -27,12 +28,12 @@ static inline float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 levels_of(__m256 v, __m256 offset, __m256 times, int divide)
+static inline __m256 levels_of(__m256 v, __m256 offset, __m256 times, int divide, float top)
 {
     const __m256 shifted = _mm256_sub_ps(v, offset);
     const __m256 r = _mm256_round_ps(divide ? _mm256_div_ps(shifted, times) : _mm256_mul_ps(shifted, times),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
+    return _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(top));
 }
 
 static inline __attribute__((target("f16c"))) uint16_t to_half(float x)
@@ -45,7 +46,7 @@ static inline __attribute__((target("f16c"))) float from_half(uint16_t h)
     return _cvtsh_ss(h);
 }
 
-static void quantize_block(const float *w, uint8_t *levels, uint16_t *scale, uint16_t *min)
+static void quantize_block(const float *w, float top, uint8_t *levels, uint16_t *scale, uint16_t *min)
 {
     __m256 v[LANES], lo8 = _mm256_setzero_ps(), hi8 = _mm256_loadu_ps(w), sum8 = _mm256_setzero_ps();
     for (int k = 0; k < LANES; k++) {
@@ -64,17 +65,17 @@ static void quantize_block(const float *w, uint8_t *levels, uint16_t *scale, uin
     uint16_t best_d = 0, best_m = 0;
     __m256 best[LANES] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int step = -10; step <= 10; step++) {
-        const __m256 iscale = _mm256_set1_ps((15.0f + 0.1f * (float)step) / spread), lo_v = _mm256_set1_ps(lo);
+        const __m256 iscale = _mm256_set1_ps((top + 0.1f * (float)step) / spread), lo_v = _mm256_set1_ps(lo);
         __m256 sl8 = _mm256_setzero_ps(), sll8 = _mm256_setzero_ps(), slx8 = _mm256_setzero_ps();
         for (int k = 0; k < LANES; k++) {
-            const __m256 q = levels_of(v[k], lo_v, iscale, 0);
+            const __m256 q = levels_of(v[k], lo_v, iscale, 0, top);
             sl8 = _mm256_add_ps(sl8, q);
             sll8 = _mm256_fmadd_ps(q, q, sll8);
             slx8 = _mm256_fmadd_ps(q, v[k], slx8);
         }
         const float sl = hsum(sl8), sll = hsum(sll8), slx = hsum(slx8);
         const float det = BLOCK * sll - sl * sl;
-        float d = spread / 15.0f, m = lo;
+        float d = spread / top, m = lo;
         if (det > 0.0f) {
             d = (BLOCK * slx - sl * sx) / det;
             m = (sx - d * sl) / BLOCK;
@@ -84,7 +85,7 @@ static void quantize_block(const float *w, uint8_t *levels, uint16_t *scale, uin
         const __m256 d8 = _mm256_set1_ps(df), m8 = _mm256_set1_ps(mf), safe = _mm256_set1_ps(df != 0.0f ? df : 1.0f);
         __m256 q[LANES], error8 = _mm256_setzero_ps();
         for (int k = 0; k < LANES; k++) {
-            q[k] = levels_of(v[k], m8, safe, 1);
+            q[k] = levels_of(v[k], m8, safe, 1, top);
             const __m256 diff = _mm256_sub_ps(v[k], _mm256_fmadd_ps(d8, q[k], m8));
             error8 = _mm256_fmadd_ps(diff, diff, error8);
         }
@@ -103,10 +104,21 @@ static void quantize_block(const float *w, uint8_t *levels, uint16_t *scale, uin
     *min = best_m;
 }
 
-/* w [blocks, 32] float32 -> levels [blocks, 32] uint8 (0..15), scale and min [blocks] float16 (as raw bits). */
-void q4_1_blocks(const float *w, int64_t blocks, uint8_t *levels, uint16_t *scale, uint16_t *min)
+static void blocks_of(const float *w, int64_t blocks, float top, uint8_t *levels, uint16_t *scale, uint16_t *min)
 {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < blocks; i++)
-        quantize_block(w + i * BLOCK, levels + i * BLOCK, scale + i, min + i);
+        quantize_block(w + i * BLOCK, top, levels + i * BLOCK, scale + i, min + i);
+}
+
+/* w [blocks, 32] float32 -> levels [blocks, 32] uint8 (0..15), scale and min [blocks] float16 (as raw bits). */
+void q4_1_blocks(const float *w, int64_t blocks, uint8_t *levels, uint16_t *scale, uint16_t *min)
+{
+    blocks_of(w, blocks, 15.0f, levels, scale, min);
+}
+
+/* The same search with 5-bit levels (0..31: GGUF's Q5_1, the `q5` lm_head), candidates (31 + step / 10) / spread. */
+void q5_1_blocks(const float *w, int64_t blocks, uint8_t *levels, uint16_t *scale, uint16_t *min)
+{
+    blocks_of(w, blocks, 31.0f, levels, scale, min);
 }
