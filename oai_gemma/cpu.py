@@ -203,6 +203,26 @@ def compute_thread(target: Callable[[], None], name: str) -> threading.Thread:
     return threading.Thread(target=run, name=name, daemon=True)
 
 
+@contextmanager
+def computing_with(count: int) -> Iterator[None]:
+    """This thread computes with `count` torch threads inside, with its own count again after (a check that must see
+    the kernels the engine's threads will run, from a loader's one-thread thread); threads computing for the first
+    time take one again after, as everywhere (the module's docstring)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if _compute_threads is not None:
+            _set_default_threads(1)
+
+
 def _set_default_threads(count: int) -> None:
     """The count a thread takes when it first computes, set from a thread of its own (so no compute thread's
     count changes)."""

@@ -5,6 +5,7 @@ anything the verdict depends on changes its key. The check itself is tests/engin
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -90,3 +91,30 @@ def test_off_is_not_checked_at_all(tmp_path, checks):
         model=ModelConfig(cache_dir=tmp_path, batch_invariant="off"),
     )) == (None, None)
     assert checks == []
+
+
+def test_the_check_runs_on_and_is_keyed_by_the_engines_threads_not_the_loaders(tmp_path, monkeypatch):
+    """A model loaded beside others is loaded on a one-thread thread (api/model_router.py) but computes on the
+    engine's threads: the verdict must describe the kernels that will run (issue 41's note)."""
+    seen = []
+
+    def check(w, config):
+        seen.append(torch.get_num_threads())
+        return invariance_check._verdict(32, 256, 0.02, "info", "on")
+
+    monkeypatch.setattr(invariance_check, "_check", check)
+    config, w = EngineConfig(model=ModelConfig(cache_dir=tmp_path, threads=2)), weights()
+    keys = []
+
+    def load_on(threads: int) -> None:
+        torch.set_num_threads(threads)
+        keys.append(invariance_check.verdict_key(w, config))
+        invariance_check.measure_invariance(w, replace(config, model=replace(config.model, cache_dir=None)))
+        keys.append(torch.get_num_threads())
+
+    for threads in (1, 2):
+        thread = threading.Thread(target=load_on, args=(threads,))
+        thread.start()
+        thread.join()
+    assert seen == [2, 2]
+    assert keys[0] == keys[2] and keys[1] == 1 and keys[3] == 2  # one key; the loader's own count back after

@@ -7,6 +7,10 @@ the kernels' behaviour depends on: the CPU (model name and flags), torch and its
 that limits the kernel libraries' ISA, the native libraries' names (their sources' digests), this check's own
 source, the dtype, the linears' layouts, the shapes and row counts, the threads and the setting. A later start
 with the same key reads the verdict and says so; `cache_dir` None (tests) checks every time.
+
+The check runs on the thread count the engine will compute with (`config.model.threads`), not the calling thread's:
+a model loaded beside others is loaded on one thread (api/model_router.py) and computes on the compute threads'
+count, and oneDNN's or the native kernels' summation order may differ between the two (issue 41's note).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ...cpu import computing_with
 from .buckets import bucket, buckets
 from .weights import Gemma3Weights
 from ..config import ConfigError, EngineConfig
@@ -46,7 +51,8 @@ def measure_invariance(weights: Gemma3Weights, config: EngineConfig) -> tuple[In
     path = None if cache_dir is None else Path(cache_dir) / "invariance" / f"{verdict_key(weights, config)}.json"
     verdict = _read(path)
     if verdict is None:
-        verdict = _check(weights, config)
+        with computing_with(engine_threads(config)):
+            verdict = _check(weights, config)
         _write(path, verdict)
     else:
         verdict["message"] += f" (this CPU's kernels and shapes checked at an earlier start: {path.name})"
@@ -94,6 +100,11 @@ def _check(weights: Gemma3Weights, config: EngineConfig) -> dict:
     return {**verdict, "by_role": by_role, "small_spans": list(spans)}
 
 
+def engine_threads(config: EngineConfig) -> int:
+    """The torch threads the engine will compute with: its configuration's, else (0: torch's default) this thread's."""
+    return config.model.threads or torch.get_num_threads()
+
+
 def _verdict(tile: int | None, step: int | None, cost: float | None, level: str, message: str) -> dict:
     return {"tile": tile, "step": step, "cost": cost, "level": level, "message": message}
 
@@ -111,7 +122,7 @@ def verdict_key(weights: Gemma3Weights, config: EngineConfig) -> str:
     text, w = weights.shape.text, weights.layers[0]
     facts = {
         "cpu": _cpu(), "torch": str(torch.__version__), "capability": torch.backends.cpu.get_cpu_capability(),
-        "environment": {name: os.environ.get(name) for name in ISA_ENVIRONMENT}, "threads": torch.get_num_threads(),
+        "environment": {name: os.environ.get(name) for name in ISA_ENVIRONMENT}, "threads": engine_threads(config),
         "native": sorted(library_name(family) for family in FAMILIES),
         "check": [hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest() for module in (ops_invariance,)]
         + [hashlib.sha256(Path(__file__).read_bytes()).hexdigest()],
