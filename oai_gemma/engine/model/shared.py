@@ -19,7 +19,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_locks: dict[Hashable, threading.Lock] = {}
+_locks: dict[Hashable, list] = {}
+"""Per key being built or asked for now: [its lock, how many callers hold or wait on it]; gone with its last caller."""
 _guard = threading.Lock()
 _digests: dict[tuple, str] = {}
 
@@ -28,13 +29,20 @@ def shared(key: Hashable, build: Callable[[], T]) -> T:
     """The object built for `key`, built now by `build()` if no living one has it (two loads asking at once build
     it once: the second waits for the first)."""
     with _guard:
-        lock = _locks.setdefault(key, threading.Lock())
-    with lock:
-        found = _built.get(key)
-        if found is None:
-            found = build()
-            _built[key] = found
-        return found
+        entry = _locks.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        with entry[0]:
+            found = _built.get(key)
+            if found is None:
+                found = build()
+                _built[key] = found
+            return found
+    finally:
+        with _guard:
+            entry[1] -= 1
+            if not entry[1]:
+                del _locks[key]
 
 
 def file_digest(path: Path) -> str:
