@@ -18,6 +18,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 EMBEDDED = "embedded"
+INT_DOT_QUANTIZATIONS = ("q8", "q4", "q4-mix")
+"""`model.quantization` values whose linears run the native integer dot-product kernels (engine/ops/int_dot.py): the
+one list the configuration's checks, the layouts' choice (engine/ops/choice.py) and the vision tower's (engine/model/
+vision_layout.py) read. Here, not in engine/ops/, because engine/config.py stays free of the engine's rooms."""
+QUANTIZATIONS = ("none", "int8", "int4", "per-step", *INT_DOT_QUANTIZATIONS)
+"""`model.quantization` as resolved (every value but `auto`)."""
 
 
 class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
@@ -39,7 +45,7 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     attn_implementation: str = "sdpa"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] = 8192
     """Context window served: prompt plus completion tokens."""
-    quantization: Literal["auto", "none", "int8", "int4", "per-step", "q8", "q4", "q4-mix"] = "auto"
+    quantization: Literal[("auto", *QUANTIZATIONS)] = "auto"
     """Weight-only quantization of the linear layers and the lm_head at load (CPU only; engine/ops/quantized.py),
     quantized once into the model cache. `int8`: every one per output channel; `int4`: in bf16 the lm_head in int4
     groups of 32 and the rest int8 (all-int4 cost +41% perplexity), in float32 the lm_head through fbgemm's int8.

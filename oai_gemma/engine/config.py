@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..settings import Settings
+from ..settings import INT_DOT_QUANTIZATIONS, Settings
 
 if TYPE_CHECKING:
     from .shape import TextShape
@@ -287,7 +287,7 @@ def _quantization(setting: str, machine: Machine) -> str:
     perplexity; docs/engine.md); `per-step` in bf16 (the int8 copy for steps of few rows, packed bf16 for the others); else none (a GPU has no
     quantized path)."""
     why, dtype = machine.native_missing if machine.device == "cpu" else None, machine.dtype
-    dot_why = machine.int_dot_missing if machine.device == "cpu" and setting in ("q8", "q4", "q4-mix") else None
+    dot_why = machine.int_dot_missing if machine.device == "cpu" and setting in INT_DOT_QUANTIZATIONS else None
     if dot_why:
         raise ConfigError(f"model.quantization = \"{setting}\" needs the native integer dot-product kernels, which "
                           f"cannot run here: {dot_why}. Use quantization auto, int8 or none, or fix the cause.")

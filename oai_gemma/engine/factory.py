@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..cpu import TURNS, compute_thread_count
-from ..settings import EMBEDDED, Settings
+from ..settings import EMBEDDED, QUANTIZATIONS, Settings
 from ..version import provenance, version_line
 from .cache.kv_cache import BLOCK_SIZE, KVCache
 from .cache.memory import release_free_memory, resident_bytes
@@ -101,7 +101,7 @@ def probe(settings: Settings, loaded: LoadedModel) -> Machine:
         int_dot_missing=(missing or native.int_dot_unavailable()) if device.type == "cpu" else None,
         kernel_isa=native.kernel_isa() if device.type == "cpu" else "none", threads=compute_thread_count(),
         weights_name=weights_name(loaded.source_dir),
-        quantized_layouts={q: _layout(q, dtype) for q in ("int8", "int4", "per-step", "q8", "q4", "q4-mix")},
+        quantized_layouts={q: _layout(q, dtype) for q in QUANTIZATIONS[1:]},
     )
 
 

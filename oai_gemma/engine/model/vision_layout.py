@@ -23,13 +23,14 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ...settings import INT_DOT_QUANTIZATIONS
 from ..ops import native
 from ..ops.int_dot import DOT_BLOCK, Q8Linear
 from .vision_weights import VisionWeights
 
 log = logging.getLogger("oai_gemma.engine")
 
-LAYOUTS = ("q8", "q4", "q4-mix")
+LAYOUTS = INT_DOT_QUANTIZATIONS
 """`model.quantization` values whose tower is `q8a7` (the text's own integer dot-product kernels run here)."""
 LINEARS = (("q_weight", "q_bias"), ("k_weight", "k_bias"), ("v_weight", "v_bias"), ("o_weight", "o_bias"),
            ("fc1_weight", "fc1_bias"), ("fc2_weight", "fc2_bias"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ...settings import INT_DOT_QUANTIZATIONS
 from . import native
 from .int_dot import Q4Linear, Q5Linear, Q8Linear
 from .native import native_unavailable
@@ -31,7 +32,7 @@ def linear_for(quantization: str, name: str, dtype: torch.dtype, layers: int = 0
     `Q4Linear` (4-bit blocks), the lm_head `Q8Linear`; `q4-mix`: `q4` with v and down `Q8Linear` in the
     `more_bits` layers (llama.cpp's Q4_K_M recipe) and the lm_head `Q5Linear` (GGUF's Q5_1: 226 MB a token at the 1B
     where q8 reads 303; docs/engine.md, "Quality at the 1B shape")."""
-    if quantization in ("q8", "q4", "q4-mix") and native.int_dot_unavailable() is None:
+    if quantization in INT_DOT_QUANTIZATIONS and native.int_dot_unavailable() is None:
         if quantization == "q4-mix" and name == "lm_head":
             return Q5Linear
         if quantization == "q8" or name == "lm_head":
@@ -39,7 +40,7 @@ def linear_for(quantization: str, name: str, dtype: torch.dtype, layers: int = 0
         layer, kind = divmod(int(name.rpartition(".")[2]), PROJECTIONS_PER_LAYER)
         mixed = quantization == "q4-mix" and kind in MORE_BITS_KINDS and more_bits(layer, layers)
         return Q8Linear if mixed else Q4Linear
-    if quantization in ("q8", "q4", "q4-mix"):  # engine/config.py refuses this at start-up; direct callers get int8's choice
+    if quantization in INT_DOT_QUANTIZATIONS:  # engine/config.py refuses this at start-up; direct callers get int8's choice
         quantization = "int8"
     native_lm_head = NativeQ8Linear if name == "lm_head" else NativeInt8Linear
     if quantization == "per-step":
