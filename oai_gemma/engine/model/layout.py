@@ -48,11 +48,13 @@ NAMES = {dtype: name for name, dtype in STORED.items()}
 @dataclass(frozen=True)
 class Layout:
     """What each linear weight becomes: `quantization` as resolved (engine/config.py; "none": packed float), in the
-    model's `dtype`; `layers`: the model's layer count (`q4-mix` picks by layer)."""
+    model's `dtype`; `layers`: the model's layer count (`q4-mix` picks by layer); `float_tensors`: a float linear keeps
+    its plain tensor beside a packed copy (the static decode computes with it: engine/model/static_decode.py)."""
 
     quantization: str
     dtype: torch.dtype
     layers: int = 0
+    float_tensors: bool = False
 
     def kind(self, name: str):
         """The quantized class of weight `name` ("lm_head" or "projection.{i}"), or None: packed float."""
@@ -66,7 +68,7 @@ class Layout:
             # streaming models' steps rather than stall them for their length (cpu.Turns)
             large = shape[0] * shape[1] * self.dtype.itemsize > ASIDE_BYTES
             with TURNS.aside() if large else nullcontext():
-                return FrozenLinear(rows(0, shape[0]).to(self.dtype))
+                return FrozenLinear(rows(0, shape[0]).to(self.dtype), keep_weight=self.float_tensors)
         if stored is not None:
             linear = kind.from_tensors(stored)
         elif hasattr(kind, "from_rows"):

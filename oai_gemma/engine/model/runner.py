@@ -69,9 +69,9 @@ class ModelRunner:
     """Built from the model's weights (engine/model/weights.py's Gemma3Weights: `load_weights` fills them from a
     loaded checkpoint or a module tree), the batch-invariant mode measured on them (`measure_invariance`) and the
     engine's configuration (engine/config.py): `static_decode` runs decode-only steps at static shapes, CUDA graphs
-    where possible (engine/model/static_decode.py), `compile` compiles its layer functions. `model`: the module tree
-    or the loader's shell the weights came from, kept for the static decode path (which reads
-    the tree's own tensors)."""
+    where possible (engine/model/static_decode.py, from the same weights), `compile` compiles its layer functions.
+    `model`: the module tree or the loader's shell the weights came from (its tensors the weights share are counted
+    once in `weight_bytes`), or None."""
 
     def __init__(self, weights: Gemma3Weights, config: EngineConfig, model=None, invariance: Invariance | None = None):
         self.gemma = weights
@@ -363,7 +363,7 @@ def load_weights(source, config: ModelConfig, own_weights: bool = False) -> Gemm
         raise ConfigError(
             f"model.quantization = {config.quantization!r} is implemented for the CPU path only; on a GPU use \"none\""
         )
-    layout = Layout(config.quantization, dtype, text_config.num_hidden_layers)
+    layout = Layout(config.quantization, dtype, text_config.num_hidden_layers, float_tensors=config.static_decode)
     if streamed:
         weights = from_safetensors(loaded.checkpoint, Gemma3Shape.of(model.config), layout, config.quantized_weights,
                                    getattr(text_config, "tie_word_embeddings", True))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .buckets import bucket, span_buckets
 from ..ops.invariance import round_up
 from .gemma3 import LayerWeights, post_attention, pre_attention, signed_sin
-from .weights import text_parts
+from .weights import PROJECTIONS, Gemma3Weights
 
 log = logging.getLogger("oai_gemma.static_decode")
 
@@ -41,6 +41,20 @@ def flash_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
     except ImportError:
         return None
     return flash_attn_with_kvcache
+
+
+def plain_layers(weights: Gemma3Weights) -> list[LayerWeights]:
+    """Each layer's weights with its projections as plain tensors (each float linear's own, engine/model/layout.py's
+    `float_tensors`), for the layer functions' `F.linear`: tensors, so dynamo guards on their shapes, never on which
+    layer. Refuses a quantized linear (`model.quantization` other than `none` has no static path)."""
+    return [w._replace(**{name: _plain(getattr(w, name)) for name in PROJECTIONS}) for w in weights.layers]
+
+
+def _plain(linear) -> torch.Tensor:
+    weight = getattr(linear, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"the static decode computes with float weights, not {type(linear).__name__}'s layout")
+    return weight
 
 
 class DecodeGraph:
@@ -85,7 +99,7 @@ class StaticDecode:
 
     def __init__(self, runner, *, use_graphs: bool, compiled: bool, flash=None):
         self.runner = runner
-        self.weights = [LayerWeights.of(layer) for layer in text_parts(runner.model)[0].layers]  # the tree's own tensors
+        self.weights = plain_layers(runner.gemma)
         self.eps = runner.eps
         self.shape = runner.shape
         self.flash = flash

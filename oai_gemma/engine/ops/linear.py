@@ -26,7 +26,10 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 class FrozenLinear:
-    def __init__(self, weight: torch.Tensor):
+    """`keep_weight`: `weight` stays beside a packed copy (the static decode's layer functions take plain tensors:
+    engine/model/static_decode.py); else only where it is not packed."""
+
+    def __init__(self, weight: torch.Tensor, keep_weight: bool = False):
         weight = weight.detach()
         self.packed = None
         if _can_pack(weight):
@@ -34,7 +37,7 @@ class FrozenLinear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             except RuntimeError:  # a torch build without this oneDNN path: fall back to F.linear
                 self.packed = None
-        self.weight = weight if self.packed is None else None
+        self.weight = weight if self.packed is None or keep_weight else None
         self.packed_bytes = weight.numel() * weight.element_size() if self.packed is not None else 0
         """Memory of the re-laid-out copy (0 when the module's own weight is used as it is)."""
 
