@@ -13,7 +13,7 @@ add their fields to a sub-config here, not new arguments down three constructors
 machine cannot honour (an explicit `int8` without the native kernel, batch-invariant `on` off the CPU path, a KV
 budget that cannot hold one sequence) raise `ConfigError` here, before the engine is built.
 
-Pure: it imports nothing of the engine's rooms (ops/, cache/, lora/, model/; tests/test_lint.py), compiles and
+Pure: it imports nothing of the engine's rooms (ops/, cache/, lora/, model/; tests/deploy/test_lint.py), compiles and
 measures nothing, and reads no file: the rooms import it, never the other way round.
 """
 

@@ -197,6 +197,37 @@ def rooms_drawing() -> str:
     return "\n".join(lines)
 
 
+def test_the_engine_meets_transformers_only_where_it_loads():
+    # issue 38.4: the runner, the static decode and the kernels compute with the project's Gemma3Shape / Gemma3Weights;
+    # transformers' modules and config objects are read by the loaders alone (and the lean configs are the project's
+    # frozen dataclasses, engine/model/lean_config.py: nothing branches on a SimpleNamespace)
+    loaders = {"oai_gemma.engine.model.loader", "oai_gemma.engine.model.tokenizer", "oai_gemma.engine.model.gguf_tokenizer"}
+    importing = {_module_of(p) for p in (PACKAGE / "engine").rglob("*.py") if "from transformers" in p.read_text()
+                 or "import transformers" in p.read_text()}
+    assert importing <= loaders, importing - loaders
+    assert not [str(p) for p in PACKAGE.rglob("*.py") if "SimpleNamespace" in p.read_text()]
+    static = (PACKAGE / "engine" / "model" / "static_decode.py").read_text()
+    assert "runner.model" not in static and "text_parts" not in static and ".self_attn" not in static
+
+
+NAMED_ELSEWHERE = {"docs/gguf.md"}
+"""Paths of other repositories a comment names (ggml's GGUF spec)."""
+
+
+def test_every_file_a_comment_or_doc_names_exists():
+    # issue 38.5: comments and docs name today's paths (22 named files from before the split once); a path is
+    # taken relative to the repository, oai_gemma/, oai_gemma/engine/ or tests/
+    import re
+
+    named = re.compile(r"(?<![\w./-])((?:oai_gemma|engine|api|chat|docs|tests|benchmarks|bench|configs|deploy)/[\w./-]*\.(?:py|md|c|h|toml))\b")
+    bases = (ROOT, PACKAGE, PACKAGE / "engine", ROOT / "tests")
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "tests").rglob("*.py")]
+    missing = sorted(f"{path.relative_to(ROOT)}:{n} {ref}" for path in files
+                     for n, line in enumerate(path.read_text().splitlines(), 1) for ref in named.findall(line)
+                     if ref not in NAMED_ELSEWHERE and not any((base / ref).exists() for base in bases))
+    assert not missing, missing
+
+
 MAX_FUNCTION_LINES = 50
 
 

@@ -113,3 +113,14 @@ def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_refused_by_name(t
     config, _ = lean.text_config(str(wider))
     with pytest.raises(ValueError, match=r"mlp.(down|gate|up)_proj.weight has shape"):
         lean.build(config, str(wider), torch.float32)
+
+
+def test_the_lean_config_is_the_projects_frozen_dataclass():
+    """Issue 38: the loader reads config.json into the project's own type (transformers' names, nothing more)."""
+    import dataclasses
+
+    config, why = lean_config.model_config(str(embedded_model_dir()))
+    assert isinstance(config, lean_config.TextConfig), why
+    assert config._name_or_path == str(embedded_model_dir()) and config.num_hidden_layers == 18
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.hidden_size = 1

@@ -5,9 +5,9 @@ transformers' on the tiny multimodal model: the same config, tensors, image feat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -74,14 +74,14 @@ def test_linear_rope_is_transformers_rotary_embedding():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
     ours, _ = lean_config.multimodal_config(json.loads((FOUR_B / "config.json").read_text()))
-    mine, reference = lean.Rotary(ours.text_config), Gemma3RotaryEmbedding(_theirs(FOUR_B).text_config)
+    mine, reference = lean.Rotary.of_config(ours.text_config), Gemma3RotaryEmbedding(_theirs(FOUR_B).text_config)
     x = torch.zeros(1, dtype=torch.bfloat16)
     positions = torch.tensor([[0, 1, 1023, 1024, 30_000, 131_071]])
     for kind in ("sliding_attention", "full_attention"):
         for got, expected in zip(mine(x, positions, kind), reference(x, positions, kind)):
             assert torch.equal(got, expected), kind
     unscaled = {kind: {"rope_type": "default", "rope_theta": rope["rope_theta"]} for kind, rope in ours.text_config.rope_parameters.items()}
-    default = lean.Rotary(SimpleNamespace(**{**vars(ours.text_config), "rope_parameters": unscaled}))
+    default = lean.Rotary.of_config(dataclasses.replace(ours.text_config, rope_parameters=unscaled))
     assert not torch.equal(default(x, positions, "full_attention")[0], mine(x, positions, "full_attention")[0])
 
 

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import mmap
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..shape import FULL, SLIDING
-from .lean_config import model_config
+from .lean_config import MultimodalConfig, TextConfig, model_config
 from .mapped import DTYPES, checkpoint_files, read_header
 
 
 
-def text_config(source: str) -> tuple[SimpleNamespace | None, str]:
+def text_config(source: str) -> tuple[TextConfig | None, str]:
     """(the config as attributes, "") when `source` is a text-only checkpoint this module builds, else (None, why
     not); engine/model/lean_config.py reads it (`model_config` also reads a multimodal one)."""
     return model_config(source, multimodal=False)
@@ -75,25 +73,27 @@ class ScaledEmbedding(nn.Module):
 class Rotary(nn.Module):
     """transformers' Gemma3RotaryEmbedding for default and linear rope: cos and sin per layer type (`forward(x,
     positions, layer_type)`), from each type's rope_theta; linear scaling divides the frequencies by its factor
-    (the 4B's global layers: 8)."""
+    (the 4B's global layers: 8). `rope_parameters`: per layer kind the model uses, {"rope_type", "rope_theta"[,
+    "factor"]}."""
 
-    def __init__(self, config: SimpleNamespace):
+    def __init__(self, head_dim: int, rope_parameters: dict[str, dict]):
         super().__init__()
-        dim = config.head_dim
-        for kind in set(config.layer_types):
-            base = config.rope_parameters[kind]["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            if config.rope_parameters[kind]["rope_type"] == "linear":
-                inv_freq = inv_freq / config.rope_parameters[kind]["factor"]
+        for kind, rope in rope_parameters.items():
+            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            if rope["rope_type"] == "linear":
+                inv_freq = inv_freq / rope["factor"]
             setattr(self, f"{kind}_inv_freq", nn.Buffer(inv_freq, persistent=False))
+
+    @classmethod
+    def of_config(cls, config) -> Rotary:
+        """The tables of a text config (lean_config.py's TextConfig or transformers'): its layers' kinds."""
+        return cls(config.head_dim, {kind: config.rope_parameters[kind] for kind in set(config.layer_types)})
 
     @classmethod
     def of(cls, shape) -> Rotary:
         """The tables of an engine/shape.py TextShape (its `rope`: theta and linear factor per layer kind)."""
-        parameters = {kind: {"rope_type": "linear" if factor != 1.0 else "default", "rope_theta": theta, "factor": factor}
-                      for kind, (theta, factor) in shape.rope.items()}
-        layer_types = [SLIDING if sliding else FULL for sliding in shape.sliding]
-        return cls(SimpleNamespace(head_dim=shape.head_dim, layer_types=layer_types, rope_parameters=parameters))
+        return cls(shape.head_dim, {kind: {"rope_type": "linear" if factor != 1.0 else "default", "rope_theta": theta,
+                                           "factor": factor} for kind, (theta, factor) in shape.rope.items()})
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
         inv_freq = getattr(self, f"{layer_type}_inv_freq")
@@ -102,7 +102,7 @@ class Rotary(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-def _layer(c: SimpleNamespace) -> nn.Module:
+def _layer(c: TextConfig) -> nn.Module:
     attention, mlp, layer = nn.Module(), nn.Module(), nn.Module()
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attention.q_proj, attention.k_proj = Linear(c.hidden_size, q), Linear(c.hidden_size, kv)
@@ -116,31 +116,31 @@ def _layer(c: SimpleNamespace) -> nn.Module:
     return layer
 
 
-def text_model(config: SimpleNamespace) -> nn.Module:
+def text_model(config: TextConfig) -> nn.Module:
     """`Gemma3TextModel`'s tree (`embed_tokens`, `layers`, `norm`, `rotary_emb`, `config`), weights on meta."""
     text = nn.Module()
     text.config = config
     text.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size)
     text.layers = nn.ModuleList(_layer(config) for _ in range(config.num_hidden_layers))
     text.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-    text.rotary_emb = Rotary(config)
+    text.rotary_emb = Rotary.of_config(config)
     return text
 
 
-def build(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
+def build(config: TextConfig, source: str, dtype: torch.dtype) -> nn.Module:
     """The text-only model (`Gemma3ForCausalLM`'s tree: `.model`, `.lm_head`, `.config`) with the checkpoint's
     weights in `dtype` (a multimodal one: engine/model/lean_vision.py's `build_multimodal`). Tensors stored in
     `dtype` stay views into the file's private map, as transformers leaves them."""
     model = nn.Module()
     model.model, model.config = text_model(config), config
     model.lm_head = Linear(config.hidden_size, config.vocab_size)
-    fill(model, read_checkpoint(Path(source)), source, dtype, getattr(config, "tie_word_embeddings", True))
+    fill(model, read_checkpoint(Path(source)), source, dtype, config.tie_word_embeddings)
     if model.lm_head.weight.is_meta:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
 
-def shell(config: SimpleNamespace) -> nn.Module:
+def shell(config: TextConfig | MultimodalConfig) -> nn.Module:
     """A model without its weights (`.config` only, text-only or multimodal): the loader's `stream` path, whose
     weights engine/model/streamed.py reads from the checkpoint straight into the project's containers."""
     model = nn.Module()

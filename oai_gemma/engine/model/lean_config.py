@@ -6,14 +6,19 @@ and the old `rope_scaling` / `rope_theta` / `rope_local_base_freq`). Both are re
 names: the defaults filled in as Gemma3TextConfig, SiglipVisionConfig and Gemma3Config fill them (their values
 pinned by tests/engine/test_lean_vision.py against transformers' own reading), the rope parameters per layer kind as
 `Gemma3TextConfig.convert_rope_params_to_dict` makes them. What the modules do not implement is named, not built.
+
+The result is the project's own frozen dataclasses (`TextConfig`, `VisionConfig`, `MultimodalConfig`) with
+transformers' attribute names, so the lean modules, engine/shape.py's `Gemma3Shape.of` and the runner's checks read
+either alike; what config.json holds beyond their fields is not kept.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from ..shape import FULL, SLIDING
 from .gemma3 import GELU_TANH
@@ -41,9 +46,77 @@ DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 OLD_THETA = {FULL: "rope_theta", SLIDING: "rope_local_base_freq"}
 
 
-def model_config(source: str, multimodal: bool = True) -> tuple[SimpleNamespace | None, str]:
-    """(the config as attributes, "") when `source` is a checkpoint the lean modules build, else (None, why not).
-    A multimodal config has `text_config` and `vision_config` (each a namespace) as transformers' has."""
+@dataclass(frozen=True)
+class TextConfig:
+    """A text-only Gemma-3's config (`Gemma3TextConfig`'s names): TEXT_DEFAULTS' fields and `layer_types`,
+    `rope_parameters` as transformers 5 reads them."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    hidden_activation: str
+    max_position_embeddings: int
+    rms_norm_eps: float
+    query_pre_attn_scalar: float
+    sliding_window: int
+    layer_types: list[str]
+    rope_parameters: dict[str, dict]
+    """Per layer kind: {"rope_type", "rope_theta"[, "factor"]}."""
+    final_logit_softcapping: float | None
+    attn_logit_softcapping: float | None
+    attention_bias: bool
+    use_bidirectional_attention: bool
+    tie_word_embeddings: bool
+    pad_token_id: int
+    eos_token_id: int | list[int]
+    bos_token_id: int
+    _name_or_path: str = ""
+    """The checkpoint's directory (transformers' name: engine/model/weights.py maps the embedding from it)."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The SigLIP tower's config (`SiglipVisionConfig`'s names: VISION_DEFAULTS' fields)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    vision_use_head: bool
+
+
+@dataclass(frozen=True)
+class MultimodalConfig:
+    """A Gemma3ForConditionalGeneration's config (`Gemma3Config`'s names)."""
+
+    text_config: TextConfig
+    vision_config: VisionConfig
+    mm_tokens_per_image: int
+    boi_token_index: int
+    eoi_token_index: int
+    image_token_index: int
+    image_token_id: int
+    tie_word_embeddings: bool
+    _name_or_path: str = ""
+
+
+def _made(cls, values: dict):
+    """An instance of dataclass `cls` from `values`' entries of its fields (the others: config.json's extras)."""
+    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+
+def model_config(source: str, multimodal: bool = True) -> tuple[TextConfig | MultimodalConfig | None, str]:
+    """(the config, "") when `source` is a checkpoint the lean modules build, else (None, why not). A multimodal
+    config has `text_config` and `vision_config` as transformers' has."""
     directory = Path(source)
     if not (directory / "config.json").is_file():
         return None, "not a local directory with a config.json"
@@ -54,12 +127,10 @@ def model_config(source: str, multimodal: bool = True) -> tuple[SimpleNamespace 
         config, why = multimodal_config(raw)
     else:
         config, why = text_config(raw)
-    if config is not None:
-        config._name_or_path = str(directory)
-    return config, why
+    return (None if config is None else dataclasses.replace(config, _name_or_path=str(directory))), why
 
 
-def text_config(raw: dict) -> tuple[SimpleNamespace | None, str]:
+def text_config(raw: dict) -> tuple[TextConfig | None, str]:
     """A text-only Gemma-3's config (`model_type` gemma3_text) with transformers' defaults and rope parameters."""
     if raw.get("model_type") != "gemma3_text":
         return None, f"model_type {raw.get('model_type')!r}"
@@ -72,7 +143,7 @@ def text_config(raw: dict) -> tuple[SimpleNamespace | None, str]:
         config["layer_types"] = [SLIDING if (i + 1) % pattern else FULL for i in range(config["num_hidden_layers"])]
     config["rope_parameters"] = rope_parameters(raw)
     why = _not_understood(config)
-    return (None, why) if why else (SimpleNamespace(**config), "")
+    return (None, why) if why else (_made(TextConfig, config), "")
 
 
 def rope_parameters(raw: dict) -> dict[str, dict]:
@@ -110,7 +181,7 @@ def _not_understood(config: dict) -> str:
     return ""
 
 
-def multimodal_config(raw: dict) -> tuple[SimpleNamespace | None, str]:
+def multimodal_config(raw: dict) -> tuple[MultimodalConfig | None, str]:
     """A Gemma3ForConditionalGeneration's config: its text config as `text_config` reads it, a SigLIP tower
     without the pooling head, transformers' defaults for the rest."""
     if raw.get("quantization_config"):
@@ -130,7 +201,6 @@ def multimodal_config(raw: dict) -> tuple[SimpleNamespace | None, str]:
     side = round(tokens**0.5)
     if side * side != tokens or patches % side:
         return None, f"{tokens} tokens per image do not pool evenly from {patches}x{patches} patches"
-    top.update(text_config=text, vision_config=SimpleNamespace(**vision))
-    top["image_token_id"] = top["image_token_index"]
-    text.tie_word_embeddings = top["tie_word_embeddings"]
-    return SimpleNamespace(**top), ""
+    top.update(text_config=dataclasses.replace(text, tie_word_embeddings=top["tie_word_embeddings"]),
+               vision_config=_made(VisionConfig, vision), image_token_id=top["image_token_index"])
+    return _made(MultimodalConfig, top), ""

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .lean import Linear, RMSNorm, fill, read_checkpoint, text_model
+from .lean_config import MultimodalConfig, VisionConfig
 
 # a released checkpoint's names (google/gemma-3-*-it) -> transformers 5's module names; those pass unchanged
 CHECKPOINT_NAMES = (
@@ -70,7 +70,7 @@ class LayerNorm(nn.Module):
 class Embeddings(nn.Module):
     """SiglipVisionEmbeddings: [crops, 3, H, W] -> [crops, patches, hidden], each patch plus its position's row."""
 
-    def __init__(self, v: SimpleNamespace):
+    def __init__(self, v: VisionConfig):
         super().__init__()
         self.patch = v.patch_size
         self.patch_embedding = nn.Module()
@@ -89,7 +89,7 @@ class Attention(nn.Module):
     """SiglipAttention (bidirectional, with biases), through torch's scaled_dot_product_attention as transformers'
     sdpa implementation calls it."""
 
-    def __init__(self, v: SimpleNamespace):
+    def __init__(self, v: VisionConfig):
         super().__init__()
         self.heads, self.head_dim = v.num_attention_heads, v.hidden_size // v.num_attention_heads
         for name in ("k_proj", "v_proj", "q_proj", "out_proj"):
@@ -105,7 +105,7 @@ class Attention(nn.Module):
 class EncoderLayer(nn.Module):
     """SiglipEncoderLayer: pre-norm attention and MLP, each added to the residual."""
 
-    def __init__(self, v: SimpleNamespace):
+    def __init__(self, v: VisionConfig):
         super().__init__()
         self.layer_norm1, self.layer_norm2 = LayerNorm(v.hidden_size, v.layer_norm_eps), LayerNorm(v.hidden_size, v.layer_norm_eps)
         self.self_attn = Attention(v)
@@ -120,7 +120,7 @@ class EncoderLayer(nn.Module):
 class VisionTower(nn.Module):
     """SiglipVisionModel without the pooling head (Gemma-3 has none): pixels -> last hidden states."""
 
-    def __init__(self, v: SimpleNamespace):
+    def __init__(self, v: VisionConfig):
         super().__init__()
         self.config = v
         self.embeddings = Embeddings(v)
@@ -138,7 +138,7 @@ class VisionTower(nn.Module):
 class Projector(nn.Module):
     """Gemma3MultiModalProjector: [crops, patches, vision hidden] -> [crops, tokens per image, text hidden]."""
 
-    def __init__(self, config: SimpleNamespace):
+    def __init__(self, config: MultimodalConfig):
         super().__init__()
         v = config.vision_config
         self.mm_input_projection_weight = _empty(v.hidden_size, config.text_config.hidden_size)
@@ -156,7 +156,7 @@ class Projector(nn.Module):
 class MultimodalModel(nn.Module):
     """Gemma3Model: `vision_tower`, `multi_modal_projector`, `language_model`, `get_image_features`."""
 
-    def __init__(self, config: SimpleNamespace):
+    def __init__(self, config: MultimodalConfig):
         super().__init__()
         self.config = config
         self.vision_tower = VisionTower(config.vision_config)
@@ -172,7 +172,7 @@ class MultimodalModel(nn.Module):
 class ForConditionalGeneration(nn.Module):
     """Gemma3ForConditionalGeneration: `model` (above), `lm_head`, `config`."""
 
-    def __init__(self, config: SimpleNamespace):
+    def __init__(self, config: MultimodalConfig):
         super().__init__()
         self.config = config
         self.model = MultimodalModel(config)
@@ -182,7 +182,7 @@ class ForConditionalGeneration(nn.Module):
         return self.model.get_image_features(pixel_values)
 
 
-def build_multimodal(config: SimpleNamespace, source: str, dtype: torch.dtype) -> nn.Module:
+def build_multimodal(config: MultimodalConfig, source: str, dtype: torch.dtype) -> nn.Module:
     """`Gemma3ForConditionalGeneration`'s tree with the checkpoint's weights in `dtype`."""
     model = ForConditionalGeneration(config)
     tensors = {checkpoint_name(key): tensor for key, tensor in read_checkpoint(Path(source)).items()}

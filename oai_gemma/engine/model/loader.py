@@ -12,7 +12,6 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -22,7 +21,7 @@ from .gguf_source import convert_into, converted_dir, converted_once, gguf_model
 from .gguf_tokenizer import chat_template_text
 from .lean import build as lean_model, shell as lean_shell
 from .lean_vision import build_multimodal
-from .lean_config import model_config as lean_model_config
+from .lean_config import MultimodalConfig, TextConfig, model_config as lean_model_config
 from .processor import Processor as LeanProcessor, can_preprocess
 from .tokenizer import load_tokenizer
 
@@ -171,11 +170,8 @@ def load(settings: ModelSettings, lean: bool = False, stream: bool = False) -> L
     device = pick_device(settings)
     dtype = pick_dtype(settings, device)
     source = resolve_source(settings)
-    config = _lean_config(settings, source, device) if lean else None
-    if config is None:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
+    lean_config = _lean_config(settings, source, device) if lean else None
+    config = lean_config or _transformers_config(settings, source)
     multimodal = hasattr(config, "vision_config")
     # the tokenizer (a 33 MB JSON for Gemma-3) parses in Rust (engine/model/tokenizer.py) while the weights load
     tokenizer_source = source
@@ -184,19 +180,27 @@ def load(settings: ModelSettings, lean: bool = False, stream: bool = False) -> L
     with ThreadPoolExecutor(1) as pool:
         tokenizer = pool.submit(load_tokenizer, tokenizer_source)
         checkpoint = None
-        if isinstance(config, SimpleNamespace) and stream:
-            model, checkpoint = lean_shell(config), Path(source)
-        elif isinstance(config, SimpleNamespace):
-            model = (build_multimodal if getattr(config, "vision_config", None) is not None else lean_model)(config, source, dtype)
+        if lean_config is not None and stream:
+            model, checkpoint = lean_shell(lean_config), Path(source)
+        elif lean_config is not None:
+            model = (build_multimodal if multimodal else lean_model)(lean_config, source, dtype)
         else:
             model = _load_weights(settings, source, config, multimodal, device, dtype)
         tokenizer = tokenizer.result()
-    processor = _processor(source, tokenizer, lean=isinstance(config, SimpleNamespace)) if multimodal else None
+    processor = _processor(source, tokenizer, lean=lean_config is not None) if multimodal else None
     return LoadedModel(model, tokenizer, processor, device, dtype, source, _eos_ids(tokenizer, source), checkpoint)
 
 
-def _lean_config(settings: ModelSettings, source: str, device: torch.device) -> SimpleNamespace | None:
-    """The config for engine/model/lean.py's modules, or None (logged why) for transformers' path."""
+def _transformers_config(settings: ModelSettings, source: str):
+    """transformers' config object, for a checkpoint the lean modules do not build: read here only."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
+
+
+def _lean_config(settings: ModelSettings, source: str, device: torch.device) -> TextConfig | MultimodalConfig | None:
+    """The project's config (engine/model/lean_config.py) for engine/model/lean.py's modules, or None (logged why)
+    for transformers' path."""
     if device.type != "cpu" or settings.device_map or settings.load_format == "dummy":
         return None
     config, why = lean_model_config(source)
