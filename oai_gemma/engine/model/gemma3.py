@@ -40,21 +40,6 @@ class LayerWeights(NamedTuple):
     down: torch.Tensor
     post_feedforward_norm: torch.Tensor
 
-    @classmethod
-    def of(cls, layer, projection=torch.Tensor.detach) -> LayerWeights:
-        """Plain (detached) tensors, not Parameters: dynamo then guards on their shapes, never on which layer.
-        `projection` turns each projection's weight into what `linear` takes (default: the tensor); each norm's
-        weight becomes its scale (`norm_scale`)."""
-        a, m = layer.self_attn, layer.mlp
-        weights = (
-            layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight,
-            a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
-            layer.pre_feedforward_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-            layer.post_feedforward_layernorm.weight,
-        )
-        projections = {1, 2, 3, 6, 9, 10, 11}
-        return cls(*(projection(t) if i in projections else norm_scale(t) for i, t in enumerate(weights)))
-
 
 def check_supported(config) -> None:
     """Refuse what this layer does not implement, rather than compute something else."""

@@ -114,7 +114,7 @@ def from_modules(model, layout: Layout, cache_file=None, own_weights: bool = Fal
     cache.close()
     cache.save()
     per_layer = iter(linears)
-    layers = [LayerWeights.of(layer, lambda _, it=per_layer: next(it)) for layer in text.layers]
+    layers = [_layer_weights(layer, per_layer) for layer in text.layers]
     mapped = False
     if own_weights:
         _release(modules, linears)
@@ -125,6 +125,19 @@ def from_modules(model, layout: Layout, cache_file=None, own_weights: bool = Fal
     return Gemma3Weights(
         Gemma3Shape.of(model.config), weights[-1].dtype, text.embed_tokens.weight.detach(), layers,
         norm_scale(text.norm.weight), linears[-1], layout.quantization, mapped, vision_from_modules(getattr(model, "model", None)),
+    )
+
+
+def _layer_weights(layer, linears) -> LayerWeights:
+    """One layer of the tree: its projections the next seven of `linears` (in PROJECTIONS' order), each norm's
+    weight as its scale (`norm_scale`)."""
+    a = layer.self_attn
+    return LayerWeights(
+        input_norm=norm_scale(layer.input_layernorm.weight), q_norm=norm_scale(a.q_norm.weight),
+        k_norm=norm_scale(a.k_norm.weight), post_attention_norm=norm_scale(layer.post_attention_layernorm.weight),
+        pre_feedforward_norm=norm_scale(layer.pre_feedforward_layernorm.weight),
+        post_feedforward_norm=norm_scale(layer.post_feedforward_layernorm.weight),
+        **{name: next(linears) for name in PROJECTIONS},
     )
 
 
