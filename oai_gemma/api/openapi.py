@@ -20,6 +20,7 @@ import msgspec
 from litestar import Litestar
 from litestar.openapi.spec import OpenAPIHeader, OpenAPIMediaType, OpenAPIResponse, Operation, RequestBody
 
+from ..settings import QUANTIZATIONS
 from .protocol import ErrorResponse
 
 JSON = "application/json"
@@ -132,7 +133,7 @@ HEALTH = {
         "kv_cache_resident_bytes": {"type": "integer", "minimum": 0},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "decode_bytes": {"type": "integer", "minimum": 0},
-        "quantization": {"enum": ["none", "int8", "int4", "per-step", "q8", "q4", "q4-mix"]},
+        "quantization": {"enum": list(QUANTIZATIONS)},
         "batch_invariant": {"type": "boolean"},
         "batch_invariant_cost": {"type": ["number", "null"], "description": COST_NOTE},
         "engine_config": {"type": "object"},
@@ -154,7 +155,7 @@ SERVER_INFO = {
         "engine_config": {"type": "object", "description": "engine/config.py's EngineConfig as resolved: every `auto` decided"},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "decode_bytes": {"type": "integer", "minimum": 0},
-        "quantization": {"enum": ["none", "int8", "int4", "per-step", "q8", "q4", "q4-mix"]},
+        "quantization": {"enum": list(QUANTIZATIONS)},
         "batch_invariant": {"type": "boolean"},
         "batch_invariant_cost": {"type": ["number", "null"], "description": COST_NOTE},
     },
