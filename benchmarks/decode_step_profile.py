@@ -7,7 +7,8 @@ first prints the bandwidth floor: the weights' bytes a one-row step reads over t
     python benchmarks/decode_step_profile.py --model-dir ~/.cache/oai-gemma-bench/gemma-3-1b-random \
         --quantization q8 --rows 8 --context 40 --threads 1,2
 
-Fractions are meaningful on a loaded machine at one thread; with two threads on a shared 2-core machine every
+Fractions are meaningful on a loaded machine at one thread (`--cpu-time`: the main thread's CPU time, so waits for
+a core drop out); with two threads on a shared 2-core machine every
 parallel region waits for a core, so compare threads only on a quiet one (`uptime`).
 """
 
@@ -35,19 +36,19 @@ class Clock:
     """Seconds and calls per part; a part called inside another timed part counts in the outer one only, unless
     it is `nested` (then it is shown indented, as a share of its parent)."""
 
-    def __init__(self):
-        self.seconds, self.calls, self.depth = collections.defaultdict(float), collections.Counter(), 0
+    def __init__(self, timer=time.perf_counter):
+        self.seconds, self.calls, self.depth, self.timer = collections.defaultdict(float), collections.Counter(), 0, timer
 
     def wrap(self, name: str, fn, nested: bool = False):
         def timed(*args, **kwargs):
             if self.depth and not nested:
                 return fn(*args, **kwargs)
             self.depth += not nested
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
+                self.seconds[name] += self.timer() - started
                 self.calls[name] += 1
                 self.depth -= not nested
         return timed
@@ -97,9 +98,9 @@ def profile(runner: ModelRunner, clock: Clock, rows: int, context: int, steps: i
     clock.calls.clear()
     times = []
     for _ in range(steps):
-        started = time.perf_counter()
+        started = clock.timer()
         pick(runner.forward([], decodes), sampled)
-        times.append(time.perf_counter() - started)
+        times.append(clock.timer() - started)
     return times
 
 
@@ -124,6 +125,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=40)
     parser.add_argument("--threads", default="1")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="the main thread's CPU time instead of wall time (a loaded machine, one thread: no waits for a core)")
     args = parser.parse_args()
     model = ModelSettings(dtype="float32", quantization=args.quantization, max_model_len=2048)
     settings = Settings(model=model if not args.model_dir else ModelSettings(
@@ -133,7 +136,7 @@ def main() -> None:
     config = configure(settings, loaded)
     weights = load_weights(loaded, config.model)
     runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config)[0])
-    clock = Clock()
+    clock = Clock(time.thread_time if args.cpu_time else time.perf_counter)
     instrument(runner, clock)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)

@@ -7,7 +7,7 @@
    count] int64 block ids (one row: every row reads the same blocks); mask [rows, count * block_size] bytes (0: not
    attended); out [rows, heads, D]. Query head h reads kv head h / (heads / kv_heads). For each (row, head) alone, in
    one fixed order whatever the row count or thread: scores s_j = (q . k_j) * scaling over the attended positions j
-   in order (eight-lane FMA sums, lanes added in order), m = max s_j, p_j = expf(s_j - m), out = (sum_j p_j v_j) / sum_j p_j.
+   in order (`dot`), m = max s_j, p_j = expf(s_j - m), out = (sum_j p_j v_j) / sum_j p_j.
    A row's result depends on its own keys alone (batch invariance), and positions it does not attend are skipped
    (the padding a span group adds changes nothing). D is a multiple of 8. */
 #include <immintrin.h>
@@ -15,13 +15,19 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* q . k over D values: eight-lane products summed block by block, then the lanes added in order. */
+/* q . k over D values: four eight-lane sums (d in steps of 32, a last 8..24 into the first), added pairwise, then
+   the lanes in order (four chains: a long span's dot products are not one FMA latency apart). */
 static inline float dot(const float *q, const float *k, int64_t D)
 {
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), sum);
+    __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32)
+        for (int i = 0; i < 4; i++)
+            sum[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8 * i), _mm256_loadu_ps(k + d + 8 * i), sum[i]);
+    for (; d < D; d += 8) sum[0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), sum[0]);
+    const __m256 all = _mm256_add_ps(_mm256_add_ps(sum[0], sum[1]), _mm256_add_ps(sum[2], sum[3]));
     float lanes[8], total = 0.0f;
-    _mm256_storeu_ps(lanes, sum);
+    _mm256_storeu_ps(lanes, all);
     for (int i = 0; i < 8; i++) total += lanes[i];
     return total;
 }
