@@ -66,3 +66,7 @@ def test_native_decode_rows_are_their_own():
     shared = _decode(cache, 0, DecodeKeys(torch.tensor([[0, 2, 4]]), _keys([[0, 2, 4]] * 3, [40, 40, 40]).mask), q, 0.0625)
     assert torch.equal(both[1:2], alone) and torch.equal(alone, padded)
     assert all(torch.equal(shared[i], _decode(cache, 0, _keys([[0, 2, 4]], [40]), q[i : i + 1], 0.0625)[0]) for i in range(3))
+    every = list(range(BLOCKS))  # three rows over every block: enough work for the kernel's threads; one row alone: none
+    threaded = _decode(cache, 0, _keys([every] * 3, [150, 191, 100]), q, 0.0625)
+    assert all(torch.equal(threaded[i], _decode(cache, 0, _keys([every], [p]), q[i : i + 1], 0.0625)[0])
+               for i, p in enumerate([150, 191, 100]))

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#define PARALLEL_MACS (1 << 19)
+
 /* q . k over D values: four eight-lane sums (d in steps of 32, a last 8..24 into the first), added pairwise, then
    the lanes in order (four chains: a long span's dot products are not one FMA latency apart). */
 static inline float dot(const float *q, const float *k, int64_t D)
@@ -64,7 +66,9 @@ void decode_attention(const float *q, int64_t rows, int64_t heads, int64_t kv_he
                       const uint8_t *mask, float scaling, float *out)
 {
     const int64_t span = count * block_size, group = heads / kv_heads;
-    #pragma omp parallel
+    /* threads only where the work is worth waking them (a 1B row at context 40: ~50k multiply-adds, a few us); each
+       (row, head) is computed alike on any thread */
+    #pragma omp parallel if (rows * heads * span * D >= PARALLEL_MACS)
     {
         float *scores = malloc(span * sizeof(float));
         #pragma omp for schedule(static)
