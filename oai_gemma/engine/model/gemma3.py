@@ -172,5 +172,12 @@ def post_attention(hidden, attn, w: LayerWeights, eps: float, linear=F.linear):
 
 
 def _gelu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate) * up, the product written into gelu's fresh output (one allocation fewer a layer, the same bits)."""
+    """gelu(gate) * up: on a CPU in float32 one native call (layer.c's `gelu_tanh_mul`: its own exp, within a few ulp
+    of torch's, 26 calls of a 1B step at ~4x less time), else torch's gelu with the product written into its output."""
+    kernels = _layer_kernels(gate)
+    if (kernels is not None and up.dtype == torch.float32 and gate.shape == up.shape and gate.is_contiguous()
+            and up.is_contiguous() and gate.shape[-1] % 8 == 0):
+        out = torch.empty_like(gate)
+        kernels.gelu_tanh_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
+        return out
     return F.gelu(gate, approximate="tanh").mul_(up)
