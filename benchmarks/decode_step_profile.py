@@ -6,7 +6,7 @@ first prints the bandwidth floor: the weights' bytes a one-row step reads over t
 
     python benchmarks/decode_step_profile.py --model-dir ~/.cache/oai-gemma-bench/gemma-3-1b-random \
         --quantization q8 --rows 8 --context 40 --threads 1,2
-    python benchmarks/decode_step_profile.py ... --attention-ab --steps 40   # native decode attention vs torch's
+    python benchmarks/decode_step_profile.py ... --native-ab --steps 40   # native decode attention and gelu vs torch's
 
 Fractions are meaningful on a loaded machine at one thread (`--cpu-time`: the main thread's CPU time, so waits for
 a core drop out); with two threads on a shared 2-core machine every
@@ -105,26 +105,35 @@ def profile(runner: ModelRunner, clock: Clock, rows: int, context: int, steps: i
     return times
 
 
-def attention_ab(runner: ModelRunner, rows: int, context: int, steps: int, timer) -> None:
-    """Whole steps with the native decode attention and with torch's gather and flash kernel
-    (engine/model/attention.py's `_native_decode` off), alternating step by step: the change's A/B in one process."""
+def _torch_steps() -> None:
+    """Decode attention and the MLP's gelu * up through torch's ops (the native calls' `--native-ab` baseline)."""
+    attention._native_decode = lambda *args: None
+    gemma3._gelu_times = lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh").mul_(up)
+
+
+def native_ab(runner: ModelRunner, rows: int, context: int, steps: int, timer) -> None:
+    """Whole steps with the native decode attention and gelu * up (engine/ops/native attention.c, layer.c) and with
+    torch's ops for them, alternating step by step: the change's A/B in one process."""
     length = -(-(context + rows + 1) // runner.cache.block_size) * runner.cache.block_size
     decodes = [StepItem(runner.sequence_blocks(r, length), [1234], context + r) for r in range(rows)]
     sampled = [PlainRow(SamplingParams(max_tokens=32, temperature=0.0), RowRandom(0)) for _ in range(rows)]
-    native_decode, times = attention._native_decode, {"native": [], "torch": []}
+    native = (attention._native_decode, gemma3._gelu_times)
+    times = {"native": [], "torch": []}
     try:
         for step in range(2 * steps + 4):
             name = "native" if step % 2 else "torch"
-            attention._native_decode = native_decode if name == "native" else (lambda *args: None)
+            attention._native_decode, gemma3._gelu_times = native
+            if name == "torch":
+                _torch_steps()
             started = timer()
             sample_with_logprobs(runner.forward([], decodes), sampled)
             if step >= 4:
                 times[name].append((timer() - started) * 1e3)
     finally:
-        attention._native_decode = native_decode
-    print(f"decode attention A/B, {rows} rows at context ~{context}, {torch.get_num_threads()} threads, load "
-          f"{os.getloadavg()[0]:.1f}: " + "; ".join(f"{name} median {statistics.median(t):.1f} ms, min {min(t):.1f} ms"
-                                                   for name, t in times.items()))
+        attention._native_decode, gemma3._gelu_times = native
+    print(f"native decode attention and gelu A/B, {rows} rows at context ~{context}, {torch.get_num_threads()} threads, "
+          f"load {os.getloadavg()[0]:.1f}: " + "; ".join(f"{name} median {statistics.median(t):.1f} ms, min {min(t):.1f} ms"
+                                                          for name, t in times.items()))
 
 
 def report(times: list[float], clock: Clock, title: str, floor_ms: float) -> None:
@@ -150,8 +159,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cpu-time", action="store_true",
                         help="the main thread's CPU time instead of wall time (a loaded machine, one thread: no waits for a core)")
-    parser.add_argument("--attention-ab", action="store_true",
-                        help="whole steps alternating the native decode attention and torch's (no per-part timing)")
+    parser.add_argument("--native-ab", action="store_true",
+                        help="whole steps alternating the native decode attention and gelu with torch's (no per-part timing)")
     args = parser.parse_args()
     model = ModelSettings(dtype="float32", quantization=args.quantization, max_model_len=2048)
     settings = Settings(model=model if not args.model_dir else ModelSettings(
@@ -162,10 +171,10 @@ def main() -> None:
     weights = load_weights(loaded, config.model)
     runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config)[0])
     clock = Clock(time.thread_time if args.cpu_time else time.perf_counter)
-    if args.attention_ab:
+    if args.native_ab:
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
-            attention_ab(runner, args.rows, args.context, args.steps, clock.timer)
+            native_ab(runner, args.rows, args.context, args.steps, clock.timer)
         return
     instrument(runner, clock)
     for threads in (int(t) for t in args.threads.split(",")):
