@@ -79,3 +79,7 @@ def test_gelu_times_is_close_to_float64_and_each_value_its_own():
     assert torch.allclose(torch.nn.functional.gelu(x, approximate="tanh"), x / (1 + torch.exp(-2 * (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3))),
                           rtol=1e-12, atol=1e-15)  # the same function
     assert all(torch.equal(got[i], gemma3._gelu_times(gate[i : i + 1], up[i : i + 1])[0]) for i in (0, 1, 7, 21))
+    fused = torch.cat((gate, up), dim=1)  # a fused gate/up projection's output: its columns, rows 2 x 6912 apart
+    width = gate.shape[1]
+    assert torch.equal(gemma3._gelu_times(fused[:, :width], fused[:, width:]), got)
+    assert torch.equal(gemma3._gelu_times(fused[3:4, :width], fused[3:4, width:])[0], got[3])

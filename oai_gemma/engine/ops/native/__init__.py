@@ -75,7 +75,7 @@ SIGNATURES = {
                          ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4],
         "residual_norm": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
-        "gelu_tanh_mul": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p],
+        "gelu_tanh_mul": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p],
     },
     "attention": {"decode_attention": [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -108,17 +108,20 @@ static inline __m256 exp8(__m256 x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-/* out = gelu_tanh(gate) * up over n values (a multiple of 8; out may be gate or up): gelu_tanh(x) = x (1 + tanh(y)) / 2
-   with y = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + e^(-2y)) (the same function, without tanh's
-   cancellation near -1). Not torch's bits (its own exp), each value alone: the threads' split changes none. */
-void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *out)
+/* out [rows, n] = gelu_tanh(gate) * up, gate and up [rows, n] with rows `gate_stride` and `up_stride` apart (a fused
+   gate/up output's columns; n a multiple of 8): gelu_tanh(x) = x (1 + tanh(y)) / 2 with y = sqrt(2 / pi) (x +
+   0.044715 x^3), computed as x / (1 + e^(-2y)) (the same function, without tanh's cancellation near -1). Not torch's
+   bits (its own exp), each value alone: the rows beside it and the threads' split change none. */
+void gelu_tanh_mul(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, int64_t rows, int64_t n,
+                   float *out)
 {
-    #pragma omp parallel for schedule(static) if (n >= (1 << 16))
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(gate + i);
-        const __m256 inner = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(0.044715f), _mm256_set1_ps(1.0f)));
-        const __m256 e = exp8(_mm256_mul_ps(inner, _mm256_set1_ps(-1.5957691216057308f)));
-        const __m256 g = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(g, _mm256_loadu_ps(up + i)));
-    }
+    #pragma omp parallel for schedule(static) if (rows * n >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(gate + r * gate_stride + i);
+            const __m256 inner = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(0.044715f), _mm256_set1_ps(1.0f)));
+            const __m256 e = exp8(_mm256_mul_ps(inner, _mm256_set1_ps(-1.5957691216057308f)));
+            const __m256 g = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(out + r * n + i, _mm256_mul_ps(g, _mm256_loadu_ps(up + r * up_stride + i)));
+        }
 }
