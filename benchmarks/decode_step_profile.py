@@ -6,8 +6,10 @@ first prints the bandwidth floor: the weights' bytes a one-row step reads over t
 
     python benchmarks/decode_step_profile.py --model-dir ~/.cache/oai-gemma-bench/gemma-3-1b-random \
         --quantization q8 --rows 8 --context 40 --threads 1,2
+    python benchmarks/decode_step_profile.py ... --native-ab --steps 40   # native decode attention and gelu vs torch's
 
-Fractions are meaningful on a loaded machine at one thread; with two threads on a shared 2-core machine every
+Fractions are meaningful on a loaded machine at one thread (`--cpu-time`: the main thread's CPU time, so waits for
+a core drop out); with two threads on a shared 2-core machine every
 parallel region waits for a core, so compare threads only on a quiet one (`uptime`).
 """
 
@@ -23,7 +25,7 @@ import torch
 
 from oai_gemma.bench.floor import read_bandwidth
 from oai_gemma.engine.factory import configure, load_weights, measure_invariance
-from oai_gemma.engine.model import gemma3, runner as runner_module
+from oai_gemma.engine.model import attention, gemma3, runner as runner_module
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.engine.sampling.sampler import PlainRow, RowRandom, sample_with_logprobs
@@ -35,19 +37,19 @@ class Clock:
     """Seconds and calls per part; a part called inside another timed part counts in the outer one only, unless
     it is `nested` (then it is shown indented, as a share of its parent)."""
 
-    def __init__(self):
-        self.seconds, self.calls, self.depth = collections.defaultdict(float), collections.Counter(), 0
+    def __init__(self, timer=time.perf_counter):
+        self.seconds, self.calls, self.depth, self.timer = collections.defaultdict(float), collections.Counter(), 0, timer
 
     def wrap(self, name: str, fn, nested: bool = False):
         def timed(*args, **kwargs):
             if self.depth and not nested:
                 return fn(*args, **kwargs)
             self.depth += not nested
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
+                self.seconds[name] += self.timer() - started
                 self.calls[name] += 1
                 self.depth -= not nested
         return timed
@@ -97,10 +99,41 @@ def profile(runner: ModelRunner, clock: Clock, rows: int, context: int, steps: i
     clock.calls.clear()
     times = []
     for _ in range(steps):
-        started = time.perf_counter()
+        started = clock.timer()
         pick(runner.forward([], decodes), sampled)
-        times.append(time.perf_counter() - started)
+        times.append(clock.timer() - started)
     return times
+
+
+def _torch_steps() -> None:
+    """Decode attention and the MLP's gelu * up through torch's ops (the native calls' `--native-ab` baseline)."""
+    attention._native_decode = lambda *args: None
+    gemma3._gelu_times = lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh").mul_(up)
+
+
+def native_ab(runner: ModelRunner, rows: int, context: int, steps: int, timer) -> None:
+    """Whole steps with the native decode attention and gelu * up (engine/ops/native attention.c, layer.c) and with
+    torch's ops for them, alternating step by step: the change's A/B in one process."""
+    length = -(-(context + rows + 1) // runner.cache.block_size) * runner.cache.block_size
+    decodes = [StepItem(runner.sequence_blocks(r, length), [1234], context + r) for r in range(rows)]
+    sampled = [PlainRow(SamplingParams(max_tokens=32, temperature=0.0), RowRandom(0)) for _ in range(rows)]
+    native = (attention._native_decode, gemma3._gelu_times)
+    times = {"native": [], "torch": []}
+    try:
+        for step in range(2 * steps + 4):
+            name = "native" if step % 2 else "torch"
+            attention._native_decode, gemma3._gelu_times = native
+            if name == "torch":
+                _torch_steps()
+            started = timer()
+            sample_with_logprobs(runner.forward([], decodes), sampled)
+            if step >= 4:
+                times[name].append((timer() - started) * 1e3)
+    finally:
+        attention._native_decode, gemma3._gelu_times = native
+    print(f"native decode attention and gelu A/B, {rows} rows at context ~{context}, {torch.get_num_threads()} threads, "
+          f"load {os.getloadavg()[0]:.1f}: " + "; ".join(f"{name} median {statistics.median(t):.1f} ms, min {min(t):.1f} ms"
+                                                          for name, t in times.items()))
 
 
 def report(times: list[float], clock: Clock, title: str, floor_ms: float) -> None:
@@ -124,6 +157,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=40)
     parser.add_argument("--threads", default="1")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="the main thread's CPU time instead of wall time (a loaded machine, one thread: no waits for a core)")
+    parser.add_argument("--native-ab", action="store_true",
+                        help="whole steps alternating the native decode attention and gelu with torch's (no per-part timing)")
     args = parser.parse_args()
     model = ModelSettings(dtype="float32", quantization=args.quantization, max_model_len=2048)
     settings = Settings(model=model if not args.model_dir else ModelSettings(
@@ -133,7 +170,12 @@ def main() -> None:
     config = configure(settings, loaded)
     weights = load_weights(loaded, config.model)
     runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config)[0])
-    clock = Clock()
+    clock = Clock(time.thread_time if args.cpu_time else time.perf_counter)
+    if args.native_ab:
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            native_ab(runner, args.rows, args.context, args.steps, clock.timer)
+        return
     instrument(runner, clock)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)

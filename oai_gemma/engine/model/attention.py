@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..ops.invariance import KEY_GRID, grouped_attention, pad_keys, round_up, span_groups, window_blocks
 from ..cache.kv_cache import KVCache
+from ..ops import native
 
 
 @dataclass
@@ -139,6 +140,9 @@ def decode_attention(cache: KVCache, li: int, groups: list[DecodeKeys], q, scali
 
 
 def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> torch.Tensor:
+    native_out = _native_decode(cache, li, rows, q, scaling)
+    if native_out is not None:
+        return native_out
     bsz, heads, head_dim = q.shape
     keys, values = (t.expand(bsz, -1, -1, -1) for t in cache.blocks(li, rows.tables))  # [B, kv_heads, span, D]
     kv_heads = keys.shape[1]
@@ -146,3 +150,23 @@ def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> tor
     qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=rows.mask[:, None, None, :], scale=scaling)
     return out.reshape(bsz, heads, head_dim)
+
+
+def _native_decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> torch.Tensor | None:
+    """The rows' attention in one native call reading the cache's blocks in place (engine/ops/native/attention.c:
+    no gather, no flash kernel's dispatch: a 1B decode step ran 26 of each), or None where it does not apply (not a
+    CPU float32 cache, no compiler, a compiled graph): torch's gather and scaled_dot_product_attention then."""
+    k, v = cache.k[li], cache.v[li]
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32 or q.shape[-1] % 8
+            or not (k.is_contiguous() and v.is_contiguous()) or rows.mask.dtype != torch.bool
+            or torch.compiler.is_compiling()):
+        return None
+    kernel = native.decode_attention()
+    if kernel is None:
+        return None
+    q = q.contiguous()
+    tables, mask = rows.tables.to(torch.int64).contiguous(), rows.mask.contiguous()
+    out = torch.empty_like(q)
+    kernel(q.data_ptr(), q.shape[0], q.shape[1], k.shape[2], q.shape[2], k.data_ptr(), v.data_ptr(), k.shape[1],
+           tables.data_ptr(), tables.shape[0], tables.shape[1], mask.data_ptr(), scaling, out.data_ptr())
+    return out

@@ -47,7 +47,7 @@ def build(directory: Path) -> str | None:
 def forget() -> None:
     """Drop every loaded library and every cached verdict (which kernels run here), so the next caller looks again:
     after a change of directory, or of the environment a test built them under (CC, HOME)."""
-    for cached in (_library, rms_norm_rows, lora_kernels, int_dot_unavailable, layer_kernels):
+    for cached in (_library, rms_norm_rows, lora_kernels, int_dot_unavailable, layer_kernels, decode_attention):
         cached.cache_clear()
 
 
@@ -75,7 +75,11 @@ SIGNATURES = {
                          ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4],
         "residual_norm": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
+        "gelu_tanh_mul": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p],
     },
+    "attention": {"decode_attention": [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_float, ctypes.c_void_p]},
     "q4_quantize": {name: [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
                     for name in ("q4_1_blocks", "q5_1_blocks")},
     "vision_dot": {"q7_dot_linear": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64,
@@ -196,6 +200,17 @@ def layer_kernels() -> ctypes.CDLL | None:
     here (the caller keeps torch's ops)."""
     try:
         return _library("layer")
+    except NativeKernelUnavailable:
+        return None
+
+
+@functools.cache
+def decode_attention():
+    """The compiled `decode_attention(q, rows, heads, kv_heads, D, k, v, block_size, tables, table_rows, count, mask,
+    scaling, out)` (attention.c: decode rows over their KV blocks in place, float32), or None where it cannot run
+    here (the caller keeps torch's gather and scaled_dot_product_attention)."""
+    try:
+        return _library("attention").decode_attention
     except NativeKernelUnavailable:
         return None
 

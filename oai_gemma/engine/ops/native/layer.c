@@ -10,7 +10,10 @@
    (gemma3.py's `rms_norm` through woq_int8.c's `rms_norm_rows`, then torch's elementwise mul and add): the same
    bits, tested. This family is compiled with -ffp-contract=off (sources.py), so no multiply and add become one
    FMA here; the one FMA (the sum of squares) is rms_norm_rows' own. Each row is computed alone (batch
-   invariance holds). D is a multiple of 8 (a head's, in `qk_norm_rope`, at most MAX_D). */
+   invariance holds). D is a multiple of 8 (a head's, in `qk_norm_rope`, at most MAX_D).
+
+   - `gelu_tanh_mul`: the MLP's gelu(gate) * up, the one step here that is not torch's bits (its own exp, closer to
+     the exact function than torch's float32 tanh form); each value alone. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -83,4 +86,42 @@ void residual_norm(const float *hidden, const float *delta, int64_t rows, int64_
         const __m256 next = row_inverse(out + at, D, eps);
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(normed + at + d, normed8(out + at + d, next, next_scale + d));
     }
+}
+
+/* e^x for eight floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n into the exponent), within
+   ~2 ulp; x clamped to [-87, 88] (beyond: ~0 and ~2^127, which gelu's x / (1 + e) reads as 0 and x). */
+static inline __m256 exp8(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* out [rows, n] = gelu_tanh(gate) * up, gate and up [rows, n] with rows `gate_stride` and `up_stride` apart (a fused
+   gate/up output's columns; n a multiple of 8): gelu_tanh(x) = x (1 + tanh(y)) / 2 with y = sqrt(2 / pi) (x +
+   0.044715 x^3), computed as x / (1 + e^(-2y)) (the same function, without tanh's cancellation near -1). Not torch's
+   bits (its own exp), each value alone: the rows beside it and the threads' split change none. */
+void gelu_tanh_mul(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, int64_t rows, int64_t n,
+                   float *out)
+{
+    #pragma omp parallel for schedule(static) if (rows * n >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(gate + r * gate_stride + i);
+            const __m256 inner = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(0.044715f), _mm256_set1_ps(1.0f)));
+            const __m256 e = exp8(_mm256_mul_ps(inner, _mm256_set1_ps(-1.5957691216057308f)));
+            const __m256 g = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(out + r * n + i, _mm256_mul_ps(g, _mm256_loadu_ps(up + r * up_stride + i)));
+        }
 }

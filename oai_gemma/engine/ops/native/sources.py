@@ -16,6 +16,7 @@ FAMILIES = {
     "lora": (HERE / "lora.c", HERE / "lora_tiles.h"),  # lora_project
     "int_dot": (HERE / "int_dot.c", HERE / "avx2_common.h"),  # int8 x int8 dot products: q8_dot_linear, q4_dot_linear (quantization q8, q4)
     "layer": (HERE / "layer.c",),  # a decoder layer's small steps: qk_norm_rope, residual_norm
+    "attention": (HERE / "attention.c",),  # decode_attention: a step's decode rows over their own KV blocks, in place
     "q4_quantize": (HERE / "q4_quantize.c",),  # q4_1_blocks: quantization q4's least-squares search
     "vision_dot": (HERE / "vision_dot.c", HERE / "avx2_common.h"),  # q7_dot_linear: the vision tower's int8 x 7-bit linears
 }
