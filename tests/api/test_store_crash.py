@@ -1,6 +1,7 @@
 """A store that survives a crash (issue 29 item 3), on real servers: SIGKILL at random moments during a burst of
-stored responses, ten times; and a full disk or read-only store (tests/fault_server.py) fails `store: true`
-requests clearly while `store: false` ones go on, until the store recovers."""
+stored responses, four times (a kill in each quarter of the burst's first two seconds); and a full disk or read-only
+store (tests/fault_server.py) fails `store: true` requests clearly while `store: false` ones go on, until the store
+recovers."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from conftest import MODEL, NO_TIMEOUTS, ServerProcess
 pytestmark = pytest.mark.slow
 
 SMALL = ("--max-num-seqs", "4", "--max-prefill-tokens", "64", "--max-model-len", "1024", "--batch-invariant", "off")  # a short warm-up
-KILLS = int(os.environ.get("OAI_GEMMA_CRASH_KILLS", "10"))
+KILLS = int(os.environ.get("OAI_GEMMA_CRASH_KILLS", "4"))
+"""Server starts, each killed at a random moment in its own share of the burst's first two seconds (ten moments
+drawn anywhere in them before, issue 36 item 4: fewer starts, the same spread; more with OAI_GEMMA_CRASH_KILLS)."""
 CLIENTS = 4
 ENDED = ("response.completed", "response.incomplete")  # (max_output_tokens reached: incomplete, and stored as such)
 
@@ -92,7 +95,7 @@ def test_sigkill_during_a_burst_of_stored_responses_loses_no_completed_response(
             deadline = time.monotonic() + 900  # a shared, busy CPU may take minutes over the first one
             while not burst.completed and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(rng.uniform(0.0, 2.0))  # a random moment in the burst
+            time.sleep(rng.uniform(2.0 * kill / KILLS, 2.0 * (kill + 1) / KILLS))  # a random moment in this kill's share
             server.proc.kill()
             server.proc.wait()
             burst.join()

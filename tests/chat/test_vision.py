@@ -225,18 +225,18 @@ def test_unreachable_url_is_400(vclient, image_host):
 
 
 def greedy_with_image(model, inputs, steps: int) -> list[int]:
-    """transformers' greedy tokens after a processed image prompt, by full recompute over the tokenizer's ids (as the
-    engine samples: below the image token), up to an end of turn (included)."""
+    """transformers' greedy tokens after a processed image prompt (as the engine samples: below the image token), up
+    to an end of turn (included): the prompt's forward once, image and all, then a token at a time on its KV cache
+    (a full recompute a token re-encoded the image each time: 5x the CPU for the same tokens)."""
     ids, types, out = inputs["input_ids"], inputs["token_type_ids"], []
     with torch.inference_mode():
-        for _ in range(steps):
-            logits = model(input_ids=ids, token_type_ids=types, pixel_values=inputs["pixel_values"]).logits
-            out.append(int(logits[0, -1, : model.config.image_token_id].argmax()))
-            if out[-1] in (1, 106):  # <eos>, <end_of_turn>
-                break
-            ids = torch.cat((ids, torch.tensor([[out[-1]]])), dim=1)
-            types = torch.cat((types, torch.zeros(1, 1, dtype=types.dtype)), dim=1)
-    return out
+        result = model(input_ids=ids, token_type_ids=types, pixel_values=inputs["pixel_values"], use_cache=True)
+        while True:
+            out.append(int(result.logits[0, -1, : model.config.image_token_id].argmax()))
+            if out[-1] in (1, 106) or len(out) == steps:  # <eos>, <end_of_turn>
+                return out
+            result = model(input_ids=torch.tensor([[out[-1]]]), token_type_ids=torch.zeros(1, 1, dtype=types.dtype),
+                           cache=result.cache, use_cache=True)
 
 
 def test_vision_prefill_matches_transformers_forward(vision_loaded, processor):

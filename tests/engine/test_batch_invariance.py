@@ -191,33 +191,32 @@ def small_runner(dtype: str, quantization: str, mode: str) -> ModelRunner:
     return runner(dtype, quantization, mode, max_num_seqs=8, max_model_len=1024, max_prefill_tokens=56)[0]  # 64 tokens a step
 
 
-def decode_row_beside(built: ModelRunner, lengths: list[int]) -> torch.Tensor:
-    """The logits of a decode row at position lengths[0] (slot 0) in one step beside decode rows at the other
-    positions (slots 1...), their prompts prefilled first in 48-token chunks."""
-    for slot, length in enumerate(lengths):
-        for start in range(0, length, 48):
-            end = min(length, start + 48)
-            built.forward([StepItem(built.sequence_blocks(slot), list(range(100 + start, 100 + end)), start, False)], [])
-    rows = [StepItem(built.sequence_blocks(slot), [7], length) for slot, length in enumerate(lengths)]
-    return built.forward([], rows)[0].clone()
+def prefill(built: ModelRunner, slot: int, length: int) -> None:
+    for start in range(0, length, 48):
+        built.forward([StepItem(built.sequence_blocks(slot), list(range(100 + start, min(length, start + 48) + 100)), start,
+                                False)], [])
+
+
+def decode_row(built: ModelRunner, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """The logits of the first of `rows` (slot, position), decoded in one step beside the others."""
+    return built.forward([], [StepItem(built.sequence_blocks(slot), [7], length) for slot, length in rows])[0].clone()
 
 
 def test_a_decode_row_ignores_longer_rows_beside_it():
     """Decode spans are padded to the step start-up measured (`span_step`), or, a row of few keys, to its own small
     span (`small_spans`, each its own call): rows of 200 keys (where padding to 256 beside longer rows once gave
-    other bits) and 700, and of 40 and 100 (their own spans), alone and beside rows of other spans."""
+    other bits) and 700, and of 40 and 100 (their own spans), alone and beside rows of other spans. (The rows
+    beside are prefilled once: a row reads only its own slot's blocks, so theirs need not be written again.)"""
     built = small_runner("float32", "int8", "auto")
     assert built.invariance.small_spans, "rows of few keys read their own small spans here"
+    for slot, length in ((1, 400), (2, 900), (3, 60), (4, 130)):
+        prefill(built, slot, length)
     for length in (200, 700, 40, 100):
-        alone = decode_row_beside(built, [length])
-        assert torch.equal(alone, decode_row_beside(built, [length, 400, 900])), length
-        assert torch.equal(alone, decode_row_beside(built, [length, 60, 130, length + 3, 900])), length
-
-
-def prefill(built: ModelRunner, slot: int, length: int) -> None:
-    for start in range(0, length, 48):
-        built.forward([StepItem(built.sequence_blocks(slot), list(range(100 + start, min(length, start + 48) + 100)), start,
-                                False)], [])
+        prefill(built, 0, length)
+        prefill(built, 5, length + 3)
+        alone = decode_row(built, [(0, length)])
+        assert torch.equal(alone, decode_row(built, [(0, length), (1, 400), (2, 900)])), length
+        assert torch.equal(alone, decode_row(built, [(0, length), (3, 60), (4, 130), (5, length + 3), (2, 900)])), length
 
 
 def test_a_drafted_sequences_rows_read_its_blocks_once_and_keep_each_positions_bits():
