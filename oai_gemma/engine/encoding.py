@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model.vision_encode import VisionEncode
+from .model.vision_encode import UnitCosts, VisionEncode
 from .model.vision_weights import VisionWeights
 from .sequence import Sequence
 
@@ -41,6 +41,8 @@ class Encoding:
         """`vision`: the model's vision tower and projector (None: a text-only model, which gets no images)."""
         self.vision, self.device, self.dtype, self.step_seconds = vision, device, dtype, step_seconds
         self.jobs: dict[tuple, Job] = {}
+        self.costs = UnitCosts()
+        """The tower's unit times, across images: what a step's budget expects the next unit to take."""
         self.encodes = 0
         self.seconds = 0.0
         """Images sets encoded and the vision tower's time on them (for /health and /metrics)."""
@@ -62,7 +64,7 @@ class Encoding:
         job = self.jobs.get(key)
         if job is None:
             pixels = request.pixel_values.to(self.device, self.dtype)
-            job = self.jobs[key] = Job(VisionEncode(self.vision, pixels))
+            job = self.jobs[key] = Job(VisionEncode(self.vision, pixels, costs=self.costs))
         job.waiters.append(seq)
 
     def budget(self, busy: bool) -> float:
