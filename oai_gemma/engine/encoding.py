@@ -3,9 +3,10 @@
 A request with images waits here, outside the scheduler (no batch row, no KV blocks), while its vision tower
 runs a slice at a time between the engine's steps; once its features are ready the engine hands it to the
 scheduler, which prefills it like any prompt. Each step gives the encode a time budget: `step_seconds` when
-set, else as long as the last step with other work took -- so a running text stream's steps at most about
-double while an image encodes -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so
-a cancel or a new request waits at most that long).
+set, else as long as the median of the last `STEPS` steps with other work took -- so a running text stream's
+steps at most about double while an image encodes; the median, not the last step, so that one slow step (the
+image's own preprocessing beside it, a prefill chunk) is not followed by a slice as long -- and `IDLE_SECONDS`
+when nothing else runs (the inbox is read between slices, so a cancel or a new request waits at most that long).
 
 One job per distinct image set (the request's crop keys, the same keys the prefix cache uses): a second request
 with the same images in flight waits on the first one's job. A job whose every waiter went (cancelled) is
@@ -15,7 +16,9 @@ dropped with its work.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +31,8 @@ log = logging.getLogger("oai_gemma.engine")
 
 IDLE_SECONDS = 0.25
 """A step's encode budget when no sequence runs beside it."""
+STEPS = 8
+"""The budget beside running sequences: the median wall time of this many of their last steps."""
 
 
 @dataclass(eq=False)
@@ -46,8 +51,8 @@ class Encoding:
         self.encodes = 0
         self.seconds = 0.0
         """Images sets encoded and the vision tower's time on them (for /health and /metrics)."""
-        self.last_step = 0.0
-        """Wall time of the last step that ran sequences (the auto budget)."""
+        self.steps: deque[float] = deque(maxlen=STEPS)
+        """Wall times of the last steps that ran sequences (the auto budget: `stepped`)."""
         self.worked: dict[str, float] = {}
         """Request id -> when its image's encode last advanced (read by its Submission, off this thread, so that
         the idle timeout does not take an encode of minutes for a request gone quiet)."""
@@ -67,10 +72,14 @@ class Encoding:
             job = self.jobs[key] = Job(VisionEncode(self.vision, pixels, costs=self.costs))
         job.waiters.append(seq)
 
+    def stepped(self, seconds: float) -> None:
+        """A step that ran sequences took `seconds`."""
+        self.steps.append(seconds)
+
     def budget(self, busy: bool) -> float:
         if self.step_seconds > 0:
             return self.step_seconds
-        return self.last_step if busy and self.last_step > 0 else IDLE_SECONDS
+        return statistics.median(self.steps) if busy and self.steps else IDLE_SECONDS
 
     def run(self, busy: bool) -> tuple[list[tuple[Sequence, torch.Tensor]], list[tuple[Sequence, str]]]:
         """Work on the oldest job for one step's budget: ([(sequence, its features)] that are ready, [(sequence,
