@@ -3,10 +3,11 @@
 A request with images waits here, outside the scheduler (no batch row, no KV blocks), while its vision tower
 runs a slice at a time between the engine's steps; once its features are ready the engine hands it to the
 scheduler, which prefills it like any prompt. Each step gives the encode a time budget: `step_seconds` when
-set, else as long as the median of the last `STEPS` steps with other work took -- so a running text stream's
-steps at most about double while an image encodes; the median, not the last step, so that one slow step (the
-image's own preprocessing beside it, a prefill chunk) is not followed by a slice as long -- and `IDLE_SECONDS`
-when nothing else runs (the inbox is read between slices, so a cancel or a new request waits at most that long).
+set, else as long as the shorter of the last step with other work and the median of the last `STEPS` -- so a
+running text stream's steps at most about double while an image encodes; not the last step alone, so that one slow
+step (the image's own preprocessing beside it, a prefill chunk) is not followed by a slice as long, and not the
+median alone, which after the steps got shorter (a stream ended, the load dropped) kept the old length for a few
+steps -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so a cancel or a new request waits at most that long).
 
 One job per distinct image set (the request's crop keys, the same keys the prefix cache uses): a second request
 with the same images in flight waits on the first one's job. A job whose every waiter went (cancelled) is
@@ -32,7 +33,7 @@ log = logging.getLogger("oai_gemma.engine")
 IDLE_SECONDS = 0.25
 """A step's encode budget when no sequence runs beside it."""
 STEPS = 8
-"""The budget beside running sequences: the median wall time of this many of their last steps."""
+"""The budget beside running sequences: at most the median wall time of this many of their last steps."""
 
 
 @dataclass(eq=False)
@@ -79,7 +80,7 @@ class Encoding:
     def budget(self, busy: bool) -> float:
         if self.step_seconds > 0:
             return self.step_seconds
-        return statistics.median(self.steps) if busy and self.steps else IDLE_SECONDS
+        return min(self.steps[-1], statistics.median(self.steps)) if busy and self.steps else IDLE_SECONDS
 
     def run(self, busy: bool) -> tuple[list[tuple[Sequence, torch.Tensor]], list[tuple[Sequence, str]]]:
         """Work on the oldest job for one step's budget: ([(sequence, its features)] that are ready, [(sequence,
