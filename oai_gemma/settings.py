@@ -90,8 +90,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     """Prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long."""
     vision_step_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """How long each engine step runs an image's vision tower (encoded a slice at a time between steps, so running
-    streams keep streaming). 0: as long as the last step of the running sequences took (their inter-token time at
-    most about doubles while an image encodes), 250 ms when nothing else runs."""
+    streams keep streaming). 0: the shorter of the running sequences' last step and the median of their last 8
+    (their inter-token time at most about doubles while an image encodes), 250 ms when nothing else runs."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
     """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
     max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 256

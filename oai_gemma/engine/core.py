@@ -324,7 +324,7 @@ class EngineCore:
             self.scheduler.finish(seq)
         self._deliver(events)
         self.step_seconds += time.perf_counter() - started
-        self.encoding.last_step = time.perf_counter() - started
+        self.encoding.stepped(time.perf_counter() - started)
         return True
 
     def _prompt_logprobs(self, step: Step) -> None:

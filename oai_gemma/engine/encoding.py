@@ -3,9 +3,11 @@
 A request with images waits here, outside the scheduler (no batch row, no KV blocks), while its vision tower
 runs a slice at a time between the engine's steps; once its features are ready the engine hands it to the
 scheduler, which prefills it like any prompt. Each step gives the encode a time budget: `step_seconds` when
-set, else as long as the last step with other work took -- so a running text stream's steps at most about
-double while an image encodes -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so
-a cancel or a new request waits at most that long).
+set, else as long as the shorter of the last step with other work and the median of the last `STEPS` -- so a
+running text stream's steps at most about double while an image encodes; not the last step alone, so that one slow
+step (the image's own preprocessing beside it, a prefill chunk) is not followed by a slice as long, and not the
+median alone, which after the steps got shorter (a stream ended, the load dropped) kept the old length for a few
+steps -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so a cancel or a new request waits at most that long).
 
 One job per distinct image set (the request's crop keys, the same keys the prefix cache uses): a second request
 with the same images in flight waits on the first one's job. A job whose every waiter went (cancelled) is
@@ -15,12 +17,14 @@ dropped with its work.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from .model.vision_encode import VisionEncode
+from .model.vision_encode import UnitCosts, VisionEncode
 from .model.vision_weights import VisionWeights
 from .sequence import Sequence
 
@@ -28,6 +32,8 @@ log = logging.getLogger("oai_gemma.engine")
 
 IDLE_SECONDS = 0.25
 """A step's encode budget when no sequence runs beside it."""
+STEPS = 8
+"""The budget beside running sequences: at most the median wall time of this many of their last steps."""
 
 
 @dataclass(eq=False)
@@ -41,11 +47,13 @@ class Encoding:
         """`vision`: the model's vision tower and projector (None: a text-only model, which gets no images)."""
         self.vision, self.device, self.dtype, self.step_seconds = vision, device, dtype, step_seconds
         self.jobs: dict[tuple, Job] = {}
+        self.costs = UnitCosts()
+        """The tower's unit times, across images: what a step's budget expects the next unit to take."""
         self.encodes = 0
         self.seconds = 0.0
         """Images sets encoded and the vision tower's time on them (for /health and /metrics)."""
-        self.last_step = 0.0
-        """Wall time of the last step that ran sequences (the auto budget)."""
+        self.steps: deque[float] = deque(maxlen=STEPS)
+        """Wall times of the last steps that ran sequences (the auto budget: `stepped`)."""
         self.worked: dict[str, float] = {}
         """Request id -> when its image's encode last advanced (read by its Submission, off this thread, so that
         the idle timeout does not take an encode of minutes for a request gone quiet)."""
@@ -62,13 +70,17 @@ class Encoding:
         job = self.jobs.get(key)
         if job is None:
             pixels = request.pixel_values.to(self.device, self.dtype)
-            job = self.jobs[key] = Job(VisionEncode(self.vision, pixels))
+            job = self.jobs[key] = Job(VisionEncode(self.vision, pixels, costs=self.costs))
         job.waiters.append(seq)
+
+    def stepped(self, seconds: float) -> None:
+        """A step that ran sequences took `seconds`."""
+        self.steps.append(seconds)
 
     def budget(self, busy: bool) -> float:
         if self.step_seconds > 0:
             return self.step_seconds
-        return self.last_step if busy and self.last_step > 0 else IDLE_SECONDS
+        return min(self.steps[-1], statistics.median(self.steps)) if busy and self.steps else IDLE_SECONDS
 
     def run(self, busy: bool) -> tuple[list[tuple[Sequence, torch.Tensor]], list[tuple[Sequence, str]]]:
         """Work on the oldest job for one step's budget: ([(sequence, its features)] that are ready, [(sequence,

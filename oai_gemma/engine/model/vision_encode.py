@@ -10,6 +10,9 @@ token. `VisionEncode` runs the same math a unit at a time:
                     the same rows (row-wise after attention, so it needs no other row) and its residual
     finish          post_layernorm and the projector (pool to the soft tokens, norm, project)
 
+The engine runs units while the next one is expected to end within the step's budget (`UnitCosts`: each kind's
+recent longest time, kept across images; a kind never run yet, its multiply-adds at the slowest rate seen).
+
 Each unit is the same torch op on a slice of the rows the one-call encode runs on all of them; on this CPU's
 kernels (GEMM, scaled_dot_product_attention) a row's result does not depend on the rows around it, so the output
 is bitwise the one-call encode's (tests/engine/test_vision_encode.py holds it to that). The slice size is fixed by the
@@ -33,6 +36,32 @@ MIN_ROWS = 256
 in 32-row units took 6.5x the one-call layer (attention over 4096 keys and the GEMMs starve at so few rows)."""
 
 
+class UnitCosts:
+    """What a unit of each kind is expected to take: the longest of its recent units (a max that decays by `DECAY` a
+    unit of the kind, so one slow unit does not hold the budget down for good). The engine keeps one across images
+    (engine/encoding.py), so an image's first units are known from the last image's. A kind with no time yet
+    (the server's first image) is estimated from its multiply-adds at the slowest rate of the kinds run so far:
+    with the longest unit of any kind as the estimate, the first layer's first `mix` unit (5x a `qkv` unit's work)
+    started within a budget sized for a `qkv` unit and overran it."""
+
+    DECAY = 0.9
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.rates: dict[str, float] = {}
+        """Kind -> its seconds (decaying max) and seconds per multiply-add of its last unit."""
+
+    def add(self, kind: str, macs: float, took: float) -> None:
+        self.seconds[kind] = max(took, self.DECAY * self.seconds.get(kind, 0.0))
+        self.rates[kind] = took / max(macs, 1.0)
+
+    def estimate(self, kind: str, macs: float) -> float:
+        """Seconds the next unit of `kind` (of `macs` multiply-adds) is expected to take; 0.0 when nothing ran yet."""
+        if kind in self.seconds:
+            return self.seconds[kind]
+        return max(self.rates.values(), default=0.0) * macs
+
+
 def unit_rows(patches: int, width: int, intermediate: int) -> int:
     """Rows per unit: the largest power of two whose attention + out_proj + MLP stays within `UNIT_FLOPS`, but at
     least `MIN_ROWS` (and at most every patch)."""
@@ -46,22 +75,24 @@ def unit_rows(patches: int, width: int, intermediate: int) -> int:
 class VisionEncode:
     """One request's crops [crops, 3, H, W] through the tower and projector of `weights` (vision_weights.py).
 
-    `advance()` runs the next unit; `run(seconds)` runs units until that much time has passed (at least one);
-    `features` is the result ([crops * tokens per crop, text hidden], as `image_features`) once `done`."""
+    `advance()` runs the next unit; `run(seconds)` runs units while the next is expected to end within `seconds` (at
+    least one); `features` is the result ([crops * tokens per crop, text hidden], as `image_features`) once `done`."""
 
-    def __init__(self, weights: VisionWeights, pixel_values: torch.Tensor, rows: int = 0):
-        """`rows`: rows a unit (default `unit_rows` of the tower's shape)."""
+    def __init__(self, weights: VisionWeights, pixel_values: torch.Tensor, rows: int = 0, costs: UnitCosts | None = None):
+        """`rows`: rows a unit (default `unit_rows` of the tower's shape); `costs`: the unit times of earlier encodes
+        (default none)."""
         shape = weights.shape
         self.weights, self.pixels = weights, pixel_values
         self.patches = (shape.image_size // shape.patch) ** 2
         self.rows = rows or unit_rows(self.patches, shape.hidden, shape.intermediate)
+        self.costs = costs or UnitCosts()
         self.units_done = 0
         self.seconds = 0.0
         """Wall time spent in its units so far (the vision tower's time, however it was spread over steps)."""
-        self.longest = 0.0
-        """The longest unit's wall time so far (`run` starts no unit that would end past its budget by it)."""
         self.features: torch.Tensor | None = None
         self._units = self._plan()
+        self.next: tuple[str, float] | None = next(self._units)
+        """The next unit's (kind, multiply-adds); None once done."""
         self.total_units = self._count()
 
     @property
@@ -77,49 +108,56 @@ class VisionEncode:
         """Run the next unit; True once the encode is done."""
         if self.done:
             return True
+        kind, macs = self.next
         started = time.perf_counter()
         with torch.inference_mode():
-            next(self._units, None)
+            self.next = next(self._units, None)
         self.units_done += 1
         took = time.perf_counter() - started
         self.seconds += took
-        self.longest = max(self.longest, took)
+        self.costs.add(kind, macs, took)
         return self.done
 
     def run(self, seconds: float) -> bool:
-        """Units while the next one, as long as the longest so far, still ends within `seconds` (at least one unit);
+        """Units while the next one, as long as `costs` expects, still ends within `seconds` (at least one unit);
         True once the encode is done. Starting a unit just before the deadline would overrun it by up to a unit:
         beside text streams of a fast model that overrun took their ITL p99 from 2x to 2.8x at 4B."""
         deadline = time.perf_counter() + seconds
-        while not self.advance() and time.perf_counter() + self.longest <= deadline:
+        while not self.advance() and time.perf_counter() + self.costs.estimate(*self.next) <= deadline:
             pass
         return self.done
 
-    def _plan(self) -> Iterator[None]:
+    def _plan(self) -> Iterator[tuple[str, float]]:
+        """The units in order; each yields its (kind, multiply-adds) before it runs."""
+        crops, shape = self.pixels.shape[0], self.weights.shape
+        yield "embed", crops * self.patches * 3 * shape.patch**2 * shape.hidden
         hidden = embed(self.weights, self.pixels).contiguous()
-        yield
         for layer in self.weights.layers:
             yield from self._layer(layer, hidden)
+        yield "finish", crops * shape.tokens_per_image * shape.hidden * self.weights.projection.shape[-1]
         features = finish(self.weights, hidden)
         self.features = features.reshape(-1, features.shape[-1])
         self.pixels = None
 
-    def _layer(self, layer: VisionLayer, hidden: torch.Tensor) -> Iterator[None]:
+    def _layer(self, layer: VisionLayer, hidden: torch.Tensor) -> Iterator[tuple[str, float]]:
         """One encoder layer, in place on `hidden` [crops, patches, width]: `qkv` of a slice of rows (every row
         of every crop), then `mix` of a slice of one crop's query rows over that crop's keys (row-wise after the
-        attention, so it needs no other row)."""
+        attention, so it needs no other row). A crop's first `mix` after the `qkv` units is its own kind for the
+        costs: traced beside a 4B's text stream it took 2-2.5x the layer's other `mix` units (1.06 s against 0.42 s,
+        loaded machine), an overrun of most of a budget each layer under the plain `mix` estimate."""
         w = self.weights
         crops, patches, width = hidden.shape
         flat = hidden.view(-1, width)
         q, k, v = (torch.empty_like(hidden) for _ in range(3))
         for lo in range(0, flat.shape[0], self.rows):
+            yield "qkv", min(self.rows, flat.shape[0] - lo) * 3 * width * width
             for out, rows in zip((q, k, v), qkv(w, layer, flat[lo : lo + self.rows])):
                 out.view(-1, width)[lo : lo + self.rows] = rows
-            yield
         q, k, v = (heads(w, t) for t in (q, k, v))
         for crop in range(crops):
             keys, values = k[crop : crop + 1], v[crop : crop + 1]
             for lo in range(0, patches, self.rows):
+                macs = min(self.rows, patches - lo) * (2 * patches * width + width * width + 2 * width * w.shape.intermediate)
+                yield "mix" if lo else "first mix", macs  # a crop's first after the qkv units: 2-2.5x the others
                 rows = hidden[crop : crop + 1, lo : lo + self.rows]
                 rows.copy_(mix(w, layer, rows, q[crop : crop + 1, :, lo : lo + self.rows], keys, values))
-                yield
