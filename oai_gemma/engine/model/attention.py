@@ -157,9 +157,8 @@ def _native_decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float)
     no gather, no flash kernel's dispatch: a 1B decode step ran 26 of each), or None where it does not apply (not a
     CPU float32 cache, no compiler, a compiled graph): torch's gather and scaled_dot_product_attention then."""
     k, v = cache.k[li], cache.v[li]
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32 or q.shape[-1] % 8
-            or not (k.is_contiguous() and v.is_contiguous()) or rows.mask.dtype != torch.bool
-            or torch.compiler.is_compiling()):
+    if (not native.runs_on(q) or k.dtype != torch.float32 or q.shape[-1] % 8
+            or not (k.is_contiguous() and v.is_contiguous()) or rows.mask.dtype != torch.bool):
         return None
     kernel = native.decode_attention()
     if kernel is None:

@@ -87,9 +87,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def _layer_kernels(x: torch.Tensor):
     """The native layer steps (engine/ops/native/layer.c) where they apply to `x`: a CPU float32 tensor outside a
     compiled graph (which fuses the ops itself); else None (torch's ops)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
-        return None
-    return native.layer_kernels()
+    return native.layer_kernels() if native.runs_on(x) else None
 
 
 def _rows_fit(t: torch.Tensor, width: int) -> bool:

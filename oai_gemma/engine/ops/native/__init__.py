@@ -184,24 +184,34 @@ def woq_int8_linear(even_k: bool = False):
     return library.woq_int8_linear_avx512 if even_k and cpu_has_avx512() else library.woq_int8_linear
 
 
+def _optional(family: str, name: str | None = None):
+    """Family `family`'s compiled library (or its function `name`), or None where it cannot run here: for kernels
+    whose callers keep torch's ops without them."""
+    try:
+        library = _library(family)
+    except NativeKernelUnavailable:
+        return None
+    return library if name is None else getattr(library, name)
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether the float32 native steps (layer.c, attention.c) apply to `x`: a CPU float32 tensor outside a compiled
+    graph (which fuses the ops itself)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
 @functools.cache
 def rms_norm_rows():
     """The compiled `rms_norm_rows(x, rows, D, scale, eps, y, bf16)` (Gemma-3's RMSNorm in one call), or None where
     the kernel cannot run here (the caller keeps torch's ops)."""
-    try:
-        return _library("woq_int8").rms_norm_rows
-    except NativeKernelUnavailable:
-        return None
+    return _optional("woq_int8", "rms_norm_rows")
 
 
 @functools.cache
 def layer_kernels() -> ctypes.CDLL | None:
     """The compiled layer steps (layer.c: `qk_norm_rope`, `residual_norm`, float32), or None where they cannot run
     here (the caller keeps torch's ops)."""
-    try:
-        return _library("layer")
-    except NativeKernelUnavailable:
-        return None
+    return _optional("layer")
 
 
 @functools.cache
@@ -209,10 +219,7 @@ def decode_attention():
     """The compiled `decode_attention(q, rows, heads, kv_heads, D, k, v, block_size, tables, table_rows, count, mask,
     scaling, out)` (attention.c: decode rows over their KV blocks in place, float32), or None where it cannot run
     here (the caller keeps torch's gather and scaled_dot_product_attention)."""
-    try:
-        return _library("attention").decode_attention
-    except NativeKernelUnavailable:
-        return None
+    return _optional("attention", "decode_attention")
 
 
 @functools.cache
