@@ -149,6 +149,27 @@ def report(times: list[float], clock: Clock, title: str, floor_ms: float) -> Non
     print(f"| other | {(total - counted) / steps * 1e3:.2f} | {(total - counted) / total:.1%} | |\n")
 
 
+def load_runner(model_dir: str, quantization: str, rows: int):
+    """The model (`model_dir`, else the embedded one) in float32 at `quantization`, as a runner for `rows` rows, and
+    its engine configuration."""
+    model = ModelSettings(dtype="float32", quantization=quantization, max_model_len=2048)
+    settings = Settings(model=model if not model_dir else ModelSettings(
+        source=os.path.expanduser(model_dir), dtype="float32", quantization=quantization, max_model_len=2048),
+        engine=EngineSettings(max_num_seqs=max(8, rows)))
+    loaded = load(settings.model)
+    config = configure(settings, loaded)
+    weights = load_weights(loaded, config.model)
+    return ModelRunner(weights, config, loaded.model, measure_invariance(weights, config)[0]), config
+
+
+def step_inputs(runner: ModelRunner, rows: int, context: int) -> tuple[list, list]:
+    """`rows` decode rows at context ~`context`, and their greedy sampling."""
+    length = -(-(context + rows + 1) // runner.cache.block_size) * runner.cache.block_size
+    decodes = [StepItem(runner.sequence_blocks(r, length), [1234], context + r) for r in range(rows)]
+    sampled = [PlainRow(SamplingParams(max_tokens=32, temperature=0.0), RowRandom(0)) for _ in range(rows)]
+    return decodes, sampled
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default="")
@@ -162,14 +183,7 @@ def main() -> None:
     parser.add_argument("--native-ab", action="store_true",
                         help="whole steps alternating the native decode attention and gelu with torch's (no per-part timing)")
     args = parser.parse_args()
-    model = ModelSettings(dtype="float32", quantization=args.quantization, max_model_len=2048)
-    settings = Settings(model=model if not args.model_dir else ModelSettings(
-        source=os.path.expanduser(args.model_dir), dtype="float32", quantization=args.quantization, max_model_len=2048),
-        engine=EngineSettings(max_num_seqs=max(8, args.rows)))
-    loaded = load(settings.model)
-    config = configure(settings, loaded)
-    weights = load_weights(loaded, config.model)
-    runner = ModelRunner(weights, config, loaded.model, measure_invariance(weights, config)[0])
+    runner, config = load_runner(args.model_dir, args.quantization, args.rows)
     clock = Clock(time.thread_time if args.cpu_time else time.perf_counter)
     if args.native_ab:
         for threads in (int(t) for t in args.threads.split(",")):

@@ -86,6 +86,34 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int x_bf16, activ
     }
 }
 
+#ifndef SCHEDULE
+#define SCHEDULE static
+#endif
+#ifdef TIMING /* the benchmark's build (benchmarks/gemv_ab.py): where a call's time goes, thread by thread */
+#include <omp.h>
+#include <time.h>
+static double timing[3], marks[8];
+static double now(clockid_t clock) { struct timespec t; clock_gettime(clock, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+#define TIMING_START const double cpu_ = now(CLOCK_THREAD_CPUTIME_ID), wall_ = now(CLOCK_MONOTONIC); \
+                     if (omp_get_thread_num() < 2) marks[2 + 2 * omp_get_thread_num()] = wall_;
+#define TIMING_END { const double w1_ = now(CLOCK_MONOTONIC), c_ = now(CLOCK_THREAD_CPUTIME_ID) - cpu_, w_ = w1_ - wall_; \
+                     if (omp_get_thread_num() < 2) marks[3 + 2 * omp_get_thread_num()] = w1_; \
+                     _Pragma("omp atomic") timing[0] += c_; _Pragma("omp atomic") timing[1] += w_; }
+#define CALL_START const double call_ = now(CLOCK_MONOTONIC); marks[0] = call_; marks[2] = marks[3] = marks[4] = marks[5] = 0;
+#define REGION_START marks[1] = now(CLOCK_MONOTONIC);
+#define CALL_END { const double end_ = now(CLOCK_MONOTONIC); timing[2] += end_ - call_; marks[6] = end_; }
+/* [tile CPU seconds, tile wall seconds, call wall seconds] since the last read, then zeroed */
+void int_dot_timing(double *out) { for (int i = 0; i < 3; i++) { out[i] = timing[i]; timing[i] = 0; } }
+/* the last call's marks: its start, the parallel region's, threads 0 and 1's entry to and exit from the tiles, its end */
+void int_dot_marks(double *out) { for (int i = 0; i < 7; i++) out[i] = marks[i]; }
+#else
+#define TIMING_START
+#define TIMING_END
+#define CALL_START
+#define REGION_START
+#define CALL_END
+#endif
+
 #define MAX_ROWS 4
 #define MAX_GROUPS 4
 #define Q4_BYTES 160 /* a q4 block of 8 outputs x 32 inputs: 128 bytes of levels, 8 float16 scales, 8 float16 mins */
@@ -93,11 +121,17 @@ static void quantize_rows(const void *x, int64_t M, int64_t K, int x_bf16, activ
 #ifndef PREFETCH
 #define PREFETCH 1024
 #endif
+#ifndef INTERLEAVE
+#define INTERLEAVE 0
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
 /* Software prefetch PREFETCH bytes ahead of a stream (0: none), the `bytes` a block of it reads: one line per 64. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const void *at, int bytes)
 {
     if (PREFETCH == 0) return;
-    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)at + PREFETCH + i, _MM_HINT_T0);
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)at + PREFETCH + i, PREFETCH_HINT);
 }
 
 /* ---- q8: int8 weights per output channel --------------------------------------------------------------------- */
@@ -196,20 +230,23 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
     const int block_bytes = five ? Q5_BYTES : Q4_BYTES, scales_at = five ? 160 : 128;
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *group[MAX_GROUPS];
-    for (int g = 0; g < groups; g++) group[g] = w + g * blocks * block_bytes;
+    /* INTERLEAVE (an experiment: benchmarks/gemv_ab.py lays the weight out for a `-DINTERLEAVE=1` build): a tile's
+       four groups block by block, one sequential stream */
+    const int64_t stride = INTERLEAVE ? MAX_GROUPS * block_bytes : block_bytes;
+    for (int g = 0; g < groups; g++) group[g] = w + g * (INTERLEAVE ? block_bytes : blocks * block_bytes);
     __m256 acc[MAX_ROWS][MAX_GROUPS];
     for (int m = 0; m < rows; m++)
         for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m256i sums[MAX_ROWS][MAX_GROUPS], sums32[MAX_ROWS][MAX_GROUPS];
         for (int g = 0; g < groups; g++) {
-            prefetch_ahead(group[g] + b * block_bytes, block_bytes);
+            prefetch_ahead(group[g] + b * stride, block_bytes);
             for (int m = 0; m < rows; m++) sums[m][g] = _mm256_setzero_si256();
         }
         #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             __m256i lo[MAX_GROUPS], hi[MAX_GROUPS];
-            for (int g = 0; g < groups; g++) levels_row(group[g] + b * block_bytes, r, five, &lo[g], &hi[g]);
+            for (int g = 0; g < groups; g++) levels_row(group[g] + b * stride, r, five, &lo[g], &hi[g]);
             for (int m = 0; m < rows; m++) {
                 int32_t q0, q1;
                 memcpy(&q0, a->q + (m0 + m) * K + b * BLOCK + r * 8, sizeof q0);
@@ -230,7 +267,7 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
                 const __m256i dot = _mm256_madd_epi16(sums[m][g], ones);
                 sums[m][g] = five ? _mm256_add_epi32(dot, sums32[m][g]) : dot;
             }
-        scale_block(rows, groups, a, m0, blocks, b, group, b * block_bytes + scales_at, sums, acc);
+        scale_block(rows, groups, a, m0, blocks, b, group, b * stride + scales_at, sums, acc);
     }
     for (int g = 0; g < groups; g++)
         for (int m = 0; m < rows; m++) store8(y, y0 + m * N + g * 8, acc[m][g], y_bf16);
@@ -260,6 +297,7 @@ static void tile_of(int q4, int r, int g, const activations *a, int64_t m0, int6
 static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M, int64_t K, const void *w,
                 const void *scale, int64_t N, void *y, int x_bf16, int y_bf16)
 {
+    CALL_START
     activations a;
     const int64_t blocks = K / BLOCK;
     a.q = malloc(M * K);
@@ -268,7 +306,16 @@ static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M
     a.sum = malloc(M * blocks * sizeof(int32_t));
     quantize_rows(x, M, K, x_bf16, &a);
     const int64_t groups = N / 8, tiles = (groups + tile_groups - 1) / tile_groups;
-    #pragma omp parallel for schedule(static)
+    REGION_START
+    #pragma omp parallel
+    {
+    TIMING_START
+#ifdef CHUNKS
+    const int64_t chunk = tiles / CHUNKS > 1 ? tiles / CHUNKS : 1;
+    #pragma omp for schedule(dynamic, chunk) nowait
+#else
+    #pragma omp for schedule(SCHEDULE) nowait
+#endif
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g0 = t * tile_groups;
         const int g = groups - g0 < tile_groups ? (int)(groups - g0) : tile_groups;
@@ -280,10 +327,13 @@ static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M
             tile_of(q4, r, g, &a, m0, K, wt, st, y, m0 * N + g0 * 8, N, y_bf16);
         }
     }
+    TIMING_END
+    }
     free(a.q);
     free(a.magnitude);
     free(a.scale);
     free(a.sum);
+    CALL_END
 }
 
 /* x [M, K] float32 (bf16 if x_bf16), w [N/8, K/4, 8, 4] int8, scale [N] float32 -> y [M, N] float32 (bf16 if

@@ -1,0 +1,88 @@
+"""int_dot.c's compile-time variants (benchmarks/gemv_ab.py builds them for its in-process A/B): a schedule of the
+tiles across threads (`SCHEDULE`, `CHUNKS`), the software prefetch distance (`PREFETCH`) and the timing build
+(`TIMING`) each give every output the shipped build's bits, at one row and several, on two threads; the timing build
+reports where a call's time went."""
+
+import ctypes
+import subprocess
+
+import pytest
+import torch
+
+from oai_gemma.engine.ops import native
+from oai_gemma.engine.ops.int_dot import DOT_TILES, Q4Linear, Q5Linear, Q8Linear
+from oai_gemma.engine.ops.native import sources
+
+pytestmark = pytest.mark.skipif(native.int_dot_unavailable() is not None or sources.compiler() is None,
+                                reason="the integer dot-product kernels cannot be built here")
+
+VARIANTS = ["-DCHUNKS=4 -DTIMING", "-DSCHEDULE=guided -DPREFETCH=0 -DPREFETCH_HINT=_MM_HINT_T1", "-DINTERLEAVE=1"]
+"""Three builds (each compile is seconds): the variants' defines combined."""
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("int_dot_builds")
+    source = sources.FAMILIES["int_dot"][0]
+    libraries = {}
+    for i, flag in enumerate(VARIANTS):
+        target = directory / f"variant{i}.so"
+        subprocess.run([sources.compiler(), *sources.flags("int_dot"), *flag.split(), str(source), "-o", str(target)],
+                       check=True)
+        libraries[flag] = ctypes.CDLL(str(target))
+    return libraries
+
+
+def run(library, linear, x: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    packed = linear.packed if packed is None else packed
+    y = torch.empty(x.shape[0], linear.out_features)
+    scale = linear.scale if linear.KIND == "q8" else packed
+    tile_rows, tile_groups = DOT_TILES[linear.KIND][x.shape[0] > 1]
+    getattr(library, f"{linear.KIND}_dot_linear")(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]),
+        ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(scale.data_ptr()), ctypes.c_int64(linear.out_features),
+        ctypes.c_void_p(y.data_ptr()), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(tile_rows), ctypes.c_int(tile_groups))
+    return y
+
+
+@pytest.mark.parametrize("cls", [Q8Linear, Q4Linear, Q5Linear])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_every_variant_gives_the_shipped_kernels_bits(builds, cls, rows):
+    generator = torch.Generator().manual_seed(3)
+    linear = cls(torch.randn(8 * 53, 96, generator=generator) * 0.05)  # 53 groups: tiles of 4 leave one over
+    x = torch.randn(rows, 96, generator=generator)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        shipped = linear.rowwise(x)
+        for flag, library in builds.items():
+            if flag != "-DINTERLEAVE=1":
+                assert torch.equal(run(library, linear, x), shipped), flag
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_timing_build_reports_a_calls_time(builds):
+    library = builds["-DCHUNKS=4 -DTIMING"]
+    linear = Q4Linear(torch.randn(8 * 64, 256, generator=torch.Generator().manual_seed(4)) * 0.05)
+    timing = (ctypes.c_double * 3)()
+    library.int_dot_timing(timing)  # zeroed
+    run(library, linear, torch.randn(1, 256))
+    library.int_dot_timing(timing)
+    tile_cpu, tile_wall, call_wall = timing
+    assert 0 < tile_wall and 0 < call_wall and 0 <= tile_cpu
+    marks = (ctypes.c_double * 7)()
+    library.int_dot_marks(marks)
+    start, region, enter0, exit0, _, _, end = marks
+    assert start <= region <= enter0 <= exit0 <= end
+
+
+@pytest.mark.parametrize("cls", [Q4Linear, Q5Linear])
+def test_the_interleaved_experiment_reads_its_own_layout_to_the_same_bits(builds, cls):
+    """`-DINTERLEAVE=1`: a one-row tile's four groups block by block (benchmarks/gemv_ab.py lays them out)."""
+    generator = torch.Generator().manual_seed(5)
+    linear = cls(torch.randn(8 * 48, 96, generator=generator) * 0.05)
+    x = torch.randn(1, 96, generator=generator)
+    groups, blocks, nbytes = linear.packed.shape
+    relaid = linear.packed.view(groups // 4, 4, blocks, nbytes).permute(0, 2, 1, 3).contiguous()
+    assert torch.equal(run(builds["-DINTERLEAVE=1"], linear, x, relaid), linear.rowwise(x))
