@@ -92,6 +92,11 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True):
     """How long each engine step runs an image's vision tower (encoded a slice at a time between steps, so running
     streams keep streaming). 0: the shorter of the running sequences' last step and the median of their last 8
     (their inter-token time at most about doubles while an image encodes), 250 ms when nothing else runs."""
+    image_prefill_units: bool = False
+    """An image's prefill chunk (its block is never split: its tokens attend to each other both ways) runs as units
+    between steps under the same budget as its encode, so running streams keep streaming (engine/prefilling.py);
+    false (the default until it is measured at 4B: docs/benchmarks.md): in one step (~10 s at 4B on 2 cores, every
+    stream waiting)."""
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
     """Completion cap when a request sets neither max_tokens nor max_completion_tokens."""
     max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 256

@@ -6,7 +6,10 @@ Reports, per server:
               /health the vision tower's time (`vision_seconds`, summed over the steps it spanned) and so the
               prefill's share (TTFT - vision time: queueing and preprocessing included)
   itl         a text stream's inter-token times alone, then with the image request sent once it has 5 tokens:
-              the ITLs that fell between the image's arrival and its first token (p50, p99, their ratio to alone)
+              the ITLs that fell between the image's arrival and its first token (p50, p99, their ratio to alone);
+              on ours, split at the encode's end (/health's `vision_encodes`, polled every 20 ms) into those
+              during the encode and those during the image's prefill (each p99 and longest), and whether the
+              stream outlasted the image's first token (else the prefill's gaps were not seen: raise --max-tokens)
 """
 
 from __future__ import annotations
@@ -90,25 +93,54 @@ async def one_image(client: httpx.AsyncClient, base_url: str, model: str, varian
             "prompt_tokens": usage.get("prompt_tokens"), "e2e_s": round(time.monotonic() - sent, 3)}
 
 
-async def itl_during_image(client: httpx.AsyncClient, model: str, max_tokens: int) -> dict:
+async def _encoded_at(base_url: str, stop: asyncio.Event) -> float | None:
+    """When /health's `vision_encodes` went up (polled every 20 ms until `stop`); None: not ours, or never."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/health"
+    async with httpx.AsyncClient(timeout=10) as health:
+        try:
+            before = (await health.get(url)).json().get("vision_encodes")
+            while before is not None and not stop.is_set():
+                if (await health.get(url)).json().get("vision_encodes", before) > before:
+                    return time.monotonic()
+                await asyncio.sleep(0.02)
+        except (httpx.HTTPError, ValueError):
+            pass
+    return None
+
+
+def _phase(gaps: list[float], alone_p99: float | None, name: str) -> dict:
+    p99 = _pct(gaps, 0.99)
+    return {f"{name}_p99_ms": p99, f"{name}_max_ms": _pct(gaps, 1.0), f"{name}_tokens": len(gaps),
+            f"{name}_p99_ratio": round(p99 / alone_p99, 2) if p99 and alone_p99 else None}
+
+
+async def itl_during_image(client: httpx.AsyncClient, model: str, max_tokens: int, base_url: str = "") -> dict:
     alone: list[float] = []
     await _stream(client, _text_body(model, max_tokens), alone)
     times: list[float] = []
     text = asyncio.create_task(_stream(client, _text_body(model, max_tokens), times))
     while len(times) < 5 and not text.done():
         await asyncio.sleep(0.005)
-    sent = time.monotonic()
+    sent, stop = time.monotonic(), asyncio.Event()
+    encoded = asyncio.create_task(_encoded_at(base_url, stop)) if base_url else None
     image_times: list[float] = []
     await _stream(client, _image_body(model, 4, variant=2), image_times)
+    stop.set()
+    end = await encoded if encoded else None
     await text
     first = image_times[0] if image_times else time.monotonic()
     gaps_alone = [b - a for a, b in zip(alone, alone[1:])]
     during = [b - a for a, b in zip(times, times[1:]) if b > sent and a < first]
     p99_alone, p99_during = _pct(gaps_alone, 0.99), _pct(during, 0.99)
-    return {"alone_p50_ms": _pct(gaps_alone, 0.5), "alone_p99_ms": p99_alone, "during_p50_ms": _pct(during, 0.5),
-            "during_p99_ms": p99_during, "during_tokens": len(during),
-            "p99_ratio": round(p99_during / p99_alone, 2) if p99_alone and p99_during else None,
-            "image_ttft_s": round(first - sent, 3)}
+    result = {"alone_p50_ms": _pct(gaps_alone, 0.5), "alone_p99_ms": p99_alone, "during_p50_ms": _pct(during, 0.5),
+              "during_p99_ms": p99_during, "during_tokens": len(during),
+              "p99_ratio": round(p99_during / p99_alone, 2) if p99_alone and p99_during else None,
+              "image_ttft_s": round(first - sent, 3), "stream_outlasted_image": bool(times) and times[-1] > first}
+    if end is not None:  # a gap across the encode's end counts with the prefill (its first unit runs right after)
+        result.update(_phase([b - a for a, b in zip(times, times[1:]) if b > sent and b <= end], p99_alone, "encode"))
+        result.update(_phase([b - a for a, b in zip(times, times[1:]) if b > end and a < first], p99_alone, "prefill"))
+        result["encode_s"] = round(end - sent, 3)
+    return result
 
 
 async def run_image(base_url: str, model: str, max_tokens: int, timeout: float) -> dict:
@@ -116,12 +148,20 @@ async def run_image(base_url: str, model: str, max_tokens: int, timeout: float) 
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
         await one_image(client, base_url, model, variant=0)  # warm-up: the first image pays for one-off work
         return {"one_image": await one_image(client, base_url, model, variant=1),  # each image its own: no cache hit
-                "itl": await itl_during_image(client, model, max_tokens)}
+                "itl": await itl_during_image(client, model, max_tokens, base_url)}
 
 
 def report(name: str, result: dict) -> str:
     one, itl = result["one_image"], result["itl"]
     return (f"[{name}] one 896x896 image: TTFT {one['ttft_s']} s (vision tower {one['vision_s']} s, prefill "
             f"{one['prefill_s']} s, {one['prompt_tokens']} prompt tokens); text ITL p50/p99 alone "
-            f"{itl['alone_p50_ms']}/{itl['alone_p99_ms']} ms, during the image's encode {itl['during_p50_ms']}/"
-            f"{itl['during_p99_ms']} ms over {itl['during_tokens']} tokens (p99 x{itl['p99_ratio']})")
+            f"{itl['alone_p50_ms']}/{itl['alone_p99_ms']} ms, during the image (encode and prefill) {itl['during_p50_ms']}/"
+            f"{itl['during_p99_ms']} ms over {itl['during_tokens']} tokens (p99 x{itl['p99_ratio']})" + _phases(itl))
+
+
+def _phases(itl: dict) -> str:
+    if "encode_s" not in itl:
+        return ""
+    text = "".join(f"; during its {name} p99 {itl[name + '_p99_ms']} ms (x{itl[name + '_p99_ratio']}), longest "
+                   f"{itl[name + '_max_ms']} ms over {itl[name + '_tokens']} tokens" for name in ("encode", "prefill"))
+    return text + ("" if itl["stream_outlasted_image"] else "; the stream ended before the image's first token")

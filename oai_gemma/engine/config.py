@@ -147,6 +147,8 @@ class SchedulerConfig:
     """Requests that may wait beyond the batch rows before admission refuses (the facade's capacity)."""
     vision_step_seconds: float = 0.0
     """An image encode's time budget per engine step (engine/encoding.py); 0: auto."""
+    image_prefill_units: bool = False
+    """An image's prefill chunk as units between steps, under the encode's budget (engine/prefilling.py)."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,8 @@ def resolve(settings: Settings, machine: Machine) -> EngineConfig:
         cache=CacheConfig(kv_blocks=kv_blocks(machine, engine.max_num_seqs, model.max_model_len, engine.kv_cache_gib),
                           prefix_caching=engine.prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=engine.max_num_seqs, max_prefill_tokens=engine.max_prefill_tokens,
-                                  max_waiting=engine.max_waiting, vision_step_seconds=engine.vision_step_ms / 1e3),
+                                  max_waiting=engine.max_waiting, vision_step_seconds=engine.vision_step_ms / 1e3,
+                                  image_prefill_units=engine.image_prefill_units),
         speculative=SpeculativeConfig(
             method="off" if engine.speculative == "off" or (engine.speculative == "auto" and static) else "ngram",
             k=engine.speculative_k, budget=engine.speculative_budget, ngram_max=engine.speculative_ngram_max,

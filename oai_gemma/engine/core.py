@@ -25,11 +25,13 @@ from .cache.block_pool import BlockPool
 from .cache.memory import release_free_memory
 from .config import ConfigError, EngineConfig
 from .encoding import Encoding, token_runs
+from .prefilling import ApartPrefills
+from .sampling.prompt_scores import prompt_logprobs
 from .lora.adapter import AdapterError
 from .lora.registry import LoraRegistry, Registration, start_registry
 from .sampling.postprocess import Events, Limits, last_events, postprocess
 from .model.runner import ModelRunner
-from .sampling.sampler import RowRandom, sample_with_logprobs, token_logprobs
+from .sampling.sampler import RowRandom, sample_with_logprobs
 from .scheduler import Scheduler
 from .speculative.planner import Speculator
 from .speculative.verify import accept, sampler_rows
@@ -69,6 +71,7 @@ class EngineCore:
         self.encoding = Encoding(self.runner.gemma.vision, self.runner.device, self.runner.dtype,
                                  config.scheduler.vision_step_seconds)
         """Requests whose images are being encoded, a slice a step (engine/encoding.py)."""
+        self.apart = ApartPrefills(self.runner, config.scheduler.image_prefill_units, self.encoding.worked)  # as units
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -287,21 +290,42 @@ class EngineCore:
             seq.cache_keys[start:end] = [-1 - key % 2**62] * (end - start)
 
     def _step(self) -> bool:
-        """A slice of an image encode and one step of the running and startable sequences; False when neither ran."""
-        if encoded := bool(self.encoding):
-            self._encode()
-            if not self.scheduler.has_work():
-                return True
+        """A slice of an image's prefill or encode, and one step of the running and startable sequences; False when
+        none ran."""
+        sliced = self._slice()
+        if sliced and not self.scheduler.has_work():
+            return True
         started = time.perf_counter()
         step = self.scheduler.schedule(started)
         if not (step.prefills or step.decodes):  # what waits cannot start (its adapter is being read)
-            return encoded
+            return sliced or bool(self.apart)
         if self.adapters is not None:
             for seq, item in zip(step.prefill_owners + step.decode_owners, step.prefills + step.decodes):
                 item.adapter = seq.adapter  # the runner gathers each row's adapter by its slot
+        step = self.apart.take(step)  # an image's chunk runs apart, as units (engine/prefilling.py)
+        if step.prefills or step.decodes:
+            self._sample(step, lambda: self.runner.forward(step.prefills, step.decodes))
+            self.step_seconds += time.perf_counter() - started
+            self.encoding.stepped(time.perf_counter() - started)
+        return True
+
+    def _slice(self) -> bool:
+        """A slice of the oldest image prefill run apart, else of the oldest image encode; False when neither."""
+        if self.apart:
+            done = self.apart.run(self.encoding.budget(busy=any(not seq.apart for seq in self.scheduler.running)))
+            if done is not None:  # its logits (or what its units raised) sampled as a step of its own
+                self._sample(*done)
+            return True
+        if self.encoding:
+            self._encode()
+            return True
+        return False
+
+    def _sample(self, step: Step, forward) -> None:
+        """Sample the step's rows from `forward()`'s logits, then advance and deliver."""
         try:
-            logits = self.runner.forward(step.prefills, step.decodes)[:, : self.vocab_limit]
-            self._prompt_logprobs(step)
+            logits = forward()[:, : self.vocab_limit]
+            prompt_logprobs(step, self.runner.logits_of, self.vocab_limit, self.runner.row_buckets[-1])
             logits, sampled = self._fork(logits, step.sampled)
             rows = sampler_rows(sampled)  # a drafted sequence has a row per draft, and one more
             logits = self.grammar_masks.apply(logits, [row.matcher for row in rows])
@@ -316,34 +340,13 @@ class EngineCore:
             for seq in step.prefill_owners or step.decode_owners:
                 self._end(seq, "error", events, error=f"engine step failed: {exc}", cache_valid=False)
             self._deliver(events)
-            return True
+            return
         self.scheduler.advance(step)
         self.steps += 1
         events, finished = postprocess(self.limits, sampled, runs, time.perf_counter())
         for seq in finished:  # the core tells the scheduler: sampling/ does not know it
             self.scheduler.finish(seq)
         self._deliver(events)
-        self.step_seconds += time.perf_counter() - started
-        self.encoding.stepped(time.perf_counter() - started)
-        return True
-
-    def _prompt_logprobs(self, step: Step) -> None:
-        """Add each flagged prefill chunk's prompt logprobs to its sequence: the hidden state at position p
-        predicts prompt token p + 1 (the chunk's last position predicts the next chunk's first token, or,
-        on the last chunk, the first output token: that one is sampled, not reported here)."""
-        size = self.runner.row_buckets[-1]
-        for seq, item in zip(step.prefill_owners, step.prefills):
-            if item.hidden is None:
-                continue
-            if item.start == 0:
-                seq.prompt_logprobs = [None]  # the first token has nothing before it
-            targets = seq.prompt_ids[item.start + 1 : item.start + len(item.token_ids) + 1]
-            top = seq.sampling.prompt_logprobs
-            for lo in range(0, len(targets), size):  # a slice at a time: a chunk's full logits would be large
-                logits = self.runner.logits_of(item.hidden[lo : lo + size])[:, : self.vocab_limit]
-                part = targets[lo : lo + size]
-                seq.prompt_logprobs += token_logprobs(logits, part, [top] * len(part))
-            item.hidden = None
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Choices 1..n-1 of a request whose prompt just finished prefilling: they share its prompt's KV (a copy

@@ -208,7 +208,7 @@ class Scheduler:
                     seq.blocks += self.pool.allocate(missing)  # kept free for it since admission
                 decodes.append(StepItem(seq.blocks, tokens, seq.num_computed, num_logits=len(tokens)))
                 decode_seqs.append(seq)
-            elif budget > 0:
+            elif budget > 0 and not seq.apart:
                 start = seq.num_computed
                 end = _chunk_end(start, min(start + budget, len(seq.prompt_ids)), seq.image_spans)
                 chunk = seq.prompt_ids[start:end]

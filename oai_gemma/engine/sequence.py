@@ -86,6 +86,8 @@ class Sequence:
     prompt_logprobs: PromptLogprobs | None = None
     """The prompt's logprobs so far, chunk by chunk (when the request asks for them)."""
     scheduled_time: float | None = None
+    apart: bool = False
+    """Its image's prefill chunk runs as units between steps (engine/prefilling.py): the scheduler skips it."""
     finished: bool = False
     index: int = 0
     """Which choice of its request this sequence generates (n > 1)."""

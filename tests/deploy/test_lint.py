@@ -115,7 +115,7 @@ FLOORS = [
     {"ops", "sequence", "observer"},  # the kernels; a sequence as it runs; the metrics hook
     {"cache", "lora", "submission"},  # the KV blocks; the adapters; one admission's event stream
     {"model", "speculative"},  # the forward pass (it adds the adapters' updates); the drafts and their verifier
-    {"sampling", "encoding"},  # logits -> tokens -> events (Predicted Outputs' counts from speculative/); image encodes in slices
+    {"sampling", "encoding", "prefilling"},  # logits -> tokens -> events (Predicted Outputs' counts from speculative/); image encodes and an image's prefill in slices
     {"scheduler"},  # which sequences run next, over the cache's blocks and the adapters' slots
     {"core", "warmup"},  # the engine thread's step loop; every step shape once before ready
     {"engine"},  # the facade

@@ -11,7 +11,7 @@ from oai_gemma.settings import EngineSettings, LoraSettings, ModelSettings, Serv
 SERVED = [
     "device", "dtype", "quantization", "quantized_weights", "static_decode", "compile", "batch_invariant",
     "max_model_len", "image_tokens", "threads", "cache_dir", "native_dir", "kv_blocks", "prefix_caching",
-    "max_num_seqs", "max_prefill_tokens", "max_waiting", "vision_step_seconds", "speculative", "speculative_k",
+    "max_num_seqs", "max_prefill_tokens", "max_waiting", "vision_step_seconds", "image_prefill_units", "speculative", "speculative_k",
     "speculative_budget", "speculative_ngram_max", "speculative_ngram_min", "lora_modules", "max_loras",
     "max_lora_rank", "lora_runtime_loading", "request_timeout", "idle_timeout", "max_backlog",
 ]

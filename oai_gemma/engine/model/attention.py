@@ -95,13 +95,16 @@ def _block_ids(positions: torch.Tensor, spans) -> torch.Tensor:
 
 def prefill_attention(
     cache: KVCache, li: int, table: torch.Tensor, start: int, image_spans, q, scaling: float, invariant: bool = False,
+    end: int | None = None,
 ) -> torch.Tensor:
     """Attention of one chunk (positions start..start+n-1, its K/V already written) of the sequence whose blocks
     are `table` over its past and itself; image blocks attend to themselves both ways. `invariant`: keys from a
-    position on the grid, padded (engine/ops/invariance.py), so a row's result ignores the chunking."""
+    position on the grid, padded (engine/ops/invariance.py), so a row's result ignores the chunking. `end`: keys
+    through this position (a row slice of a chunk already written, engine/model/prefill_units.py); default the
+    chunk's own end."""
     n = q.shape[0]
-    end = start + n
-    qpos = torch.arange(start, end, device=q.device)
+    end = start + n if end is None else end
+    qpos = torch.arange(start, start + n, device=q.device)
     sliding = cache.sliding[li]
     first = max(0, start - cache.window + 1) if sliding else 0
     if invariant:  # positions before the window are masked below
