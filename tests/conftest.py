@@ -22,6 +22,15 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+if os.environ.get("PYTEST_XDIST_WORKER"):  # set by pytest-xdist before it loads this file
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+"""Under `-n N`, OpenMP's threads sleep at a barrier instead of spinning, in the worker's torch (set before torch
+loads) and in every server and subprocess it starts (`engine.cpu_wait`'s `passive`, as an operator's variable: kept):
+two workers, their servers and clients share two cores, and a spinning thread burns its time slice while the thread
+it waits for is off the CPU (loaded, a 32-token request to the default server: 12.9 -> 2.8 s of CPU). One process
+(`python -m pytest`; CI and the README run `-n 2`) keeps OpenMP's default: quiet, api/test_completions.py took 54.7 / 50.8 s wall with it and
+59.7 / 58.0 s passive (7% less CPU). What the tests check does not depend on it (the same kernels, the same bits);
+the wait policy's own tests (engine/test_cpu.py) run their processes without it. docs/testing.md."""
 
 MODEL = "gemma-3-270m"
 MAX_MODEL_LEN = 2048
