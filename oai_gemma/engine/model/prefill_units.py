@@ -11,13 +11,13 @@ batch-invariant mode the bits are the one-call step's (tests/engine/test_prefill
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 
 import torch
 
 from .attention import prefill_attention
 from .gemma3 import post_attention, pre_attention, signed_sin
-from .vision_encode import UnitCosts
+from .vision_encode import UnitCosts, Units
 from ..ops.invariance import RoleLinear, TiledLinear
 from ..ops.linear import call_linear
 from ..sequence import StepItem
@@ -26,20 +26,18 @@ MIX_ROWS = 64
 """Rows a `mix` unit runs (a 4B layer's 64 rows: ~60 ms quiet on 2 cores, less than a decode step)."""
 
 
-class PrefillUnits:
-    """One prefill `item` (a StepItem with image embeddings, its blocks already held) on `runner`, unit by unit.
-    `run(seconds)` works until the next unit would pass the budget (at least one unit a call); once `done`,
-    `logits` holds the item's logits rows (empty when it wants none)."""
+class PrefillUnits(Units):
+    """One prefill `item` (a StepItem with image embeddings, its blocks already held) on `runner`, unit by unit, as
+    `Units` (vision_encode.py); once `done`, `logits` holds the item's logits rows (empty when it wants none)."""
 
     def __init__(self, runner, item: StepItem, costs: UnitCosts | None = None, mix_rows: int = MIX_ROWS):
         """`costs`: the unit times of earlier chunks (vision_encode.py's `UnitCosts`: each kind's recent longest,
         `qkv`, `mix`, `logits`), default none."""
         self.runner, self.item, self.mix_rows = runner, item, mix_rows
-        self.costs = costs or UnitCosts()
-        self.units_done, self.seconds = 0, 0.0
         self.logits: torch.Tensor | None = None
         with torch.inference_mode():
             self._start()
+        super().__init__(costs)
 
     def _start(self) -> None:
         r, it = self.runner, self.item
@@ -59,12 +57,7 @@ class PrefillUnits:
         self.table = torch.tensor(it.blocks, dtype=torch.long, device=r.input_device)
         self.plan = [unit for li in range(len(r.weights)) for unit in
                      [(li, None)] + [(li, lo) for lo in range(0, n, self.mix_rows)]] + [(None, None)]
-        self.next = 0
         self.q = self.out = None
-
-    @property
-    def done(self) -> bool:
-        return self.next == len(self.plan)
 
     def _linear(self, rows: int):
         """The projections' call for `rows` prompt rows: as the runner's step runs a prompt's rows (by role in
@@ -88,23 +81,11 @@ class PrefillUnits:
         rows = min(self.mix_rows, self.rows - lo)
         return "mix", rows * (width * text.hidden + 3 * text.hidden * text.intermediate)
 
-    @torch.inference_mode()
-    def run(self, seconds: float) -> bool:
-        """Work for about `seconds` (at least one unit); True once the logits are ready."""
-        started, ran = time.perf_counter(), 0
-        while not self.done:
-            unit = self.plan[self.next]
-            kind, macs = self._kind(unit)
-            began = time.perf_counter()
-            if ran and began - started + self.costs.estimate(kind, macs) > seconds:
-                break
+    def _plan(self) -> Iterator[tuple[str, float]]:
+        """The units in order; each yields its (kind, multiply-adds) before it runs."""
+        for unit in self.plan:
+            yield self._kind(unit)
             self._unit(*unit)
-            self.costs.add(kind, macs, time.perf_counter() - began)
-            self.next += 1
-            self.units_done += 1
-            ran += 1
-        self.seconds += time.perf_counter() - started
-        return self.done
 
     def _unit(self, li: int | None, lo: int | None) -> None:
         r, it, n = self.runner, self.item, self.rows

@@ -72,40 +72,33 @@ def unit_rows(patches: int, width: int, intermediate: int) -> int:
     return min(rows, patches)
 
 
-class VisionEncode:
-    """One request's crops [crops, 3, H, W] through the tower and projector of `weights` (vision_weights.py).
+class Units:
+    """Work cut into units that run a few at a time between the engine's steps: the vision encode here, an image's
+    prefill chunk in prefill_units.py. A subclass's `_plan()` yields each unit's (kind, multiply-adds) and then runs
+    it; `costs` is what a unit of each kind is expected to take (kept across jobs by the engine).
 
     `advance()` runs the next unit; `run(seconds)` runs units while the next is expected to end within `seconds` (at
-    least one); `features` is the result ([crops * tokens per crop, text hidden], as `image_features`) once `done`."""
+    least one)."""
 
-    def __init__(self, weights: VisionWeights, pixel_values: torch.Tensor, rows: int = 0, costs: UnitCosts | None = None):
-        """`rows`: rows a unit (default `unit_rows` of the tower's shape); `costs`: the unit times of earlier encodes
-        (default none)."""
-        shape = weights.shape
-        self.weights, self.pixels = weights, pixel_values
-        self.patches = (shape.image_size // shape.patch) ** 2
-        self.rows = rows or unit_rows(self.patches, shape.hidden, shape.intermediate)
+    def __init__(self, costs: UnitCosts | None = None):
+        """Call last in a subclass's `__init__`: it starts `_plan()` up to its first unit's (kind, multiply-adds)."""
         self.costs = costs or UnitCosts()
         self.units_done = 0
         self.seconds = 0.0
-        """Wall time spent in its units so far (the vision tower's time, however it was spread over steps)."""
-        self.features: torch.Tensor | None = None
+        """Wall time spent in its units so far (however it was spread over steps)."""
         self._units = self._plan()
-        self.next: tuple[str, float] | None = next(self._units)
+        self.next: tuple[str, float] | None = next(self._units, None)
         """The next unit's (kind, multiply-adds); None once done."""
-        self.total_units = self._count()
 
     @property
     def done(self) -> bool:
-        return self.features is not None
+        return self.next is None
 
-    def _count(self) -> int:
-        crops = self.pixels.shape[0]
-        per_layer = -(-crops * self.patches // self.rows) + crops * -(-self.patches // self.rows)
-        return 2 + self.weights.shape.layers * per_layer
+    def _plan(self) -> Iterator[tuple[str, float]]:
+        raise NotImplementedError
 
     def advance(self) -> bool:
-        """Run the next unit; True once the encode is done."""
+        """Run the next unit; True once all are done."""
         if self.done:
             return True
         kind, macs = self.next
@@ -120,12 +113,34 @@ class VisionEncode:
 
     def run(self, seconds: float) -> bool:
         """Units while the next one, as long as `costs` expects, still ends within `seconds` (at least one unit);
-        True once the encode is done. Starting a unit just before the deadline would overrun it by up to a unit:
-        beside text streams of a fast model that overrun took their ITL p99 from 2x to 2.8x at 4B."""
+        True once all are done. Starting a unit just before the deadline would overrun it by up to a unit: beside
+        text streams of a fast model that overrun (of the vision encode's units) took their ITL p99 from 2x to 2.8x
+        at 4B."""
         deadline = time.perf_counter() + seconds
         while not self.advance() and time.perf_counter() + self.costs.estimate(*self.next) <= deadline:
             pass
         return self.done
+
+
+class VisionEncode(Units):
+    """One request's crops [crops, 3, H, W] through the tower and projector of `weights` (vision_weights.py), as
+    `Units`; `features` is the result ([crops * tokens per crop, text hidden], as `image_features`) once `done`."""
+
+    def __init__(self, weights: VisionWeights, pixel_values: torch.Tensor, rows: int = 0, costs: UnitCosts | None = None):
+        """`rows`: rows a unit (default `unit_rows` of the tower's shape); `costs`: the unit times of earlier encodes
+        (default none)."""
+        shape = weights.shape
+        self.weights, self.pixels = weights, pixel_values
+        self.patches = (shape.image_size // shape.patch) ** 2
+        self.rows = rows or unit_rows(self.patches, shape.hidden, shape.intermediate)
+        self.features: torch.Tensor | None = None
+        self.total_units = self._count()
+        super().__init__(costs)
+
+    def _count(self) -> int:
+        crops = self.pixels.shape[0]
+        per_layer = -(-crops * self.patches // self.rows) + crops * -(-self.patches // self.rows)
+        return 2 + self.weights.shape.layers * per_layer
 
     def _plan(self) -> Iterator[tuple[str, float]]:
         """The units in order; each yields its (kind, multiply-adds) before it runs."""
