@@ -161,8 +161,8 @@ def test_the_server_serves_under_each_setting(quantization, dtype, served, most_
         health = httpx.get(server.url + "/health").json()
         assert health["quantization"] == served and 0 < health["weight_bytes"] < most_mb * 2**20
         assert 0 < health["decode_bytes"] <= health["weight_bytes"], "what one row's step reads (the bench's floor)"
-        if served == "per-step":
-            assert health["decode_bytes"] < 0.4 * health["weight_bytes"], "one row reads the int8 layout only"
+        if served == "per-step":  # one copy of each weight (issue 37): one row's step reads all of it
+            assert health["decode_bytes"] > 0.95 * health["weight_bytes"], "per-step holds the int8 layout only"
         logged = re.search(r"resident memory: \d+ MB \(weights (\d+),.*weights quantized: ([\w-]+)", server.log_path.read_text())
         assert logged and logged[2] == served and int(logged[1]) == round(health["weight_bytes"] / 2**20), "start-up log"
         info = httpx.get(server.url + "/v1/server_info").json()  # what `auto` became, in the configuration served

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops.invariance import KEY_GRID, grouped_attention, pad_keys, round_up, span_groups, window_blocks
+from ..ops.invariance import KEY_GRID, decode_call, grouped_attention, pad_keys, round_up, span_groups, window_blocks
 from ..cache.kv_cache import KVCache
 from ..ops import native
 
@@ -131,18 +131,20 @@ def prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def decode_attention(cache: KVCache, li: int, groups: list[DecodeKeys], q, scaling: float) -> torch.Tensor:
+def decode_attention(cache: KVCache, li: int, groups: list[DecodeKeys], q, scaling: float,
+                     invariant: bool = False) -> torch.Tensor:
     """One new token for each of B sequences (K/V already written), batched: q [B, heads, D] over each row's
-    blocks; in groups (`decode_keys`), each one call."""
+    blocks; in groups (`decode_keys`), each one call. `invariant` (batch-invariant mode): each call of at least
+    `attention_rows` rows (engine/ops/invariance.py `decode_call`)."""
     if len(groups) == 1 and groups[0].rows is None:
-        return _decode(cache, li, groups[0], q, scaling)
+        return _decode(cache, li, groups[0], q, scaling, invariant)
     out = torch.empty_like(q)
     for keys in groups:
-        out[keys.rows] = _decode(cache, li, keys, q[keys.rows], scaling)
+        out[keys.rows] = _decode(cache, li, keys, q[keys.rows], scaling, invariant)
     return out
 
 
-def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> torch.Tensor:
+def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float, invariant: bool) -> torch.Tensor:
     native_out = _native_decode(cache, li, rows, q, scaling)
     if native_out is not None:
         return native_out
@@ -150,8 +152,7 @@ def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float) -> tor
     keys, values = (t.expand(bsz, -1, -1, -1) for t in cache.blocks(li, rows.tables))  # [B, kv_heads, span, D]
     kv_heads = keys.shape[1]
     # group the query heads by their kv head: [B, kv_heads, group, D] attends [B, kv_heads, span, D]
-    qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=rows.mask[:, None, None, :], scale=scaling)
+    out = decode_call(q.view(bsz, kv_heads, heads // kv_heads, head_dim), keys, values, rows.mask, scaling, invariant)
     return out.reshape(bsz, heads, head_dim)
 
 

@@ -305,7 +305,7 @@ class ModelRunner:
             offset += len(it.token_ids)
         if batch.decodes:
             sl = slice(offset, k.shape[0] - batch.pad)
-            outs.append(decode_attention(self.cache, li, decode[self.cache.sliding[li]], q[sl], self.scaling))
+            outs.append(decode_attention(self.cache, li, decode[self.cache.sliding[li]], q[sl], self.scaling, self.batch_invariant))
         if batch.pad:
             outs.append(q.new_zeros(batch.pad, self.num_heads, self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
