@@ -96,7 +96,7 @@ VNNI = [extra for needed, extra in sources.ISA_FLAGS["int_dot"] if needed <= sou
 @pytest.fixture(scope="module")
 def isa_builds(tmp_path_factory):
     """The AVX2 build (the family's flags without sources.ISA_FLAGS) and each VNNI build this CPU can run."""
-    directory, avx2 = tmp_path_factory.mktemp("int_dot_isa"), sources.FLAGS + sources.FAMILY_FLAGS["int_dot"]
+    directory, avx2 = tmp_path_factory.mktemp("int_dot_isa"), sources.flags("int_dot", isa=False)
     return compile_with(directory, "avx2", avx2), [compile_with(directory, f"vnni{i}", avx2 + extra) for i, extra in enumerate(VNNI)]
 
 
@@ -124,7 +124,7 @@ def test_the_vnni_builds_give_the_avx2_builds_bits(isa_builds, cls, dtype):
 def test_the_avx2_stand_in_builds_without_vnni(monkeypatch):
     """`ATEN_CPU_CAPABILITY=avx2` builds (and names) what an AVX2-only CPU has."""
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert sources.flags("int_dot") == sources.FLAGS + sources.FAMILY_FLAGS["int_dot"]
+    assert sources.flags("int_dot") == sources.flags("int_dot", isa=False)
     avx2 = sources.library_name("int_dot")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     assert (sources.library_name("int_dot") != avx2) == bool(VNNI)

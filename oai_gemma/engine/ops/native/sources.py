@@ -50,8 +50,9 @@ def library_name(family: str) -> str:
     return f"{family}-{digest.hexdigest()[:16]}.so"
 
 
-def flags(family: str) -> tuple[str, ...]:
-    return FLAGS + FAMILY_FLAGS.get(family, ()) + isa_flags(family)
+def flags(family: str, isa: bool = True) -> tuple[str, ...]:
+    """The family's compiler flags (`isa=False`: without ISA_FLAGS, the AVX2 build)."""
+    return FLAGS + FAMILY_FLAGS.get(family, ()) + (isa_flags(family) if isa else ())
 
 
 def isa_flags(family: str) -> tuple[str, ...]:
