@@ -244,7 +244,8 @@ static inline __attribute__((always_inline, target("f16c"))) void scale_block(
 /* `five` (the q5 layout, GGUF's Q5_1 levels 0..31): a block is Q5_BYTES, its 32 bytes after the nibbles the levels'
    fifth bits (byte j's bit i: quad i's value j), the scales and mins after them; row r's quads 2r and 2r + 1 take
    bits 2r and 2r + 1 of it to bit 4. Five-bit products fill int16 in two rows r (8 x 31 x 127 a lane), so the
-   sums widen to int32 after rows 1 and 3 (four-bit ones after all four: 16 x 15 x 127). */
+   sums widen to int32 after rows 1 and 3 (four-bit ones after all four: 16 x 15 x 127); `Q4_DIRECT` (VNNI) sums
+   in int32 throughout. */
 static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
     const int rows, const int groups, const activations *a, int64_t m0, int64_t K, const uint8_t *w,
     void *y, int64_t y0, int64_t N, int y_bf16, const int five)
