@@ -2,7 +2,9 @@
 threads): the step's native calls (every `_DotLinear.kernel` call of one `ModelRunner.forward`: the projections and
 the lm_head) are recorded once, then replayed back to back through several builds of int_dot.c in turn, the order
 rotating step by step (the shipped build `A`, and each `--b`: compiler defines such as `-DPREFETCH=0`, `-DCHUNKS=16`,
-`-DSCHEDULE=guided`, or `file=PATH` for another source), so a shared machine's load falls on all alike. Every build
+`-DSCHEDULE=guided`, `file=PATH` for another source, `avx2` for the family's flags without what sources.ISA_FLAGS
+adds on this CPU: `avx2` alone is the AVX2 build, `avx2 -mavxvnni` the VEX VNNI one), so a shared machine's load
+falls on all alike. Every build
 is int_dot.c's timing build (`-DTIMING`, no other change), which reports per call where its time went: before the
 parallel region (the activations' quantization), the second thread's lag into the tiles, the threads' finishes
 apart, after the tiles; and the threads' CPU time in the tiles. Printed: each build's step median and minimum, per
@@ -11,6 +13,7 @@ same bytes at the same thread count (the ceiling).
 
     python benchmarks/gemv_ab.py --model-dir ~/.cache/oai-gemma-bench/gemma-3-1b-random --threads 2 --steps 40 \
         --b=-DPREFETCH=0 --b=-DCHUNKS=16
+    python benchmarks/gemv_ab.py --model-dir ... --b=avx2 --b="avx2 -mavxvnni" --b=-DQ4_DIRECT=0  # VNNI or not
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ SOURCE = Path(sources.__file__).parent / "int_dot.c"
 
 
 def build(spec: str, directory: Path, name: str) -> ctypes.CDLL:
-    """int_dot.c (or `file=PATH`) compiled with the family's flags and `spec`'s extra ones."""
+    """int_dot.c (or `file=PATH`) compiled with the family's flags (`avx2`: without ISA_FLAGS) and `spec`'s extra ones."""
     words = shlex.split(spec)
     source = next((Path(w[5:]) for w in words if w.startswith("file=")), SOURCE)
-    extra = [w for w in words if not w.startswith("file=")]
+    extra = [w for w in words if not w.startswith("file=") and w != "avx2"]
     target = directory / f"{name}.so"
-    subprocess.run([sources.compiler(), *sources.flags("int_dot"), "-DTIMING", *extra, "-I", str(SOURCE.parent), str(source),
+    subprocess.run([sources.compiler(), *sources.flags("int_dot", isa="avx2" not in words), "-DTIMING", *extra, "-I", str(SOURCE.parent), str(source),
                     "-o", str(target)], check=True)
     library = ctypes.CDLL(str(target))
     return library

@@ -1,4 +1,4 @@
-/* Integer dot-product linears for AVX2 CPUs (no VNNI): y = x @ W^T with the activations quantized per row, per
+/* Integer dot-product linears for AVX2 CPUs (VNNI where the build targets it): y = x @ W^T with the activations quantized per row, per
    block of 32 inputs, to int8 (one float scale a block: GGUF's Q8_0), and the products taken in integers
    (vpmaddubsw: u8 x s8 pairs summed to int16, vpmaddwd: pairs of int16 summed to int32), as llama.cpp's
    Q8_0 / Q4_0 x Q8_0 dot products do on AVX2.
@@ -21,7 +21,12 @@
    Every output is one fixed sequence of float operations over the blocks in order (the integer sums are exact),
    whatever the row count, tile or thread, and each row is quantized alone: a row's result does not depend on
    the rows beside it (batch invariance). K must be a multiple of 32, N of 8. x and y may be bf16 instead of
-   float32. Built with the family flags (AVX2, FMA); the q4 tiles also use F16C, which every AVX2 CPU has. */
+   float32. Built with the family flags (AVX2, FMA); the q4 tiles also use F16C, which every AVX2 CPU has.
+
+   VNNI: where the build targets AVX-VNNI or AVX512-VNNI with VL (sources.py adds the flags where the CPU has them),
+   each four u8 x s8 products go straight into int32 with one vpdpbusd (`dot_u8s8`), and q4 / q5 sum their quads
+   in int32 instead of int16 (`Q4_DIRECT`). The integer sums are exact either way, so every output has the AVX2
+   build's bits. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +36,28 @@
 #include "avx2_common.h"
 
 #define BLOCK 32
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+#ifndef Q4_DIRECT /* q4 / q5: each row's quads into the int32 sums directly (1), or through int16 first (0) */
+#define Q4_DIRECT VNNI
+#endif
+
+/* acc + each int32 lane's four products of unsigned bytes u and signed bytes s: one vpdpbusd with VNNI, else
+   vpmaddubsw (pairs summed to int16, saturating: the callers' products stay below it) and vpmaddwd. */
+static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif VNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
 
 /* The quantized activations of M rows: x [M, K] -> q int8 [M, K], |q| [M, K], one scale per block [M, K/32] and
    the block's sum of q [M, K/32] (the Q4 kernel's offset). Each row alone, in one fixed order. */
@@ -140,7 +167,6 @@ static inline __attribute__((always_inline)) void tile_q8(
     const float *scale, void *y, int64_t y0, int64_t N, int y_bf16)
 {
     const int64_t quads = K / 4, blocks = K / BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MAX_ROWS][MAX_GROUPS];
     for (int m = 0; m < rows; m++)
         for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
@@ -157,10 +183,7 @@ static inline __attribute__((always_inline)) void tile_q8(
                 memcpy(&four, a->q + (m0 + m) * K + kq * 4, sizeof four);
                 memcpy(&four_abs, a->magnitude + (m0 + m) * K + kq * 4, sizeof four_abs);
                 const __m256i xb = _mm256_set1_epi32(four), xa = _mm256_set1_epi32(four_abs);
-                for (int g = 0; g < groups; g++) {
-                    const __m256i pairs = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[g], xb));
-                    sums[m][g] = _mm256_add_epi32(sums[m][g], _mm256_madd_epi16(pairs, ones));
-                }
+                for (int g = 0; g < groups; g++) sums[m][g] = dot_u8s8(sums[m][g], xa, _mm256_sign_epi8(wv[g], xb));
             }
         }
         for (int m = 0; m < rows; m++) {
@@ -221,7 +244,8 @@ static inline __attribute__((always_inline, target("f16c"))) void scale_block(
 /* `five` (the q5 layout, GGUF's Q5_1 levels 0..31): a block is Q5_BYTES, its 32 bytes after the nibbles the levels'
    fifth bits (byte j's bit i: quad i's value j), the scales and mins after them; row r's quads 2r and 2r + 1 take
    bits 2r and 2r + 1 of it to bit 4. Five-bit products fill int16 in two rows r (8 x 31 x 127 a lane), so the
-   sums widen to int32 after rows 1 and 3 (four-bit ones after all four: 16 x 15 x 127). */
+   sums widen to int32 after rows 1 and 3 (four-bit ones after all four: 16 x 15 x 127); `Q4_DIRECT` (VNNI) sums
+   in int32 throughout. */
 static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
     const int rows, const int groups, const activations *a, int64_t m0, int64_t K, const uint8_t *w,
     void *y, int64_t y0, int64_t N, int y_bf16, const int five)
@@ -253,6 +277,10 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
                 memcpy(&q1, a->q + (m0 + m) * K + b * BLOCK + r * 8 + 4, sizeof q1);
                 const __m256i x0 = _mm256_set1_epi32(q0), x1 = _mm256_set1_epi32(q1);
                 for (int g = 0; g < groups; g++) {
+                    if (Q4_DIRECT) {
+                        sums[m][g] = dot_u8s8(dot_u8s8(sums[m][g], lo[g], x0), hi[g], x1);
+                        continue;
+                    }
                     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[g], x0), _mm256_maddubs_epi16(hi[g], x1));
                     sums[m][g] = _mm256_add_epi16(sums[m][g], pairs);
                     if (five && r == 1) {
@@ -262,7 +290,7 @@ static inline __attribute__((always_inline, target("f16c"))) void tile_q4(
                 }
             }
         }
-        for (int m = 0; m < rows; m++)
+        for (int m = 0; m < rows && !Q4_DIRECT; m++)
             for (int g = 0; g < groups; g++) {
                 const __m256i dot = _mm256_madd_epi16(sums[m][g], ones);
                 sums[m][g] = five ? _mm256_add_epi32(dot, sums32[m][g]) : dot;

@@ -4,6 +4,7 @@ and the run-time build (`ops/native/__init__.py`) compiles them the same way whe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -28,6 +29,11 @@ FAMILY_FLAGS = {"layer": ("-ffp-contract=off",), "int_dot": ("-fschedule-insns",
 `int_dot`'s one-row tiles spilled a quarter of their products to the stack in GCC's default order, and scheduling
 before register allocation, mindful of the sixteen registers, keeps them (q4: 1.2x the one-row throughput, measured
 in instructions and CPU time; the same bits: an order of instructions, not of float operations)."""
+ISA_FLAGS = {"int_dot": (({"avx512_vnni", "avx512vl"}, ("-mavx512vnni", "-mavx512vl")), ({"avx_vnni"}, ("-mavxvnni",)))}
+"""A family's flags for what this CPU has beyond AVX2: the first entry whose CPU flags it has all of (int_dot.c's
+vpdpbusd: the same bits, fewer instructions), none where `ATEN_CPU_CAPABILITY=avx2` (the AVX2 stand-in) or `default`
+is set. Part of the library's name, so a build for other flags is never reused, and a wheel's library built on a
+VNNI CPU is compiled again on one without."""
 PREBUILT = HERE / "prebuilt"
 """Where a wheel keeps the libraries its build compiled (absent in a checkout and in a wheel built without a compiler)."""
 
@@ -44,8 +50,27 @@ def library_name(family: str) -> str:
     return f"{family}-{digest.hexdigest()[:16]}.so"
 
 
-def flags(family: str) -> tuple[str, ...]:
-    return FLAGS + FAMILY_FLAGS.get(family, ())
+def flags(family: str, isa: bool = True) -> tuple[str, ...]:
+    """The family's compiler flags (`isa=False`: without ISA_FLAGS, the AVX2 build)."""
+    return FLAGS + FAMILY_FLAGS.get(family, ()) + (isa_flags(family) if isa else ())
+
+
+def isa_flags(family: str) -> tuple[str, ...]:
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+        return ()
+    here = cpu_flags()
+    return next((extra for needed, extra in ISA_FLAGS.get(family, ()) if needed <= here), ())
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's flags (empty where there is none): oai_gemma.cpu.cpu_flags's reading, which this module, loaded
+    by path without the package, cannot import."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((frozenset(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), frozenset())
+    except OSError:
+        return frozenset()
 
 
 def compiler() -> str | None:
