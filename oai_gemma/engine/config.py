@@ -275,8 +275,9 @@ def resolve(settings: Settings, machine: Machine) -> EngineConfig:
 
 
 FOUR_BIT = "q4-mix"
-"""What `auto` is in float32 for a model of hidden size FOUR_BIT_HIDDEN or more, where the integer dot-product
-kernels run (docs/engine.md, "Quality at the 1B shape")."""
+"""What `auto` is on a CPU (float32 or bf16) for a model of hidden size FOUR_BIT_HIDDEN or more, where the integer
+dot-product kernels run (docs/engine.md, "Quality at the 1B shape"; bf16 CPUs: docs/benchmarks.md, 2026-12-07, the
+1B at 1.2 GB ready against per-step's 1.6 GB)."""
 FOUR_BIT_HIDDEN = 1152
 """gemma-3-1b's hidden size. The 270m (640) keeps int8: 4-bit projections cost it +21% perplexity."""
 
@@ -285,9 +286,9 @@ def _quantization(setting: str, machine: Machine) -> str:
     """`model.quantization` resolved. On a CPU float32's int8 and bf16's per-step run the native kernel; where it
     cannot (`machine.native_missing`), `auto` says why and what it costs, and `int8` in float32 or `per-step` is a
     start-up error (PyTorch's own int8 kernels are slower than float32 there: no point to it). `auto` where the
-    kernel runs on a CPU: in float32 `FOUR_BIT` for models of hidden size FOUR_BIT_HIDDEN and more where the
-    integer dot-product kernels run (`four_bit_by_size`), else `int8` (faster at 1, 8 and 32 streams, +0.5%
-    perplexity; docs/engine.md); `per-step` in bf16 (the int8 copy for steps of few rows, packed bf16 for the others); else none (a GPU has no
+    kernel runs on a CPU: `FOUR_BIT` for models of hidden size FOUR_BIT_HIDDEN and more where the integer
+    dot-product kernels run (`four_bit_by_size`), else in float32 `int8` (faster at 1, 8 and 32 streams, +0.5%
+    perplexity; docs/engine.md) and in bf16 `per-step` (one int8 copy, bf16 in and out); else none (a GPU has no
     quantized path)."""
     why, dtype = machine.native_missing if machine.device == "cpu" else None, machine.dtype
     dot_why = machine.int_dot_missing if machine.device == "cpu" and setting in INT_DOT_QUANTIZATIONS else None
@@ -312,10 +313,10 @@ def _quantization(setting: str, machine: Machine) -> str:
         return setting
     if machine.device != "cpu" or machine.native_missing is not None:
         return "none"
-    if dtype == "float32" and machine.int_dot_missing is None and four_bit_by_size(machine.shape):
-        log.info("model.quantization = auto resolves to %s: a float32 CPU with the integer dot-product kernels and a "
-                 "model of hidden size %d >= %d (gemma-3-1b and larger; smaller ones take int8)", FOUR_BIT,
-                 machine.shape.hidden, FOUR_BIT_HIDDEN)
+    if dtype in ("float32", "bfloat16") and machine.int_dot_missing is None and four_bit_by_size(machine.shape):
+        log.info("model.quantization = auto resolves to %s: a CPU with the integer dot-product kernels and a model of "
+                 "hidden size %d >= %d (gemma-3-1b and larger; smaller ones take %s)", FOUR_BIT, machine.shape.hidden,
+                 FOUR_BIT_HIDDEN, "int8" if dtype == "float32" else "per-step")
         return FOUR_BIT
     return {"float32": "int8", "bfloat16": "per-step"}.get(dtype, "none")
 

@@ -51,7 +51,7 @@ def test_resolve_puts_each_setting_in_the_part_that_reads_it():
     assert (config.max_logits_rows, config.max_tokens_per_step) == (12, 256 + 12)
 
 
-def test_auto_quantization_is_four_bit_from_the_1b_on_in_float32_and_int8_below():
+def test_auto_quantization_is_four_bit_from_the_1b_on_and_int8_or_per_step_below():
     def machine(hidden: int, dtype: str = "float32", **found) -> Machine:
         shape = TextShape(hidden=hidden, intermediate=4 * hidden, heads=4, kv_heads=1, head_dim=256, vocab=262144,
                           sliding_window=512, sliding=(True, False), rms_eps=1e-6, query_pre_attn_scalar=256, rope=None)
@@ -63,7 +63,9 @@ def test_auto_quantization_is_four_bit_from_the_1b_on_in_float32_and_int8_below(
     assert _quantization("auto", machine(2560)) == FOUR_BIT  # gemma-3-4b
     assert _quantization("auto", machine(640)) == "int8"  # the embedded 270m keeps int8 (4-bit: +21% perplexity)
     assert _quantization("auto", machine(1152, int_dot_missing="no AVX2")) == "int8"
-    assert _quantization("auto", machine(1152, "bfloat16")) == "per-step"
+    assert _quantization("auto", machine(1152, "bfloat16")) == FOUR_BIT  # bf16 CPUs too (one 4-bit copy)
+    assert _quantization("auto", machine(640, "bfloat16")) == "per-step"
+    assert _quantization("auto", machine(1152, "bfloat16", int_dot_missing="no AVX2")) == "per-step"
     assert _quantization("auto", machine(1152, native_missing="no compiler")) == "none"
     assert _quantization("int8", machine(1152)) == "int8" and _quantization("q4", machine(640)) == "q4"  # explicit stays
     # the model cache keeps the resolved layout under its own name (not int8's file, not q4's)
