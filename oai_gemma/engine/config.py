@@ -278,6 +278,12 @@ FOUR_BIT = "q4-mix"
 """What `auto` is on a CPU (float32 or bf16) for a model of hidden size FOUR_BIT_HIDDEN or more, where the integer
 dot-product kernels run (docs/engine.md, "Quality at the 1B shape"; bf16 CPUs: docs/benchmarks.md, 2026-12-07, the
 1B at 1.2 GB ready against per-step's 1.6 GB)."""
+BF16_SMALL = "q8"
+"""What `auto` is on a bf16 CPU below FOUR_BIT_HIDDEN where the integer dot-product kernels run: int8 weights times
+int8 activations in blocks of 32 (VNNI), every row through the kernel (+0.91% perplexity against per-step's +0.52%).
+Measured on the AVX512-bf16 EPYC, 270M, batch-invariant mode on (docs/benchmarks.md, 2026-12-07 13:43): the shared
+prompt set 203 / 185 tok/s at 8 / 32 streams against per-step's 166 / 162 (per-step runs a long prompt's rows
+through the dequantized matmul in that mode, every weight dequantized for a few uncached rows), the short set alike."""
 FOUR_BIT_HIDDEN = 1152
 """gemma-3-1b's hidden size. The 270m (640) keeps int8: 4-bit projections cost it +21% perplexity."""
 
@@ -288,8 +294,8 @@ def _quantization(setting: str, machine: Machine) -> str:
     start-up error (PyTorch's own int8 kernels are slower than float32 there: no point to it). `auto` where the
     kernel runs on a CPU: `FOUR_BIT` for models of hidden size FOUR_BIT_HIDDEN and more where the integer
     dot-product kernels run (`four_bit_by_size`), else in float32 `int8` (faster at 1, 8 and 32 streams, +0.5%
-    perplexity; docs/engine.md) and in bf16 `per-step` (one int8 copy, bf16 in and out); else none (a GPU has no
-    quantized path)."""
+    perplexity; docs/engine.md) and in bf16 `BF16_SMALL` (`per-step`, one int8 copy with bf16 in and out, where the
+    integer dot-product kernels cannot run); else none (a GPU has no quantized path)."""
     why, dtype = machine.native_missing if machine.device == "cpu" else None, machine.dtype
     dot_why = machine.int_dot_missing if machine.device == "cpu" and setting in INT_DOT_QUANTIZATIONS else None
     if dot_why:
@@ -318,6 +324,8 @@ def _quantization(setting: str, machine: Machine) -> str:
                  "hidden size %d >= %d (gemma-3-1b and larger; smaller ones take %s)", FOUR_BIT, machine.shape.hidden,
                  FOUR_BIT_HIDDEN, "int8" if dtype == "float32" else "per-step")
         return FOUR_BIT
+    if dtype == "bfloat16" and machine.int_dot_missing is None:
+        return BF16_SMALL
     return {"float32": "int8", "bfloat16": "per-step"}.get(dtype, "none")
 
 

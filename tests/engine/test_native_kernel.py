@@ -110,16 +110,18 @@ def test_output_sizes_not_divisible_by_eight_are_refused():
         NativeInt8Linear(torch.randn(12, 64))
 
 
-def resolve(setting: str, dtype: torch.dtype, device: torch.device) -> str:
+def resolve(setting: str, dtype: torch.dtype, device: torch.device, int_dot_missing: str | None = None) -> str:
     """`model.quantization` as engine/config.py resolves it with what engine/factory.py's `probe` finds here."""
     missing = native.native_unavailable() if device.type == "cpu" else None
-    return _quantization(setting, Machine(shape=None, device=device.type, dtype=str(dtype).removeprefix("torch."), native_missing=missing))
+    return _quantization(setting, Machine(shape=None, device=device.type, dtype=str(dtype).removeprefix("torch."),
+                                          native_missing=missing, int_dot_missing=int_dot_missing))
 
 
-def test_auto_quantizes_to_int8_where_the_cpu_computes_in_float32_and_per_step_in_bf16():
+def test_auto_quantizes_to_int8_where_the_cpu_computes_in_float32_and_q8_or_per_step_in_bf16():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve("auto", torch.float32, cpu) == "int8"
-    assert resolve("auto", torch.bfloat16, cpu) == "per-step"  # int8 for steps of few rows, packed bf16 for the others
+    assert resolve("auto", torch.bfloat16, cpu) == "q8"  # int8 x int8 in the integer dot-product kernels
+    assert resolve("auto", torch.bfloat16, cpu, int_dot_missing="no AVX2") == "per-step"  # the int8 kernel, bf16 in and out
     assert resolve("auto", torch.float32, gpu) == "none"
     assert resolve("int4", torch.bfloat16, cpu) == "int4" and resolve("none", torch.float32, cpu) == "none"
     assert linear_for("int8", "q", torch.float32) is NativeInt8Linear

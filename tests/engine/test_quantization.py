@@ -151,7 +151,8 @@ def test_quantization_outside_the_cpu_path_is_a_start_up_error_naming_what_is_su
     pytest.param("int8", "bfloat16", "int8", 300, marks=needs_bf16),
     pytest.param("int4", "bfloat16", "int4", 300, marks=needs_bf16),
     pytest.param("auto", "float32", "int8", 300, marks=needs_native),  # float32's default: the native kernel
-    pytest.param("auto", "bfloat16", "per-step", 1000, marks=[needs_bf16, needs_native]),  # bf16's default
+    pytest.param("auto", "bfloat16", "q8", 1000, marks=[needs_bf16, needs_native]),  # bf16's default (the 270m)
+    pytest.param("per-step", "bfloat16", "per-step", 1000, marks=[needs_bf16, needs_native]),
     ("int4", "float32", "int4", 600),
 ])
 @pytest.mark.slow
