@@ -144,7 +144,7 @@ def decode_attention(cache: KVCache, li: int, groups: list[DecodeKeys], q, scali
     return out
 
 
-def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float, invariant: bool) -> torch.Tensor:
+def _decode(cache: KVCache, li: int, rows: DecodeKeys, q, scaling: float, invariant: bool = False) -> torch.Tensor:
     native_out = _native_decode(cache, li, rows, q, scaling)
     if native_out is not None:
         return native_out
