@@ -35,7 +35,8 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True):
     served_name: str = ""
     """The model id clients send and `/v1/models` lists; empty means derived from `source`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """`auto`: bfloat16 on a GPU or a CPU with native bf16 matmul (AMX / AVX512-BF16), else float32."""
+    """`auto`: bfloat16 on a GPU or a CPU with native bf16 matmul (AMX / AVX512-BF16), else float32; float32 on any CPU
+    for gemma-3-1b and larger (text hidden size 1152+: their q4-mix kernels and the native float32 steps)."""
     device: str = "auto"
     """`auto`, `cpu`, `cuda`, `cuda:1`, ..."""
     device_map: str = ""

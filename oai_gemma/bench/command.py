@@ -226,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = load_settings().model
     device = pick_device(settings)
-    dtype = str(pick_dtype(settings, device)).removeprefix("torch.")
     model_dir = args.model_dir or (resolve_source(settings) if args.compare else "")
+    dtype = str(pick_dtype(settings, device, model_dir or None)).removeprefix("torch.")
     lora = prepare_lora(args.lora, args.lora_rank, args.lora_dir, model_dir) if args.compare and args.lora else None
     payload: dict = {
         "meta": {

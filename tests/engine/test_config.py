@@ -71,3 +71,30 @@ def test_auto_quantization_is_four_bit_from_the_1b_on_and_int8_or_per_step_below
     # the model cache keeps the resolved layout under its own name (not int8's file, not q4's)
     file = resolve(Settings(), machine(1152)).model.quantized_weights
     assert file is not None and file.name == "m-q4-mix-float32-b.safetensors"
+
+
+def test_auto_dtype_is_float32_on_a_cpu_from_the_1b_on_and_bf16_below_where_bf16_is_fast(tmp_path, monkeypatch):
+    """gemma-3-1b and larger compute in float32 on a CPU even where bf16 is fast (their q4-mix kernels take float32
+    rows as cheaply, and the float32-only native steps run: docs/benchmarks.md); smaller models follow the CPU."""
+    import json
+
+    import torch
+
+    from oai_gemma.engine.model import loader
+
+    def model(name: str, config: dict) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    one_b = model("1b", {"hidden_size": 1152})
+    four_b = model("4b", {"text_config": {"hidden_size": 2560}, "vision_config": {}})
+    small = model("270m", {"hidden_size": 640})
+    cpu, auto = torch.device("cpu"), ModelSettings()
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    assert [loader.pick_dtype(auto, cpu, s) for s in (one_b, four_b, small)] == [torch.float32, torch.float32, torch.bfloat16]
+    assert loader.pick_dtype(auto, cpu, str(tmp_path / "missing")) == torch.bfloat16  # unread: the CPU decides
+    assert loader.pick_dtype(ModelSettings(dtype="bfloat16"), cpu, one_b) == torch.bfloat16  # explicit stays
+    assert loader.pick_dtype(auto, torch.device("cuda"), one_b) == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    assert loader.pick_dtype(auto, cpu, small) == torch.float32
