@@ -21,6 +21,8 @@ _FENCE_LANGUAGES = ("json", "tool_code", "python", "tool_call", "")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARTIAL_TAIL = re.compile(r"|t|tr|tru|f|fa|fal|fals|n|nu|nul|-|[.eE][+-]?")
 """Where JSON that is merely cut short stops parsing: at its end, or inside a literal or number."""
+_PARTIAL_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,4}")
+"""Where `json` fails ("Invalid \\uXXXX escape") on a string cut short in a \\u escape (or a surrogate pair)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,11 @@ def _json_calls(body: str, names) -> list[ParsedCall]:
     try:
         value, _ = json.JSONDecoder().raw_decode(body)
     except json.JSONDecodeError as exc:
-        if exc.msg.startswith("Unterminated string") or _PARTIAL_TAIL.fullmatch(body[exc.pos:].rstrip()):
+        if (
+            exc.msg.startswith("Unterminated string")
+            or (exc.msg.startswith("Invalid \\u") and _PARTIAL_ESCAPE.fullmatch(body, exc.pos))
+            or _PARTIAL_TAIL.fullmatch(body[exc.pos:].rstrip())
+        ):
             raise _Incomplete from None
         raise _NotACall from None
     items = value if isinstance(value, list) else [value]

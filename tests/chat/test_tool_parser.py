@@ -179,15 +179,40 @@ def test_partial_json_literals_and_numbers_keep_a_call_pending():
     assert "".join(p.arguments for p in pieces) == text[text.index('{"a"') : -1]
 
 
+ESCAPED_CITIES = [
+    "2017-08-09T19:23:35.+0\\u00b0",  # issue 42's failure: a \uXXXX escape that came in pieces broke the call off
+    "a\\\\",  # an escaped backslash right before the closing quote
+    "\\\\\\\"\\/\\b\\f\\n\\r\\t\\u00e9\\ud83d\\ude00",  # every escape, and a surrogate pair
+    "x" * 30 + "\\\\",  # 32 characters of value (a maxLength of 32), 33 of text
+]
+
+
+@pytest.mark.parametrize("city", ESCAPED_CITIES)
+def test_a_call_whose_strings_hold_escapes_is_complete_wherever_the_pieces_split_it(city):
+    """Split in two at every point and fed char by char: an escape cut anywhere (`\\`, `\\u`, `\\u00`) keeps the
+    call pending, and the call ends complete with the arguments exactly as written."""
+    arguments = '{"city":"' + city + '"}'
+    text = '{"name":"get_weather","parameters":' + arguments + "}"
+    assert json.loads(arguments)["city"] == json.loads('"' + city + '"')
+    splits = [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
+    for pieces in splits:
+        stream = ToolCallStream(NAMES, parallel=False)
+        out = [(i, stream.feed(piece)) for i, piece in enumerate(pieces)]
+        assert stream.done and stream.complete, pieces
+        assert stream.calls == [ParsedCall("get_weather", json.loads(arguments))]
+        assert streamed_calls(out) == [("get_weather", arguments)] == [(c.name, c.arguments_json) for c in stream.calls]
+
+
 def test_arguments_as_a_json_string_are_sent_whole_once_complete():
     out = run_stream('{"name": "add", "arguments": "{\\"a\\": 1}"}', step=2)
     assert streamed_calls(out) == [("add", '{"a": 1}')]
 
 
-def test_a_held_back_answer_that_is_no_call_comes_out_whole_as_text():
-    text = '{"answer": 42}'
+@pytest.mark.parametrize("text", ['{"answer": 42}', '{"answer": "\\u12g4"}'])
+def test_a_held_back_answer_that_is_no_call_comes_out_whole_as_text(text):
     out = run_stream(text, step=3)
-    assert [p for _, pieces in out for p in pieces] == [text]
+    assert "".join(p for _, pieces in out for p in pieces) == text
+    assert out[0][0] != "end"  # recognised while streaming (an invalid \u escape is no escape cut short)
 
 
 def test_a_call_cut_short_after_it_started_stays_a_call_with_the_arguments_sent():
