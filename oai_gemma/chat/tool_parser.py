@@ -21,8 +21,7 @@ _FENCE_LANGUAGES = ("json", "tool_code", "python", "tool_call", "")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARTIAL_TAIL = re.compile(r"|t|tr|tru|f|fa|fal|fals|n|nu|nul|-|[.eE][+-]?")
 """Where JSON that is merely cut short stops parsing: at its end, or inside a literal or number."""
-_PARTIAL_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,4}")
-"""Where `json` fails ("Invalid \\uXXXX escape") on a string cut short in a \\u escape (or a surrogate pair)."""
+_PARTIAL_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,4}")  # json's "Invalid \\uXXXX escape" at a string cut in a \\u escape
 
 
 @dataclass(frozen=True)
@@ -47,15 +46,13 @@ class CallDelta:
     arguments: str = ""
 
 
-# ---- parsing -----------------------------------------------------------------------------------------
-
 
 class _NotACall(Exception):
-    pass
+    """The text is not a call."""
 
 
 class _Incomplete(Exception):
-    pass
+    """The text could still become a call."""
 
 
 def parse_tool_calls(text: str, names: frozenset[str] | set[str], *, parallel: bool = True) -> list[ParsedCall] | None:
@@ -102,11 +99,8 @@ def _json_calls(body: str, names) -> list[ParsedCall]:
     try:
         value, _ = json.JSONDecoder().raw_decode(body)
     except json.JSONDecodeError as exc:
-        if (
-            exc.msg.startswith("Unterminated string")
-            or (exc.msg.startswith("Invalid \\u") and _PARTIAL_ESCAPE.fullmatch(body, exc.pos))
-            or _PARTIAL_TAIL.fullmatch(body[exc.pos:].rstrip())
-        ):
+        cut_escape = exc.msg.startswith("Invalid \\u") and _PARTIAL_ESCAPE.fullmatch(body, exc.pos)
+        if exc.msg.startswith("Unterminated string") or cut_escape or _PARTIAL_TAIL.fullmatch(body[exc.pos:].rstrip()):
             raise _Incomplete from None
         raise _NotACall from None
     items = value if isinstance(value, list) else [value]
