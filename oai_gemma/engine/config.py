@@ -322,7 +322,7 @@ def _quantization(setting: str, machine: Machine) -> str:
     if dtype in ("float32", "bfloat16") and machine.int_dot_missing is None and four_bit_by_size(machine.shape):
         log.info("model.quantization = auto resolves to %s: a CPU with the integer dot-product kernels and a model of "
                  "hidden size %d >= %d (gemma-3-1b and larger; smaller ones take %s)", FOUR_BIT, machine.shape.hidden,
-                 FOUR_BIT_HIDDEN, "int8" if dtype == "float32" else "per-step")
+                 FOUR_BIT_HIDDEN, "int8" if dtype == "float32" else BF16_SMALL)
         return FOUR_BIT
     if dtype == "bfloat16" and machine.int_dot_missing is None:
         return BF16_SMALL

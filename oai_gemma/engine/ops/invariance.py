@@ -169,8 +169,8 @@ def attention_rows(kv_heads: int) -> int:
 def decode_call(qg, keys, values, mask, scaling: float, invariant: bool) -> torch.Tensor:
     """SDPA of decode rows qg [B, kv_heads, group, D] over keys/values [B, kv_heads, span, D] where mask [B, span];
     `invariant`: with the last row repeated up to `attention_rows` rows, the copies dropped."""
-    rows, least = qg.shape[0], attention_rows(keys.shape[1])
-    if invariant and rows < least:
+    rows = qg.shape[0]
+    if invariant and rows < (least := attention_rows(keys.shape[1])):
         index = torch.arange(least).clamp(max=rows - 1)
         qg, keys, values, mask = qg[index], keys[index], values[index], mask[index]
     return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=scaling)[:rows]
