@@ -12,10 +12,12 @@ layout too (the figure to set against llama-server's image encode).
 Layouts: `f32` (F.linear on the checkpoint's weights in float32: what the server runs), `f32-packed` (oneDNN's
 re-laid-out weight, engine/ops/linear.py), `int8` (engine/ops/quantized.py's NativeInt8Linear as the runner
 calls it: its AVX2 kernel below KERNEL_ROWS rows, the weight dequantized per call from there),
-`int8-kernel` (the kernel at every row count), `bf16` (weights and activations in bfloat16), `q8a7` and `q8` (int8
-weights times activations quantized per block of 32 to 7 or 8 bits: engine/model/vision_layout.py; `q8a7` is what
-the server runs beside the integer text layouts). `--quality`: one whole encode in float32 and in each int8 layout
-of `--layouts`, the projected features' cosine and errors against float32's (`--layers 0`: no timings).
+`int8-kernel` (the kernel at every row count), `bf16` (bfloat16 weights, rows cast to bfloat16 for the GEMM:
+engine/model/vision_layout.py's `Bf16VisionLinear`), `q8a7` and `q8` (int8 weights times activations quantized per
+block of 32 to 7 or 8 bits: engine/model/vision_layout.py). The server runs `bf16` beside the integer text layouts
+on a CPU with fast bf16 GEMMs, `q8a7` on others. `--quality`: one whole encode in float32 and in each of the
+server's layouts (`q8a7`, `q8`, `bf16`) of `--layouts`, the projected features' cosine and errors against float32's
+(`--layers 0`: no timings).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..engine.model.lean import fill, read_checkpoint
 from ..engine.model.lean_config import model_config
 from ..engine.model.lean_vision import BiasedLinear, Projector, VisionTower, checkpoint_name
 from ..engine.model.vision_encode import VisionEncode
-from ..engine.model.vision_layout import VisionLinear, to_q8
+from ..engine.model.vision_layout import VisionLinear, to_bf16, to_q8
 from ..engine.model.vision_weights import VisionWeights, embed, from_modules
 
 LAYOUTS = ("f32", "f32-packed", "int8", "int8-kernel", "bf16", "q8a7", "q8")
@@ -134,14 +136,18 @@ def time_layers(holder: nn.Module, weights: VisionWeights, layers: int, pixels: 
     return {"unit_rows": job.rows, "slowest_unit_s": slowest, "units_s": units, "one_call_s": one_call}
 
 
+SERVED = {"q8a7": lambda weights: to_q8(weights, 7), "q8": lambda weights: to_q8(weights, 8), "bf16": to_bf16}
+"""The server's tower layouts (engine/model/vision_layout.py), each applied to float32 VisionWeights."""
+
+
 def quality(source: str, pixels: torch.Tensor, layouts: list[str]) -> list[dict]:
-    """One whole encode in float32 and in each int8 layout of `layouts` (unit by unit, as the server runs them): their projected
+    """One whole encode in float32 and in each of the server's layouts in `layouts` (unit by unit, as the server runs them): their projected
     features against float32's: cosine per token (min, mean), relative error (norm of the difference over the
     float32 features' norm), largest absolute error beside the largest float32 value, and the encode's seconds."""
     out, seconds = {}, {}
-    for layout, activations in (("f32", 0), *((name, 7 if name == "q8a7" else 8) for name in layouts if name in ("q8a7", "q8"))):
+    for layout in ("f32", *(name for name in layouts if name in SERVED)):
         weights = from_modules(load_tower(source))
-        job = VisionEncode(to_q8(weights, activations) if activations else weights, pixels)
+        job = VisionEncode(SERVED[layout](weights) if layout in SERVED else weights, pixels)
         job.run(1e9)
         out[layout], seconds[layout] = job.features, job.seconds
     ref, rows = out.pop("f32"), []
@@ -161,13 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--rows", type=int, default=0, help="rows per unit (default: the encode's own choice)")
-    parser.add_argument("--quality", action="store_true", help="the int8 layouts' features against float32's, one whole encode each")
+    parser.add_argument("--quality", action="store_true", help="the server's layouts' features against float32's, one whole encode each")
     args = parser.parse_args(argv)
     pixels = torch.randn(1, 3, 896, 896, generator=torch.Generator().manual_seed(0))
     for layout in args.layouts.split(",") if args.layers else ():  # --layers 0: --quality alone
         holder = load_tower(args.source)
-        weights = from_modules(holder)  # before the swap: the server's float32 tensors (q8a7, q8: their own layout)
-        weights = to_q8(weights, 7 if layout == "q8a7" else 8) if layout in ("q8", "q8a7") else weights
+        weights = from_modules(holder)  # before the swap: the server's float32 tensors (q8a7, q8, bf16: their own layout)
+        weights = SERVED[layout](weights) if layout in SERVED else weights
         nbytes = relayout(holder, layout)
         timing = time_layers(holder, weights, args.layers, pixels, args.rows)
         units = timing["units_s"]

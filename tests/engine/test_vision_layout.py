@@ -1,6 +1,6 @@
-"""The vision tower in `q8a7` and `q8` (engine/model/vision_layout.py) on the tiny vision model: close to float32,
-bitwise the same whether encoded unit by unit or in one call, padded intermediates exact, the 7-bit kernel equal to
-its arithmetic written in torch, and what the server picks."""
+"""The vision tower in `q8a7`, `q8` and `bf16` (engine/model/vision_layout.py) on the tiny vision model: close to
+float32, bitwise the same whether encoded unit by unit or in one call, padded intermediates exact, the 7-bit kernel
+equal to its arithmetic written in torch, and what the server picks."""
 
 import pytest
 import torch
@@ -10,7 +10,8 @@ from oai_gemma.engine.config import ModelConfig
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.model.runner import load_weights
 from oai_gemma.engine.model.vision_encode import VisionEncode
-from oai_gemma.engine.model.vision_layout import LINEARS, VisionLinear, to_q8, tower_layout
+from oai_gemma.engine.model import vision_layout
+from oai_gemma.engine.model.vision_layout import LINEARS, Bf16VisionLinear, VisionLinear, to_bf16, to_q8, tower_layout
 from oai_gemma.engine.ops import native
 from oai_gemma.engine.model.vision_weights import from_modules, image_features
 from oai_gemma.settings import ModelSettings
@@ -27,14 +28,17 @@ def pixels(seed: int = 0) -> torch.Tensor:
     return torch.randn(1, 3, 896, 896, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("activations", [7, 8])
-def test_int8_features_stay_close_to_float32(model, activations):
-    """Drift guard: the soft tokens of the int8 tower against the float32 tower's (measured on this model: relative
-    error 0.22% with 7-bit activations, 0.15% with 8-bit; cosine 0.99999); a wrong padding, scale, offset or bias
-    would be far off."""
+LAYOUTS = {"q8a7": lambda weights: to_q8(weights, 7), "q8": lambda weights: to_q8(weights, 8), "bf16": to_bf16}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_layouts_features_stay_close_to_float32(model, layout):
+    """Drift guard: the soft tokens of the int8 and bf16 towers against the float32 tower's (measured on this model:
+    relative error 0.22% with 7-bit activations, 0.15% with 8-bit; cosine 0.99999); a wrong padding, scale, offset or
+    bias would be far off."""
     x = pixels()
     expected = image_features(from_modules(model.model), x)
-    got = image_features(to_q8(from_modules(model.model), activations), x)
+    got = image_features(LAYOUTS[layout](from_modules(model.model)), x)
     assert got.shape == expected.shape and got.dtype == torch.float32
     cosine = F.cosine_similarity(got, expected, dim=-1)
     relative = (got - expected).norm() / expected.norm()
@@ -43,10 +47,10 @@ def test_int8_features_stay_close_to_float32(model, activations):
     assert not torch.equal(got, expected)  # the layout really ran
 
 
-@pytest.mark.parametrize("activations", [7, 8])
-def test_int8_unit_by_unit_is_bitwise_its_one_call_encode(model, activations):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unit_by_unit_is_bitwise_its_one_call_encode(model, layout):
     x = pixels(seed=1)
-    weights = to_q8(from_modules(model.model), activations)
+    weights = LAYOUTS[layout](from_modules(model.model))
     expected = image_features(weights, x)
     job = VisionEncode(weights, x, rows=512)
     assert job.run(3600.0) and job.units_done == job.total_units
@@ -89,22 +93,27 @@ def test_padded_intermediate_is_exact_zero_columns():
     assert F.cosine_similarity(out.reshape(-1, width), expected.reshape(-1, width), dim=-1).min() > 0.99
 
 
-def test_the_server_picks_q8_beside_the_integer_text_layouts_only(model):
-    for quantization, quantized in (("q4-mix", True), ("q8", True), ("int8", False), ("none", False)):
-        weights = tower_layout(from_modules(model.model), quantization)
-        assert isinstance(weights.layers[0].fc1_weight, VisionLinear) is quantized, quantization
+@pytest.mark.parametrize("fast_bf16, kind, share", [(False, VisionLinear, (0.7, 0.75)), (True, Bf16VisionLinear, (0.49, 0.501))])
+def test_the_server_picks_its_layout_beside_the_integer_text_layouts_only(model, fast_bf16, kind, share):
+    """q8a7 (int8 weights: a quarter of float32's, plus the scales) or, on a CPU with fast bf16 GEMMs, bf16 (half),
+    each converted at the first encode."""
+    for quantization, converted in (("q4-mix", True), ("q8", True), ("int8", False), ("none", False)):
+        weights = tower_layout(from_modules(model.model), quantization, fast_bf16)
+        assert isinstance(weights.layers[0].fc1_weight, kind) is converted, quantization
+        assert isinstance(weights.layers[0].fc1_weight, torch.Tensor) is not converted, quantization
     floats = from_modules(model.model)
     linear_bytes = sum(getattr(layer, name).numel() * 4 for layer in floats.layers for name, _ in LINEARS)
-    lazy = tower_layout(from_modules(model.model), "q4-mix")
-    assert lazy.nbytes() == floats.nbytes()  # the server's: quantized at the first encode, float until then
+    lazy = tower_layout(from_modules(model.model), "q4-mix", fast_bf16)
+    assert lazy.nbytes() == floats.nbytes()  # the server's: converted at the first encode, float until then
     image_features(lazy, pixels())
     saved = floats.nbytes() - lazy.nbytes()
-    assert 0.7 * linear_bytes < saved < 0.75 * linear_bytes  # int8 weights: a quarter of float32's, plus the scales
+    assert share[0] * linear_bytes < saved < share[1] * linear_bytes
 
 
-def test_the_runner_s_weights_take_q8a7_with_the_integer_text_layouts(tiny_vision_dir, model):
+def test_the_runner_s_weights_take_q8a7_with_the_integer_text_layouts(tiny_vision_dir, model, monkeypatch):
     """engine/model/runner.py's `load_weights` (the server's path: the checkpoint streamed) gives `q8` text a q8a7
-    tower whose features stay close to the float32 tower's."""
+    tower whose features stay close to the float32 tower's (on a CPU without fast bf16 GEMMs: bf16 on one with)."""
+    monkeypatch.setattr(vision_layout, "cpu_has_fast_bf16", lambda: False)
     loaded = load(ModelSettings(source=str(tiny_vision_dir), dtype="float32"), lean=True, stream=True)
     weights = load_weights(loaded, ModelConfig(dtype="float32", quantization="q8"))
     assert all(isinstance(layer.q_weight, VisionLinear) and layer.q_weight.activations == 7 for layer in weights.vision.layers)

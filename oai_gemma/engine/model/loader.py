@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ...cpu import cpu_flags
+from ...cpu import cpu_has_fast_bf16
 from ...settings import EMBEDDED, ModelSettings
 from ..config import FOUR_BIT_HIDDEN
 from .gguf_source import convert_into, converted_dir, converted_once, gguf_model_dir, is_converted
@@ -76,10 +76,6 @@ def resolve_source(settings: ModelSettings) -> str:
         reference = None if is_converted(target) else (embedded_gguf(), settings.cache_path / EMBEDDED_DIR_NAME)
         return str(gguf_model_dir(settings.cache_path, settings.source, settings.mmproj, reference))
     return settings.source
-
-
-def cpu_has_fast_bf16() -> bool:
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def pick_device(settings: ModelSettings) -> torch.device:
