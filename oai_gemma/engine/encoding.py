@@ -3,8 +3,9 @@
 A request with images waits here, outside the scheduler (no batch row, no KV blocks), while its vision tower
 runs a slice at a time between the engine's steps; once its features are ready the engine hands it to the
 scheduler, which prefills it like any prompt. Each step gives the encode a time budget: `step_seconds` when
-set, else as long as the shorter of the last step with other work and the median of the last `STEPS` -- so a
-running text stream's steps at most about double while an image encodes; not the last step alone, so that one slow
+set, else `SHARE` of the shorter of the last step with other work and the median of the last `STEPS` -- so a
+running text stream's inter-token time stays under twice its time alone while an image encodes, with room for a
+unit that runs longer than expected and for steps slowed by the tower's data in the caches; not the last step alone, so that one slow
 step (the image's own preprocessing beside it, a prefill chunk) is not followed by a slice as long, and not the
 median alone, which after the steps got shorter (a stream ended, the load dropped) kept the old length for a few
 steps -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so a cancel or a new request waits at most that long).
@@ -34,6 +35,10 @@ IDLE_SECONDS = 0.25
 """A step's encode budget when no sequence runs beside it."""
 STEPS = 8
 """The budget beside running sequences: at most the median wall time of this many of their last steps."""
+SHARE = 0.6
+"""The budget beside running sequences, as a share of their step time. At 1.0 (a slice as long as a step) a 4B text
+stream's ITL p99 during an image's encode was 2.4x its ITL alone (decode steps 77 ms beside the tower's units, 70
+alone; slices at the budget: 2-core AVX512-bf16 EPYC, benchmarks/encode_itl.py); the issue's bound is 2x."""
 
 
 @dataclass(eq=False)
@@ -80,7 +85,7 @@ class Encoding:
     def budget(self, busy: bool) -> float:
         if self.step_seconds > 0:
             return self.step_seconds
-        return min(self.steps[-1], statistics.median(self.steps)) if busy and self.steps else IDLE_SECONDS
+        return SHARE * min(self.steps[-1], statistics.median(self.steps)) if busy and self.steps else IDLE_SECONDS
 
     def run(self, busy: bool) -> tuple[list[tuple[Sequence, torch.Tensor]], list[tuple[Sequence, str]]]:
         """Work on the oldest job for one step's budget: ([(sequence, its features)] that are ready, [(sequence,
