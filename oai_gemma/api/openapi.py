@@ -151,7 +151,7 @@ SERVER_INFO = {
         "git_commit": {"type": ["string", "null"], "description": "the checkout's commit; null when installed from a wheel"},
         "torch_version": {"type": "string"},
         "cpu_capability": {"type": "string", "description": "the instruction set torch's CPU kernels use (AVX512, AVX2, ...)"},
-        "kernel_isa": {"enum": ["avx512-vnni", "avx512", "avx2", "none"], "description": "the native CPU kernels' instruction set"},
+        "kernel_isa": {"enum": ["avx512-vnni", "avx512", "avx2-vnni", "avx2", "none"], "description": "the native CPU kernels' instruction set"},
         "engine_config": {"type": "object", "description": "engine/config.py's EngineConfig as resolved: every `auto` decided"},
         "weight_bytes": {"type": "integer", "minimum": 0},
         "decode_bytes": {"type": "integer", "minimum": 0},

@@ -86,7 +86,7 @@ class Machine:
     int_dot_missing: str | None = None
     """Why the integer dot-product kernels (`model.quantization` q8, q4, q4-mix) cannot run here; None: they run."""
     kernel_isa: str = "none"
-    """The native kernels' instruction set (`avx512-vnni`, `avx512`, `avx2`, `none`)."""
+    """The native kernels' instruction set (`avx512-vnni`, `avx512`, `avx2-vnni`, `avx2`, `none`)."""
     threads: int = 0
     """Torch compute threads of the engine thread."""
     weights_name: str = "model"

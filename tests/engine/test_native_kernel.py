@@ -244,3 +244,17 @@ def test_q8_sizes_it_cannot_tile_are_refused():
         NativeQ8Linear(torch.randn(24, 640))
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0"):
         NativeQ8Linear(torch.randn(32, 48))
+
+
+@pytest.mark.parametrize("vnni, avx512, int_dot_flags, isa", [
+    (True, True, ("-mavx512vnni", "-mavx512vl"), "avx512-vnni"),
+    (False, True, (), "avx512"),
+    (False, False, ("-mavxvnni",), "avx2-vnni"),  # an AVX-VNNI CPU without AVX512: int_dot.c's 256-bit vpdpbusd
+    (False, False, (), "avx2"),
+])
+def test_the_kernel_isa_names_what_the_kernels_are_built_for(monkeypatch, vnni, avx512, int_dot_flags, isa):
+    monkeypatch.setattr(native, "native_unavailable", lambda: None)
+    monkeypatch.setattr(native, "cpu_has_vnni", lambda: vnni)
+    monkeypatch.setattr(native, "cpu_has_avx512", lambda: avx512)
+    monkeypatch.setattr(native, "isa_flags", lambda family: int_dot_flags if family == "int_dot" else ())
+    assert native.kernel_isa() == isa

@@ -17,7 +17,7 @@ import torch
 
 from ....cpu import cpu_flags
 from ....settings import ModelSettings
-from .sources import PREBUILT, CompileFailed, compile_into, library_name
+from .sources import PREBUILT, CompileFailed, compile_into, isa_flags, library_name
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +245,11 @@ def native_unavailable() -> str | None:
 
 
 def kernel_isa() -> str:
-    """The instruction set the native kernels run with here (`/v1/server_info`): `avx512-vnni`, `avx512` or `avx2`;
-    `none` where they cannot run (the reason is logged at start-up)."""
+    """The instruction set the native kernels run with here (`/v1/server_info`): `avx512-vnni`, `avx512`,
+    `avx2-vnni` (AVX2 with AVX-VNNI: int_dot.c's vpdpbusd on 256-bit registers) or `avx2`; `none` where they cannot
+    run (the reason is logged at start-up)."""
     if native_unavailable():
         return "none"
-    return "avx512-vnni" if cpu_has_vnni() else "avx512" if cpu_has_avx512() else "avx2"
+    if cpu_has_vnni():
+        return "avx512-vnni"
+    return "avx512" if cpu_has_avx512() else "avx2-vnni" if "-mavxvnni" in isa_flags("int_dot") else "avx2"
