@@ -16,8 +16,9 @@ the tower's dtype (bias added there): on a CPU with AVX512-BF16 or AMX that GEMM
 at 4,096 rows (2-core AVX512-bf16 EPYC: 0.15 s a layer's linears against ~0.45 s), at half float32's memory.
 
 The server's tower, wherever the text takes an integer dot-product layout (`model.quantization` q8, q4, q4-mix:
-`tower_layout`), is `bf16` on such a CPU and `q8a7` elsewhere; float otherwise. An intermediate size that is not a multiple of 32 (SigLIP's 4304) is
-padded: fc1 gets zero rows and zero biases (their GELU is exactly 0), fc2 the matching zero input columns.
+`tower_layout`), is `bf16` on such a CPU and `q8a7` elsewhere; float otherwise. For the int8 layouts an intermediate
+size that is not a multiple of 32 (SigLIP's 4304) is padded: fc1 gets zero rows and zero biases (their GELU is
+exactly 0), fc2 the matching zero input columns.
 """
 
 from __future__ import annotations
