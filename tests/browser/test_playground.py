@@ -31,7 +31,9 @@ ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 browser_tests = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install chromium); the playground's browser tests drive the system's Chromium")
-TOKENS = 16
+TOKENS = 48
+"""Each answer's tokens: enough that a stream spans several of the page's animation frames even when the browser
+draws few of them (16 tokens came in 3 frames once in a full run beside the other suite's worker)."""
 ANSWER_TIMEOUT = 300_000  # ms; the shared test machine can be slow, the assertions never time the model
 KEY = VISION_API_KEY  # the key of conftest's vision server
 
