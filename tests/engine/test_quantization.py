@@ -24,7 +24,8 @@ from oai_gemma.engine.factory import configure as resolve
 from oai_gemma.engine.model.loader import load
 from oai_gemma.engine.ops.linear import FrozenLinear
 from oai_gemma.engine.model.quality import perplexity
-from oai_gemma.engine.ops.native import native_unavailable
+from oai_gemma.cpu import cpu_has_fast_bf16
+from oai_gemma.engine.ops.native import int_dot_unavailable, native_unavailable
 from oai_gemma.engine.ops.quantized import DynamicInt8Linear, NativeInt8Linear, PerStepLinear
 from oai_gemma.engine.model.runner import ModelRunner, StepItem
 from oai_gemma.settings import EngineSettings, ModelSettings, Settings
@@ -221,16 +222,25 @@ def test_an_explicit_int8_the_native_kernel_cannot_serve_stops_the_server_with_t
     assert 'model.quantization = "int8" needs the native int8 kernel' in log and "cannot compile" in log
 
 
+TOWERS = {"int8": None, "q8": "bf16" if cpu_has_fast_bf16() else "int8"}
+"""The vision tower beside each text layout (engine/model/vision_layout.py's `tower_layout`, its start-up log): float
+beside `int8`; beside the integer dot-product layouts bf16 on a CPU with fast bf16 GEMMs, `q8a7` elsewhere."""
+
+
 @needs_native
 @pytest.mark.slow
-def test_images_are_served_under_float32_int8(tiny_vision_dir, tmp_path):
-    # the vision tower stays unquantized; the text layers of the multimodal model run the native kernel
+@pytest.mark.parametrize("quantization", [
+    "int8", pytest.param("q8", marks=pytest.mark.skipif(int_dot_unavailable() is not None, reason="no integer kernels here")),
+])
+def test_images_are_served_under_float32(tiny_vision_dir, tmp_path, quantization):
     image = io.BytesIO()
     Image.new("RGB", (64, 48), (200, 30, 30)).save(image, "PNG")
     url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
-    with ServerProcess("--model", str(tiny_vision_dir), "--served-model-name", "tiny", "--quantization", "int8",
+    with ServerProcess("--model", str(tiny_vision_dir), "--served-model-name", "tiny", "--quantization", quantization,
                        log=tmp_path / "server.log") as server:
-        assert httpx.get(server.url + "/health").json()["quantization"] == "int8"
+        assert httpx.get(server.url + "/health").json()["quantization"] == quantization
+        tower = re.search(r"vision tower: its linears in ([\w-]+)", server.log_path.read_text())
+        assert (tower and tower[1]) == TOWERS[quantization]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         reply = client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}])
