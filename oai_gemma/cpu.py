@@ -81,6 +81,12 @@ def configure_cpu(settings: EngineSettings) -> int:
     return threads
 
 
+MATMUL_SETTINGS = threading.Lock()
+"""Held while a thread computes under a process-wide matmul setting other than the process's own (the bf16 vision
+tower's attention: engine/model/vision_weights.py's `mkldnn_fp32_precision`), and by a load's `Turns.aside` stretches,
+which compute beside the engine's steps: so neither computes under the other's setting (a load's invariance check
+timed under another model's setting, a weight packed for it)."""
+
 LOAD_SHARE = 0.5
 """A load's turn lasts at most this share of the last step's seconds (then the unit of work it is in)."""
 
@@ -133,14 +139,15 @@ class Turns:
     def aside(self) -> Iterator[None]:
         """A stretch of a load with no units to yield between (imports, the source's config and tokenizer, a native
         kernel's compile, the invariance check's timed runs): run beside the steps, as before turns, rather than stall
-        them for its length (a no-op on any other thread)."""
+        them for its length (a no-op on any other thread), holding MATMUL_SETTINGS."""
         if threading.get_ident() != self._loader:
             yield
             return
         self._loader = None
         self._give()
         try:
-            yield
+            with MATMUL_SETTINGS:  # under the process's own matmul settings (a step's unit may change them a while)
+                yield
         finally:
             self._take()
             self._loader = threading.get_ident()

@@ -38,7 +38,7 @@ modules = [{json.dumps(adapter)}]
 
 [router]
 max_loaded = 2
-load_wait = 2
+load_wait = 0.5
 
 [models.{BIG}]
 source = "embedded"
@@ -178,19 +178,24 @@ def test_a_third_model_loads_while_another_streams_evicting_the_idle_one(multi):
     assert metric(multi, "oai_gemma:model_unloads_total", SMALL, ',reason="evicted"') == 1
 
 
+BUSY_TOKENS = 400
+"""Each stream's tokens while a load waits `load_wait` (0.5 s) for a model to go idle: 150 ended within the 2 s it
+waited before on a quiet machine (the 270M at ~6 ms a token), so the load evicted it and the test failed there only."""
+
+
 def test_a_load_never_evicts_a_model_with_requests_in_flight(multi):
     results = {model: ([], []) for model in (BIG, VISION)}
-    threads = [threading.Thread(target=_stream, args=(multi, model, 150, *results[model])) for model in results]
+    threads = [threading.Thread(target=_stream, args=(multi, model, BUSY_TOKENS, *results[model])) for model in results]
     for thread in threads:
         thread.start()
     assert wait_for(lambda: all(times for times, _ in results.values()), 120)
     refused = httpx.post(multi.url + "/models/load", json={"model": SMALL}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
     for thread in threads:
         thread.join()
-    busy_while = {model: len(times) < 150 for model, (times, _) in results.items()}
+    busy_while = {model: len(times) < BUSY_TOKENS for model, (times, _) in results.items()}
     assert refused.status_code == 503, refused.text
     assert refused.headers["retry-after"] and refused.json()["error"]["code"] == "model_busy"
-    assert {model: usage for model, (_, usage) in results.items()} == {BIG: [150], VISION: [150]}, busy_while
+    assert {model: usage for model, (_, usage) in results.items()} == {BIG: [BUSY_TOKENS], VISION: [BUSY_TOKENS]}, busy_while
     assert statuses(multi)[SMALL] == "unloaded"
 
 

@@ -236,3 +236,26 @@ def test_quantized_weights_are_written_in_units(tmp_path, monkeypatch):
     read = load_file(tmp_path / "w.safetensors")
     assert all(torch.equal(read[name], tensor) for name, tensor in tensors.items())
     assert len(offers) == 7 + 1  # ceil(400 / 64) + ceil(60 / 64)
+
+
+def test_a_load_beside_the_steps_computes_under_the_process_matmul_settings():
+    """A unit that changes a process-wide matmul setting (the bf16 vision tower's attention) and a load's stretch
+    beside the steps (`aside`: its invariance check's timed runs, a float weight's pack) never overlap: the load
+    waits for the setting to be given back, and computes under the process's own."""
+    from oai_gemma.cpu import TURNS
+    from oai_gemma.engine.model.vision_weights import mkldnn_fp32_precision
+
+    settings, seen = torch.backends.mkldnn.matmul, []
+
+    def load() -> None:
+        with TURNS.load(), TURNS.aside():
+            seen.append(settings.fp32_precision)
+
+    default = settings.fp32_precision
+    with mkldnn_fp32_precision("bf16"):
+        loader = threading.Thread(target=load)
+        loader.start()
+        loader.join(0.5)
+        assert loader.is_alive() and not seen, "the load's stretch waits while the setting is changed"
+    loader.join(30)
+    assert seen == [default] and settings.fp32_precision == default

@@ -125,7 +125,9 @@ class Bf16VisionLinear:
 
 
 def to_bf16(weights: VisionWeights, lazy: bool = False) -> VisionWeights:
-    """Every encoder layer's projections as `Bf16VisionLinear`s, in place (`lazy`: each converted at its first call)."""
+    """Every encoder layer's projections as `Bf16VisionLinear`s, in place (`lazy`: each converted at its first call),
+    and the attention's float32 matmuls under oneDNN's `bf16` precision (vision_weights.py's `mkldnn_fp32_precision`)."""
+    weights.attention_fp32_precision = "bf16"
     for layer in weights.layers:
         for weight_name, bias_name in LINEARS:
             setattr(layer, weight_name, Bf16VisionLinear(getattr(layer, weight_name), getattr(layer, bias_name), lazy=lazy))
