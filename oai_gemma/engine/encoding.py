@@ -5,10 +5,11 @@ runs a slice at a time between the engine's steps; once its features are ready t
 scheduler, which prefills it like any prompt. Each step gives the encode a time budget: `step_seconds` when
 set, else `SHARE` of the shorter of the last step with other work and the median of the last `STEPS` -- so a
 running text stream's inter-token time stays under twice its time alone while an image encodes, with room for a
-unit that runs longer than expected and for steps slowed by the tower's data in the caches; not the last step alone, so that one slow
-step (the image's own preprocessing beside it, a prefill chunk) is not followed by a slice as long, and not the
-median alone, which after the steps got shorter (a stream ended, the load dropped) kept the old length for a few
-steps -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so a cancel or a new request waits at most that long).
+unit that runs longer than expected and for steps slowed beside the tower; not the last step alone, so that one
+slow step (the image's own preprocessing beside it, a prefill chunk) is not followed by a slice as long, and not
+the median alone, which after the steps got shorter (a stream ended, the load dropped) kept the old length for a
+few steps -- and `IDLE_SECONDS` when nothing else runs (the inbox is read between slices, so a cancel or a new
+request waits at most that long).
 
 One job per distinct image set (the request's crop keys, the same keys the prefix cache uses): a second request
 with the same images in flight waits on the first one's job. A job whose every waiter went (cancelled) is
