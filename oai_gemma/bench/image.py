@@ -7,7 +7,7 @@ Reports, per server:
               prefill's share (TTFT - vision time: queueing and preprocessing included)
   itl         a text stream's inter-token times alone, then with the image request sent once it has 5 tokens:
               the ITLs that fell between the image's arrival and its first token (p50, p99, their ratio to alone);
-              on ours, split at the encode's end (/health's `vision_encodes`, polled every 20 ms) into those
+              on ours, split at the encode's end (/health's `vision_encodes`, polled every POLL_S) into those
               during the encode and those during the image's prefill (each p99 and longest), and whether the
               stream outlasted the image's first token (else the prefill's gaps were not seen: raise --max-tokens)
 """
@@ -93,8 +93,13 @@ async def one_image(client: httpx.AsyncClient, base_url: str, model: str, varian
             "prompt_tokens": usage.get("prompt_tokens"), "e2e_s": round(time.monotonic() - sent, 3)}
 
 
+POLL_S = 0.1
+"""How often the encode's end is looked for on /health: the split of the stream's gaps into encode and prefill is
+that coarse. At 20 ms the polls' own CPU (a /health answer counts the KV cache's pages) slowed the steps measured."""
+
+
 async def _encoded_at(base_url: str, stop: asyncio.Event) -> float | None:
-    """When /health's `vision_encodes` went up (polled every 20 ms until `stop`); None: not ours, or never."""
+    """When /health's `vision_encodes` went up (polled every POLL_S until `stop`); None: not ours, or never."""
     url = base_url.rstrip("/").removesuffix("/v1") + "/health"
     async with httpx.AsyncClient(timeout=10) as health:
         try:
@@ -102,7 +107,7 @@ async def _encoded_at(base_url: str, stop: asyncio.Event) -> float | None:
             while before is not None and not stop.is_set():
                 if (await health.get(url)).json().get("vision_encodes", before) > before:
                     return time.monotonic()
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(POLL_S)
         except (httpx.HTTPError, ValueError):
             pass
     return None

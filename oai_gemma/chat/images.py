@@ -32,6 +32,7 @@ import httpcore
 import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from ..cpu import in_a_turn
 from ..limits import phrase
 from ..settings import ImageSettings
 from .render import ChatInputError, ImagePart
@@ -95,7 +96,7 @@ async def _load(part: ImagePart, policy: ImagePolicy, client: httpx.AsyncClient 
             data = await asyncio.to_thread(_read_file, part.url, policy)
         else:
             raise _Refused(f"unsupported image URL {part.url[:40]!r}: expected a data:, http(s): or file: URL")
-        return await asyncio.to_thread(_decode, data, policy)
+        return await asyncio.to_thread(in_a_turn, _decode, data, policy)
     except _OverLimit as exc:
         setting = {"max_bytes": "max_download_bytes", "max_pixels": "max_pixels"}[exc.kind]
         message = phrase(part.param, exc.kind, exc.limit, exc.value, f" (`images.{setting}`)")[0]

@@ -16,6 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from ..cpu import in_a_turn
 from ..settings import ImageSettings
 from .images import image_client, load_images
 from .messages import ChatInputError, ChatMessage
@@ -97,7 +98,7 @@ class PromptBuilder:
         except ChatInputError as exc:
             raise ChatInputError(exc.message, exc.param, "invalid_image") from None
         scans = [self._pan_and_scan(part) for part in rendered.images]
-        vision = await asyncio.to_thread(expand_images, self.processor, rendered.prompt, images, scans)
+        vision = await asyncio.to_thread(in_a_turn, expand_images, self.processor, rendered.prompt, images, scans)
         return Prompt(vision.token_ids, vision.pixel_values, tuple(vision.crop_keys))
 
     def _pan_and_scan(self, part: ImagePart) -> bool:

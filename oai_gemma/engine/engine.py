@@ -34,6 +34,8 @@ from .types import GenerationRequest
 from .warmup import build_grammars, warm_up
 
 log = logging.getLogger("oai_gemma.engine")
+KV_COUNT_MAX_AGE = 1.0
+"""Seconds a count of the KV cache's resident bytes serves /health before it is taken again."""
 
 
 class EngineDeadError(RuntimeError):
@@ -230,8 +232,9 @@ class Engine:
     def kv_cache_resident_bytes(self) -> int:
         """Bytes of the KV cache backed by memory now: it grows, up to `engine.kv_cache_gib`, as blocks are first
         written (prefix caching keeps released blocks and hands out never-used ones first), which a memory soak
-        tells apart from a leak (`/health`; a pagemap read of ~2 MB, so not in `stats()`, which every scrape reads)."""
-        return self.core.runner.cache.resident_bytes()
+        tells apart from a leak (`/health`; a pagemap read, 8 bytes a page of the cache, so not in `stats()`, which
+        every scrape reads; at most KV_COUNT_MAX_AGE old, so a client polling /health does not take the cores)."""
+        return self.core.runner.cache.resident_bytes(max_age=KV_COUNT_MAX_AGE)
 
     def weights_report(self) -> dict[str, object]:
         """What `/health` says of the weights: resident bytes, `model.quantization`, batch-invariant mode on, and what
