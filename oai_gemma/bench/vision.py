@@ -35,7 +35,7 @@ from ..engine.model.lean import fill, read_checkpoint
 from ..engine.model.lean_config import model_config
 from ..engine.model.lean_vision import BiasedLinear, Projector, VisionTower, checkpoint_name
 from ..engine.model.vision_encode import VisionEncode
-from ..engine.model.vision_layout import VisionLinear, to_bf16, to_q8
+from ..engine.model.vision_layout import Bf16VisionLinear, VisionLinear, to_bf16, to_q8
 from ..engine.model.vision_weights import VisionWeights, embed, from_modules
 
 LAYOUTS = ("f32", "f32-packed", "int8", "int8-kernel", "bf16", "q8a7", "q8")
@@ -90,8 +90,8 @@ def relayout(holder: nn.Module, layout: str) -> int:
             q8 = VisionLinear(weight, bias, *pads, activations=7 if layout == "q8a7" else 8)
             swapped = _Swapped(q8, torch.zeros(()), q8.packed_bytes)
         elif layout == "bf16":
-            w = weight.bfloat16()
-            swapped = _Swapped(lambda x, w=w: F.linear(x.bfloat16(), w), bias, w.numel() * 2)
+            bf16 = Bf16VisionLinear(weight, bias)  # the server's layout, its bias inside
+            swapped = _Swapped(bf16, torch.zeros(()), bf16.weight.numel() * 2)
         else:
             q = quantized.NativeInt8Linear(weight)
             call = q if layout == "int8" else (lambda x, q=q: _kernel(q, x))

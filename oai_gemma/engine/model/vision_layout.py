@@ -46,25 +46,50 @@ TILE = (2, 4)
 within 3% of it (AVX2 EPYC, one thread)."""
 
 
-class VisionLinear:
+class _ConvertedLinear:
+    """A projection made from its float weight and bias, at once or at its first call (`lazy`: the server's, so the
+    conversion stays off the warm start and is spread over the first image's encode, a layer at a time; ~3.7 s of
+    CPU for the 4B's tower in int8). Until then `source` holds the float weight and bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, lazy: bool):
+        self.source = (weight, bias)
+        if not lazy:
+            self._ready()
+
+    def _ready(self) -> None:
+        if self.source is not None:
+            weight, bias = self.source
+            self.source = None
+            self._convert(weight.detach(), bias.detach())
+
+    def _convert(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def packed_bytes(self) -> int:
+        if self.source is not None:  # not converted yet: the float weight and bias
+            return sum(t.numel() * t.element_size() for t in self.source)
+        return self._converted_bytes()
+
+    def _converted_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class VisionLinear(_ConvertedLinear):
     """A SigLIP projection with int8 weights per output channel and its float32 bias: rows [..., K] -> [..., N] (N
     and K as padded). `activations`: 7 (the server's: vision_dot.c, each block's activations in -63..63, no sign
     moves) or 8 (int_dot.c's `Q8Linear`, Q8_0 blocks: 0.7x its error, measured ~1.45x its time)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, pad_outputs: int = 0, pad_inputs: int = 0,
                  activations: int = 7, lazy: bool = False):
-        """`lazy`: keep the float weight until the first call quantizes it (the server's: ~3.7 s of CPU for the 4B's
-        tower stays off the warm start and is spread over the first image's encode, a layer at a time)."""
-        self.activations, self.source = activations, (weight, bias, pad_outputs, pad_inputs)
-        if not lazy:
-            self._quantize()
+        self.activations, self.pads = activations, (pad_outputs, pad_inputs)
+        super().__init__(weight, bias, lazy)
 
-    def _quantize(self) -> None:
-        weight, bias, pad_outputs, pad_inputs = self.source
-        self.source = None
-        weight = F.pad(weight.detach().float(), (0, pad_inputs, 0, pad_outputs))
+    def _convert(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        pad_outputs, pad_inputs = self.pads
+        weight = F.pad(weight.float(), (0, pad_inputs, 0, pad_outputs))
         self.linear = Q8Linear(weight)
-        self.bias = F.pad(bias.detach().float(), (0, pad_outputs))
+        self.bias = F.pad(bias.float(), (0, pad_outputs))
         if self.activations == 7:
             n, k = weight.shape
             levels = self.linear.packed.permute(0, 2, 1, 3).reshape(n // 8, 8, k // DOT_BLOCK, DOT_BLOCK)
@@ -72,16 +97,12 @@ class VisionLinear:
             """[N/8, K/32, 8] int16 (at most 32 * 127): each output's weights summed per block (the kernel takes 64 of
             each off)."""
 
-    @property
-    def packed_bytes(self) -> int:
-        if self.source is not None:  # not quantized yet: the float weight and bias
-            return sum(t.numel() * t.element_size() for t in self.source[:2])
+    def _converted_bytes(self) -> int:
         sums = self.block_sums.numel() * 2 if self.activations == 7 else 0
         return self.linear.packed_bytes + self.bias.numel() * 4 + sums
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.source is not None:
-            self._quantize()
+        self._ready()
         rows = x.reshape(-1, x.shape[-1])
         if self.activations == 8:
             y = self.linear.rowwise(rows if rows.dtype == torch.bfloat16 else rows.float(), torch.float32)
@@ -98,41 +119,39 @@ class VisionLinear:
         return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
-class Bf16VisionLinear:
+class Bf16VisionLinear(_ConvertedLinear):
     """A SigLIP projection with a bfloat16 weight and its bias in the tower's dtype: rows [..., K] -> [..., N]. Each
-    output is rounded to bfloat16 once (oneDNN's bf16 GEMM writes bf16) and the bias added after, in the rows' dtype.
-    `lazy`: the weight converted at the first call (the float weight held until then, as `VisionLinear`'s)."""
+    output is rounded to bfloat16 once (oneDNN's bf16 GEMM writes bf16) and the bias added after, in the rows' dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, lazy: bool = False):
-        self.source = (weight, bias)
-        if not lazy:
-            self._convert()
+        super().__init__(weight, bias, lazy)
 
-    def _convert(self) -> None:
-        weight, bias = self.source
-        self.source = None
-        self.weight, self.bias = weight.detach().to(torch.bfloat16).contiguous(), bias.detach()
+    def _convert(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        self.weight, self.bias = weight.to(torch.bfloat16).contiguous(), bias
 
-    @property
-    def packed_bytes(self) -> int:
-        held = self.source if self.source is not None else (self.weight, self.bias)
-        return sum(t.numel() * t.element_size() for t in held)
+    def _converted_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.source is not None:
-            self._convert()
+        self._ready()
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype).add_(self.bias.to(x.dtype))
+
+
+def _swap_linears(weights: VisionWeights, make) -> VisionWeights:
+    """Every encoder layer's projections replaced by `make(weight name, weight, bias)`, their biases inside it (the
+    layer's bias fields None), in place, one layer at a time; the patch embedding and the projector stay."""
+    for layer in weights.layers:
+        for weight_name, bias_name in LINEARS:
+            setattr(layer, weight_name, make(weight_name, getattr(layer, weight_name), getattr(layer, bias_name)))
+            setattr(layer, bias_name, None)
+    return weights
 
 
 def to_bf16(weights: VisionWeights, lazy: bool = False) -> VisionWeights:
     """Every encoder layer's projections as `Bf16VisionLinear`s, in place (`lazy`: each converted at its first call),
     and the attention's float32 matmuls under oneDNN's `bf16` precision (vision_weights.py's `mkldnn_fp32_precision`)."""
     weights.attention_fp32_precision = "bf16"
-    for layer in weights.layers:
-        for weight_name, bias_name in LINEARS:
-            setattr(layer, weight_name, Bf16VisionLinear(getattr(layer, weight_name), getattr(layer, bias_name), lazy=lazy))
-            setattr(layer, bias_name, None)
-    return weights
+    return _swap_linears(weights, lambda name, weight, bias: Bf16VisionLinear(weight, bias, lazy=lazy))
 
 
 def why_not_q8(weights: VisionWeights) -> str | None:
@@ -153,13 +172,9 @@ def to_q8(weights: VisionWeights, activations: int = 7, lazy: bool = False) -> V
     layer at a time (each layer's float weights let go as it is done; `lazy`: at each linear's first call); the
     patch embedding and the projector stay."""
     pad = -weights.shape.intermediate % DOT_BLOCK
-    for layer in weights.layers:
-        for weight_name, bias_name in LINEARS:
-            pads = {"fc1_weight": (pad, 0), "fc2_weight": (0, pad)}.get(weight_name, (0, 0))
-            linear = VisionLinear(getattr(layer, weight_name), getattr(layer, bias_name), *pads, activations=activations, lazy=lazy)
-            setattr(layer, weight_name, linear)
-            setattr(layer, bias_name, None)
-    return weights
+    pads = {"fc1_weight": (pad, 0), "fc2_weight": (0, pad)}
+    return _swap_linears(weights, lambda name, weight, bias: VisionLinear(
+        weight, bias, *pads.get(name, (0, 0)), activations=activations, lazy=lazy))
 
 
 def tower_layout(weights: VisionWeights | None, quantization: str, fast_bf16: bool | None = None) -> VisionWeights | None:
