@@ -16,8 +16,8 @@ DOT_TILES = {"q8": ((1, 4), (2, 4)), "q4": ((1, 4), (4, 3)), "q5": ((1, 4), (4, 
 """Register tiles of int_dot.c (rows of x, groups of 8 outputs) for one row and for several (measured on the AVX2
 EPYC, one thread, the 6912 x 1152 gate, nine tiles each: the fastest at 8 and 32 rows or within 3% of it; q5 at
 8 rows of a 2048 x 1152 weight, seven tiles: (4, 2) the fastest, (4, 3) within 3%). An AVX512-VNNI build takes
-its own 512-bit tile for several rows (int_dot.c's `WIDE`: 4 rows x 2 pairs of groups, measured on an AVX512 EPYC,
-4B shapes, 64 and 512 rows: the fastest of seven for q4 and q5, q8 within 6%)."""
+its own 512-bit tile for several rows (int_dot.c's `WIDE`: 4 rows x 3 pairs of groups, measured on an AVX512 EPYC,
+4B shapes, 64 and 512 rows, seven shapes: the fastest or within 2%)."""
 
 
 def _check_dot_input(x: torch.Tensor, k: int) -> None:
