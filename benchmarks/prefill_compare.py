@@ -40,7 +40,7 @@ def main() -> None:
     sides = {"ours": (args.ours, True), "other": (args.other, args.other_is_ours)}
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for number in range(args.rounds):
-        prompt = f"Round {number} begins. " + " ".join(f"item{(j * 7 + number) % 997}" for j in range(args.words))
+        prompt = f"Round {number} against {args.other} begins. " + " ".join(f"item{(j * 7 + number) % 997}" for j in range(args.words))
         for name, (base, is_ours) in sides.items():
             body = {"model": args.model if is_ours else "default", "prompt": prompt, "max_tokens": 1, "temperature": 0}
             if not is_ours:

@@ -341,6 +341,9 @@ static void tile_of(int q4, int r, int g, const activations *a, int64_t m0, int6
 
 #if WIDE
 #define WIDE_MAX_PAIRS 3
+#if WIDE_ROWS > MAX_ROWS || WIDE_PAIRS > WIDE_MAX_PAIRS
+#error "the 512-bit tiles' switch covers 1..MAX_ROWS rows and 1..WIDE_MAX_PAIRS pairs"
+#endif
 
 /* 32 bytes at a, then 32 at b */
 static inline __attribute__((always_inline)) __m512i load_pair(const void *a, const void *b)
