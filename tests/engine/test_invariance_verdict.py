@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -71,6 +72,16 @@ def test_the_environment_that_limits_the_isa_changes_the_key(tmp_path, monkeypat
     config, w = EngineConfig(model=ModelConfig(cache_dir=tmp_path)), weights()
     before = invariance_check.verdict_key(w, config)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert invariance_check.verdict_key(w, config) != before
+
+
+def test_an_edit_to_a_linears_python_call_changes_the_key(tmp_path, monkeypatch):
+    """Which kernel a row count takes is decided in ops/quantized.py and its siblings: an edit there is a new verdict."""
+    config, w = EngineConfig(model=ModelConfig(cache_dir=tmp_path)), weights()
+    before = invariance_check.verdict_key(w, config)
+    edited = tmp_path / "quantized.py"
+    edited.write_bytes(Path(invariance_check.ops_quantized.__file__).read_bytes() + b"\n# an edit\n")
+    monkeypatch.setattr(invariance_check.ops_quantized, "__file__", str(edited))
     assert invariance_check.verdict_key(w, config) != before
 
 

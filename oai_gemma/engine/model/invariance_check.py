@@ -5,7 +5,7 @@ bit (ops/invariance.py); on 2 cores it takes seconds of every start. Its verdict
 the weights' values, so it is kept in the model cache (`<cache_dir>/invariance/<key>.json`), keyed by everything
 the kernels' behaviour depends on: the CPU (model name and flags), torch and its CPU capability, the environment
 that limits the kernel libraries' ISA, the native libraries' names (their sources' digests), this check's own
-source, the dtype, the linears' layouts, the shapes and row counts, the threads and the setting. A later start
+source and the linears' Python calls (ops/linear.py, quantized.py, int_dot.py: which kernel a row count takes), the dtype, the linears' layouts, the shapes and row counts, the threads and the setting. A later start
 with the same key reads the verdict and says so; `cache_dir` None (tests) checks every time.
 
 The check runs on the thread count the engine will compute with (`config.model.threads`), not the calling thread's:
@@ -27,7 +27,7 @@ from ...cpu import computing_with
 from .buckets import bucket, buckets
 from .weights import Gemma3Weights
 from ..config import ConfigError, EngineConfig
-from ..ops import invariance as ops_invariance
+from ..ops import int_dot as ops_int_dot, invariance as ops_invariance, linear as ops_linear, quantized as ops_quantized
 from ..ops.invariance import (COST_DECODE_ROWS, COST_ROWS, PROMPT_KERNEL_TOKENS, TILE_ROWS, Invariance, prefill_cost,
                               prefill_rows_exact, small_spans, span_step, tile_rows, window_blocks)
 from ..cache.kv_cache import BLOCK_SIZE
@@ -124,7 +124,8 @@ def verdict_key(weights: Gemma3Weights, config: EngineConfig) -> str:
         "cpu": _cpu(), "torch": str(torch.__version__), "capability": torch.backends.cpu.get_cpu_capability(),
         "environment": {name: os.environ.get(name) for name in ISA_ENVIRONMENT}, "threads": engine_threads(config),
         "native": sorted(library_name(family) for family in FAMILIES),
-        "check": [hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest() for module in (ops_invariance,)]
+        "check": [hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()
+                  for module in (ops_invariance, ops_linear, ops_quantized, ops_int_dot)]
         + [hashlib.sha256(Path(__file__).read_bytes()).hexdigest()],
         "dtype": str(weights.dtype), "quantization": config.model.quantization,
         "layouts": [type(linear).__name__ for linear in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down, weights.lm_head)],
