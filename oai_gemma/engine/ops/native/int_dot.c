@@ -490,6 +490,19 @@ static void wide_tile_of(int q4, int r, int p, const activations *a, int64_t m0,
 }
 #endif
 
+/* Where group g of eight outputs starts in a layout's weights (`q4`: 0 q8, 4 q4, 5 q5) and in q8's per-output scales
+   (q4 and q5 keep theirs inside the blocks: NULL). */
+static inline const void *group_weights(int q4, const void *w, int64_t g, int64_t K)
+{
+    return q4 ? (const void *)((const uint8_t *)w + g * (K / BLOCK) * (q4 == 5 ? Q5_BYTES : Q4_BYTES))
+              : (const void *)((const int8_t *)w + g * K * 8);
+}
+
+static inline const void *group_scales(int q4, const void *scale, int64_t g)
+{
+    return q4 ? NULL : (const void *)((const float *)scale + g * 8);
+}
+
 /* Threads share tiles of `groups` groups of 8 outputs; each tile runs over the rows `rows` at a time. `q4`: 0 the q8
    layout, 4 the q4, 5 the q5. */
 static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M, int64_t K, const void *w,
@@ -522,9 +535,7 @@ static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g0 = t * tile_groups;
         const int g = groups - g0 < tile_groups ? (int)(groups - g0) : tile_groups;
-        const void *wt = q4 ? (const void *)((const uint8_t *)w + g0 * blocks * (q4 == 5 ? Q5_BYTES : Q4_BYTES))
-                            : (const void *)((const int8_t *)w + g0 * K * 8);
-        const void *st = q4 ? NULL : (const void *)((const float *)scale + g0 * 8);
+        const void *wt = group_weights(q4, w, g0, K), *st = group_scales(q4, scale, g0);
         for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
             const int r = M - m0 < tile_rows ? (int)(M - m0) : tile_rows;
 #if WIDE
@@ -532,11 +543,9 @@ static void run(int q4, int tile_rows, int tile_groups, const void *x, int64_t M
                 const int pairs = g / 2;
                 if (pairs) wide_tile_of(q4, r, pairs, &a, m0, K, wt, st, y, m0 * N + g0 * 8, N, y_bf16);
                 if (g % 2) {
-                    const int64_t last = g - 1;
-                    const void *wl = q4 ? (const void *)((const uint8_t *)wt + last * blocks * (q4 == 5 ? Q5_BYTES : Q4_BYTES))
-                                        : (const void *)((const int8_t *)wt + last * K * 8);
-                    tile_of(q4, r, 1, &a, m0, K, wl, q4 ? NULL : (const void *)((const float *)st + last * 8), y,
-                            m0 * N + (g0 + last) * 8, N, y_bf16);
+                    const int64_t last = g0 + g - 1;
+                    tile_of(q4, r, 1, &a, m0, K, group_weights(q4, w, last, K), group_scales(q4, scale, last), y,
+                            m0 * N + last * 8, N, y_bf16);
                 }
                 continue;
             }
