@@ -31,6 +31,10 @@ from .tools import MalformedToolCall, render_tool_calls, render_tool_result
 
 OFFICIAL_TEMPLATE_PATH = Path(__file__).with_name("gemma3_chat_template.jinja")
 IMAGE_TOKEN = "<start_of_image>"
+IMAGE_TOKENS = (IMAGE_TOKEN, "<image_soft_token>", "<end_of_image>")
+"""What an image part becomes in the prompt (its marker, then the processor's 256 soft tokens a crop and the end):
+the tokenizer reads these in any text as the tokens themselves, so a text holding one would stand for an image
+that is not there (or move the pixels of one that is)."""
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "model", "tool": "tool"}
 
 
@@ -53,8 +57,16 @@ class MessagePath:
     calls: tuple[str, ...] = ()
     """Where each tool call sits, when not in the message's own `tool_calls`."""
 
+    def field(self) -> str:
+        """The field holding the message's content (or its parts)."""
+        return f"{self.where}.{self.content}" if self.content else self.where
+
     def part(self, j: int) -> str:
-        return f"{self.where}.{self.content}[{j}]" if self.content else self.where
+        return f"{self.field()}[{j}]" if self.content else self.where
+
+    def calls_field(self) -> str:
+        """Where the message's tool calls sit (the first's item, when they are items of their own)."""
+        return self.calls[0] if self.calls else f"{self.where}.tool_calls"
 
     def call(self, exc: MalformedToolCall) -> str:
         if exc.index < len(self.calls):
@@ -104,7 +116,7 @@ def render_chat(
         else:
             turns.append(_Turn(role, text, images))
     if tool_prompt:
-        system.append(tool_prompt)
+        system.append(_text(tool_prompt, "tools"))
     if system:
         _prefix(turns, "\n\n".join(system))
     prompt = bos_token + "".join(f"<start_of_turn>{t.role}\n{t.text}<end_of_turn>\n" for t in turns)
@@ -130,13 +142,13 @@ def _role(message: ChatMessage, where: MessagePath) -> str:
 def _system_text(content: str | list[ContentPart] | None, where: MessagePath) -> str:
     """Kept as sent (the official template does not trim it); images have no place in Gemma-3's system text."""
     if isinstance(content, str):
-        return content
+        return _text(content, where.field())
     texts = []
     for j, part in enumerate(_parts(content, where)):
         value = _part(part, where.part(j))
         if isinstance(value, ImagePart):
             raise ChatInputError("images are not allowed in system messages", value.param)
-        texts.append(value)
+        texts.append(_text(value, where.part(j)))
     return "".join(texts)
 
 
@@ -145,7 +157,8 @@ def _turn_content(role: str, message: ChatMessage, where: MessagePath) -> tuple[
     content = message.content
     if role == "model" and message.tool_calls:
         text, images = ("", []) if content is None else _content(content, where)
-        return "\n".join(t for t in (text, _tool_calls(message.tool_calls, where)) if t), images
+        calls = _text(_tool_calls(message.tool_calls, where), where.calls_field())
+        return "\n".join(t for t in (text, calls) if t), images
     if role == "model" and content is None:
         return "", []
     return _content(content, where)
@@ -153,7 +166,7 @@ def _turn_content(role: str, message: ChatMessage, where: MessagePath) -> tuple[
 
 def _content(content: str | list[ContentPart] | None, where: MessagePath) -> tuple[str, list[ImagePart]]:
     if isinstance(content, str):
-        return content.strip(), []
+        return _text(content, where.field()).strip(), []
     pieces, images = [], []
     for j, part in enumerate(_parts(content, where)):
         value = _part(part, where.part(j))
@@ -161,7 +174,7 @@ def _content(content: str | list[ContentPart] | None, where: MessagePath) -> tup
             images.append(value)
             pieces.append(IMAGE_TOKEN)
         else:
-            pieces.append(value.strip())
+            pieces.append(_text(value, where.part(j)).strip())
     return "".join(pieces), images
 
 
@@ -182,9 +195,17 @@ def _tool_result(message: ChatMessage, where: MessagePath) -> str:
 
 def _parts(content: list[ContentPart] | None, where: MessagePath) -> list[ContentPart]:
     if content is None:
-        param = f"{where.where}.{where.content}" if where.content else where.where
+        param = where.field()
         raise ChatInputError(missing(param), param, "missing_required_parameter")
     return content
+
+
+def _text(text: str, param: str) -> str:
+    """`text` as sent, refused where it holds one of IMAGE_TOKENS (`param`: the field it came in)."""
+    token = next((token for token in IMAGE_TOKENS if token in text), None)
+    if token:
+        raise ChatInputError(f"text may not contain the image token {token}: send an image as an image_url part", param)
+    return text
 
 
 def _part(part: ContentPart, where: str) -> str | ImagePart:

@@ -343,6 +343,9 @@ def test_a_client_that_leaves_a_stream_frees_its_slot(server, http):
         ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strange"}}}}}}, "text.format"),
         ({"input": "Hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": "Hi" * 40_000}, "input"),
+        ({"input": "Hi", "instructions": "Answer <start_of_image>"}, "instructions"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "<image_soft_token>"}]}]}, "input[0].content[0]"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": "<end_of_image>"}'}]}, "input[0]"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(http, payload, param):

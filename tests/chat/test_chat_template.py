@@ -374,3 +374,34 @@ def test_image_in_system_message_is_refused():
 
 def test_bad_part_in_system_message_is_refused():
     assert refused([system([{"type": "text"}]), user("q")]).param == "messages[0].content[0]"
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": "<end_of_image>"}'}}
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([user("look <start_of_image> here")], "messages[0].content"),
+        ([user([text("hi"), text("<image_soft_token>" * 3), image()])], "messages[0].content[1]"),
+        ([system("<end_of_image>"), user("q")], "messages[0].content"),
+        ([system([text("a"), text("<start_of_image>")]), user("q")], "messages[0].content[1]"),
+        ([user("q"), {"role": "tool", "tool_call_id": "c1", "content": "<image_soft_token>"}], "messages[1].content"),
+        ([user("q"), {"role": "assistant", "content": None, "tool_calls": [CALL]}], "messages[1].tool_calls"),
+    ],
+    ids=["user-string", "user-part", "system-string", "system-part", "tool-result", "tool-call-arguments"],
+)
+def test_text_holding_an_image_token_is_refused_naming_it(messages, param):
+    # the tokenizer reads these in any text as the tokens an image part expands to: an image that is not there
+    error = refused(messages)
+    assert error.param == param and "image token" in error.message and "image_url" in error.message
+
+
+def test_a_tool_description_holding_an_image_token_is_refused_as_the_tools():
+    with pytest.raises(ChatInputError) as info:
+        render_chat([user("q")], tool_prompt="f: returns <start_of_image>")
+    assert info.value.param == "tools"
+
+
+def test_text_naming_image_tokens_without_their_brackets_renders_as_sent():
+    assert "start_of_image and image_soft_token" in prompt([user("start_of_image and image_soft_token")])

@@ -206,6 +206,14 @@ def test_bad_image_is_400_naming_the_part(vclient, url, words):
     assert words in body["message"].lower(), body["message"]
 
 
+def test_text_holding_image_tokens_beside_an_image_is_400_naming_the_text(vclient):
+    # it was a 500: the tokenizer read them as a second image's tokens, and the engine found two images for one's pixels
+    messages = [{"role": "user", "content": [{"type": "text", "text": "<image_soft_token> look"}, image_part(data_url(png()))]}]
+    body = bad_request(vclient, messages)
+    assert body["param"] == "messages[0].content[0]" and body["type"] == "invalid_request_error"
+    assert "<image_soft_token>" in body["message"], body["message"]
+
+
 def test_too_many_images_is_400_naming_the_first_extra_one(vclient):
     parts = [image_part(data_url(png())) for _ in range(MAX_IMAGES + 1)]
     body = bad_request(vclient, ask(*parts))
