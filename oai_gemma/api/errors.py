@@ -265,6 +265,8 @@ def generation_failure(event) -> APIError:
         return APIError(504, event.error, "server_error", None, "timeout")
     if event.finish_reason == "not_found":  # the adapter the request named was unloaded before it started
         return APIError(404, event.error, "invalid_request_error", "model", "model_not_found")
+    if event.finish_reason == "invalid_grammar":
+        return APIError(400, event.error, "invalid_request_error", None, "invalid_json_schema")
     if event.finish_reason == "aborted":
         return APIError(503, event.error, "server_error", None, "server_shutting_down")
     return APIError(500, f"generation failed: {event.error or event.finish_reason}", "server_error", None, "generation_failed")

@@ -173,17 +173,47 @@ def calls_schema(functions: list[Function], *, parallel: bool) -> dict:
     One function (a named `tool_choice`): that call. Several (`required`): any one of them. With `parallel`, a
     list of 1 to MAX_FORCED_CALLS such calls (a small model would otherwise repeat calls until the budget ends).
     """
-    options = [
-        {
+    options, moved = [], {}
+    for i, f in enumerate(functions):
+        parameters = closed(f.parameters or EMPTY_PARAMETERS)
+        name = f"oai_gemma_parameters_{i}"
+        rebased = rebase_refs(parameters, f"#/$defs/{name}")
+        if rebased != parameters:  # its `$ref`s point into itself: it moves to the document's `$defs`, they follow
+            moved[name], parameters = rebased, {"$ref": f"#/$defs/{name}"}
+        options.append({
             "type": "object",
-            "properties": {"name": {"const": f.name}, "parameters": closed(f.parameters or EMPTY_PARAMETERS)},
+            "properties": {"name": {"const": f.name}, "parameters": parameters},
             "required": ["name", "parameters"],
             "additionalProperties": False,
-        }
-        for f in functions
-    ]
+        })
     call = options[0] if len(options) == 1 else {"anyOf": options}
-    return {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_FORCED_CALLS} if parallel else call
+    schema = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_FORCED_CALLS} if parallel else call
+    return {**schema, "$defs": moved} if moved else schema
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebase_refs(schema, base: str):
+    """A copy of `schema` whose local `$ref`s (`#` and `#/...`: JSON pointers into `schema` itself) point into `base`
+    instead: a tool's parameters nested inside the call's schema keep meaning what they meant as a document of
+    their own (pydantic's `#/$defs/Model`, a tree's `#`). Values that are data (`const`, `enum`, ...) stay as sent."""
+    if isinstance(schema, list):
+        return [rebase_refs(sub, base) for sub in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
 
 
 def closed(schema):

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "cancelled", "error", "timeout", "aborted"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "timeout", "aborted", "invalid_grammar"]
 """`cancelled`: the consumer went away; `timeout`: the request ran past its total or idle limit;
-`aborted`: the server ended it (shutting down); `error`: it failed (the event's `error` says why)."""
+`aborted`: the server ended it (shutting down); `error`: it failed (the event's `error` says why);
+`invalid_grammar`: the request's grammar failed on its own part way (llguidance's error: a `$ref` that only
+refers to itself, a parser limit), so no valid document could follow."""
 
 
 def completion_room(max_model_len: int, tokens: int) -> int:

@@ -141,6 +141,25 @@ def test_malformed_response_format_is_400_naming_the_field(http, response_format
     assert error_of(http, {"response_format": response_format})["param"] == param
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_that_cannot_be_completed_is_400_not_a_cut_document_called_stop(http, stream):
+    # `a` only refers to itself: the grammar fails after `{"a":` and allows only the end (it came back as
+    # `{"a":` with finish_reason "stop")
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"], "$defs": {"x": {"$ref": "#/$defs/x"}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": schema}}}
+    if not stream:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    else:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        error = events[-1]["error"]
+        assert not any(c["choices"][0]["finish_reason"] for c in events[:-1] if c.get("choices")), "no finish before the error"
+    assert error["code"] == "invalid_json_schema" and error["type"] == "invalid_request_error", error
+
+
 def test_bad_schema_through_the_client_is_bad_request(client):
     with pytest.raises(openai.BadRequestError):
         ask(client, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})

@@ -3,6 +3,7 @@
 import json
 
 import jsonschema
+import llguidance
 import pytest
 
 from oai_gemma.chat import render_chat
@@ -361,3 +362,38 @@ def test_forced_schema_with_parallel_is_a_non_empty_list_of_any_tool_call():
         jsonschema.validate([], schema)
     with pytest.raises(jsonschema.ValidationError):  # a looping list ends: at most MAX_FORCED_CALLS calls
         jsonschema.validate([answer[0]] * (MAX_FORCED_CALLS + 1), schema)
+
+
+LEG = {"type": "object", "properties": {"from": {"type": "string"}, "to": {"type": "string"}}, "required": ["from", "to"]}
+BOOK = Function("book", parameters={  # as pydantic writes a model with a nested one
+    "type": "object", "properties": {"leg": {"$ref": "#/$defs/Leg"}, "back": {"anyOf": [{"$ref": "#/$defs/Leg"}, {"type": "null"}]},
+                                     "note": {"const": {"$ref": "#/data"}}},
+    "required": ["leg"], "$defs": {"Leg": LEG},
+})
+TREE = Function("tree", parameters={
+    "type": "object", "properties": {"value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["value"],
+})
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_schema_keeps_what_the_parameters_refs_point_at(parallel):
+    # pydantic's `#/$defs/Leg` and a tree's `#` mean the parameters' own root: nested in the call's schema they
+    # pointed at the call's root (a 400 "Pointer '/$defs/Leg' does not exist", a tree whose children were calls)
+    schema = calls_schema([BOOK, TREE], parallel=parallel)
+    good = [{"name": "book", "parameters": {"leg": {"from": "A", "to": "B"}, "back": None}},
+            {"name": "tree", "parameters": {"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]}}]
+    bad = [{"name": "book", "parameters": {"leg": {"from": "A"}}},
+           {"name": "tree", "parameters": {"value": 1, "children": [{"name": "tree", "parameters": {"value": 2}}]}}]
+    for call in good:
+        jsonschema.validate([call] if parallel else call, schema)
+    for call in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([call] if parallel else call, schema)
+    assert '"note":{"const":{"$ref":"#/data"}}' in json.dumps(schema, separators=(",", ":")), "data stays as sent"
+    assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema, {})) == ""
+
+
+def test_forced_schema_of_parameters_without_refs_is_inline_as_before():
+    schema = calls_schema(FUNCTIONS[:1], parallel=False)
+    assert "$defs" not in schema and schema["properties"]["parameters"]["properties"]["city"] == {"type": "string"}

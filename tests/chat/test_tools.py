@@ -288,6 +288,29 @@ def test_named_tool_choice_forces_that_function_with_valid_arguments(client):
     assert response.choices[0].finish_reason == "stop"  # OpenAI's when the request named the function
 
 
+def test_a_forced_call_of_a_pydantic_tool_with_a_nested_model_validates_as_that_model(client):
+    # pydantic puts the nested model in `$defs` and points at it (`#/$defs/Leg`): nested in the call's schema that
+    # pointer was a 400 ("Pointer '/$defs/Leg' does not exist") for the Agents SDK's and LangChain's tools
+    from pydantic import BaseModel
+
+    class Leg(BaseModel):
+        origin: str
+        destination: str
+
+    class BookFlight(BaseModel):
+        outbound: Leg
+        back: Leg | None
+
+    tool = openai.pydantic_function_tool(BookFlight)
+    assert "$defs" in tool["function"]["parameters"]
+    response = client.chat.completions.create(
+        model=MODEL, messages=user("Book me a flight."), tools=[tool], temperature=0, max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "BookFlight"}},
+    )
+    [call] = response.choices[0].message.tool_calls
+    BookFlight.model_validate_json(call.function.arguments)  # raises where it is not one
+
+
 def test_named_tool_choice_stream_ends_with_stop(http):
     stream = post_stream(http, {"model": MODEL, "messages": user("Hello!"), "tools": TOOLS, "temperature": 0,
                                 "max_tokens": 60, "stream": True,

@@ -72,10 +72,27 @@ def test_unknown_format_is_unsupported_naming_it(compiler):
     assert info.value.feature == "format: madeup"
 
 
-@pytest.mark.parametrize("schema", [{"type": "foo"}, {"properties": 3}, {"$ref": "#/nowhere"}, [1, 2]])
+@pytest.mark.parametrize("schema", [{"type": "foo"}, {"properties": 3}, {"$ref": "#/nowhere"}, [1, 2], {"$ref": "#"}])
 def test_invalid_schema_is_invalid(compiler, schema):
+    # `{"$ref": "#"}` compiles, but its first mask fails (it allowed only the end: an empty "document")
     with pytest.raises(InvalidSchema):
         compiler.json_schema(schema)
+
+
+SELF_LOOP = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"], "$defs": {"x": {"$ref": "#/$defs/x"}}}
+
+
+def test_a_grammar_that_fails_part_way_says_why_when_the_end_comes(compiler, tokenizer):
+    # `a`'s schema only refers to itself: after `{"a":` the mask allows only the end, which is no document
+    matcher = compiler.json_schema(SELF_LOOP).matcher()
+    for token in tokenizer.encode('{"a":'):
+        assert matcher.failure() is not None, "unfinished"
+        assert matcher.consume_token(token)
+    assert "only refers to itself" in matcher.failure() and "<state>" not in matcher.failure()
+    done = compiler.json_schema(PERSON).matcher()
+    for token in tokenizer.encode('{"name":"a","role":"user"}'):
+        done.consume_token(token)
+    assert done.failure() is None
 
 
 def test_document_complete_stops_the_matcher(compiler, tokenizer):

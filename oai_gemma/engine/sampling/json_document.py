@@ -296,6 +296,16 @@ class DocumentMatcher:
     def get_error(self) -> str:
         return self.matcher.get_error()
 
+    def failure(self) -> str | None:
+        """Why the document cannot be completed, asked when the sequence ends it: None where it is complete. An
+        end allowed part way means the grammar itself failed (its mask then allows only the end), maybe in a draft
+        row's copy: the mask computed here again says why."""
+        if self.matcher.is_accepting() or (self.matcher.is_stopped() and not self.matcher.is_error()):
+            return None
+        if not self.matcher.is_error():
+            self.matcher.compute_bitmask()
+        return grammar_failure(self.matcher.get_error() or "the document ended unfinished")
+
     def banned_tokens(self) -> list[int]:
         """Tokens the grammar allows but that would close a key this object already has."""
         if self.vocabulary is None:
@@ -331,6 +341,12 @@ class DocumentMatcher:
         """The first token of a closing planned now (when calm leaves the model no token), EOS if complete."""
         plan = closing_tokens(self.matcher, self.cursor, self.vocabulary, limit=max(self.budget or 0, 1) * 4)
         return plan[0] if plan else eos_token
+
+
+def grammar_failure(error: str) -> str:
+    """llguidance's error, its first line (a parser state dump follows), with what usually causes it."""
+    return (f"{error.strip().splitlines()[0]} (a `$ref` that only refers to itself, or a schema past the grammar "
+            "engine's limits, cannot be followed to a complete document)")
 
 
 def closing_tokens(matcher: llguidance.LLMatcher, cursor: JsonCursor, vocabulary: JsonVocabulary, limit: int) -> list[int] | None:

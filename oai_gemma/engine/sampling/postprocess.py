@@ -72,6 +72,9 @@ def _outcome(limits: Limits, seq: Sequence, token: int) -> tuple[str, str | None
     # a document closed early to fit its token budget ends as the budget would have ended it
     done = "length" if seq.matcher is not None and seq.matcher.cut_short else "stop"
     if _ends_turn(limits, seq, token):
+        failure = seq.matcher.failure() if seq.matcher is not None else None
+        if failure is not None:  # the end was all a failed grammar allowed: not a document
+            return "", "invalid_grammar", f"the requested JSON schema cannot be followed: {failure}"
         return seq.stopper.flush(), done, None
     text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
     if stopped:
