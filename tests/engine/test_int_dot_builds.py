@@ -2,7 +2,7 @@
 tiles across threads (`SCHEDULE`, `CHUNKS`), the software prefetch distance (`PREFETCH`) and the timing build
 (`TIMING`) each give every output the shipped build's bits, at one row and several, on two threads; the timing build
 reports where a call's time went; the VNNI builds (sources.ISA_FLAGS, where this CPU has them) give the AVX2 build's
-bits."""
+bits, int_dot.c's and the vision tower's vision_dot.c alike."""
 
 import ctypes
 import subprocess
@@ -28,9 +28,9 @@ def builds(tmp_path_factory):
             for i, flag in enumerate(VARIANTS)}
 
 
-def compile_with(directory, name: str, flags) -> ctypes.CDLL:
+def compile_with(directory, name: str, flags, family: str = "int_dot") -> ctypes.CDLL:
     target = directory / f"{name}.so"
-    subprocess.run([sources.compiler(), *flags, str(sources.FAMILIES["int_dot"][0]), "-o", str(target)], check=True)
+    subprocess.run([sources.compiler(), *flags, str(sources.FAMILIES[family][0]), "-o", str(target)], check=True)
     return ctypes.CDLL(str(target))
 
 
@@ -117,6 +117,35 @@ def test_the_vnni_builds_give_the_avx2_builds_bits(isa_builds, cls, dtype):
             expected = run(avx2, linear, x)
             for extra, library in zip(VNNI, vnni):
                 assert torch.equal(run(library, linear, x), expected), (rows, extra)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not VNNI, reason="this CPU has neither AVX-VNNI nor AVX512-VNNI with VL")
+def test_the_vision_towers_vnni_builds_give_the_avx2_builds_bits(tmp_path):
+    # 53 groups of outputs: pairs in the 512-bit tiles and one left for the 256-bit tile; rows 1 (256-bit) to 130
+    from oai_gemma.engine.model.vision_layout import TILE, VisionLinear
+
+    avx2 = sources.flags("vision_dot", isa=False)
+    builds = [compile_with(tmp_path, name, flags, "vision_dot")
+              for name, flags in [("avx2", avx2), *((f"vnni{i}", avx2 + extra) for i, extra in enumerate(VNNI))]]
+    generator = torch.Generator().manual_seed(7)
+    linear = VisionLinear(torch.randn(8 * 53, 256, generator=generator) * 0.05, torch.randn(8 * 53, generator=generator))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 3, 8, 33, 130):
+            x = torch.randn(rows, 256, generator=generator)
+            x[:, 5] *= 40
+            outputs = []
+            for library in builds:
+                y = torch.empty(rows, linear.linear.out_features)
+                library.q7_dot_linear(*(ctypes.c_void_p(t.data_ptr()) if isinstance(t, torch.Tensor) else t for t in (
+                    x, ctypes.c_int64(rows), ctypes.c_int64(256), linear.linear.packed, linear.block_sums, linear.linear.scale,
+                    linear.bias, ctypes.c_int64(linear.linear.out_features), y, ctypes.c_int(TILE[0]), ctypes.c_int(TILE[1]))))
+                outputs.append(y)
+            assert all(torch.equal(y, outputs[0]) for y in outputs[1:]), rows
+            assert torch.equal(outputs[0], linear(x)), "the shipped build"
     finally:
         torch.set_num_threads(threads)
 

@@ -7,7 +7,8 @@ cores' peak. AVX2's vpmaddubsw takes unsigned x signed bytes: 8-bit activations 
 their signs onto the weights, 7-bit ones stored offset by 64 do not, so `q8a7` runs the linears in ~0.5x float32's
 time and `q8` in ~0.72x (AVX2 EPYC, one thread, 256 rows of the 4B's shapes; docs/benchmarks.md "Issue 37.4: the
 tower's linears in integers"), with a quarter of the float32 weights' memory (the 4B's tower: ~400 MB instead of
-1.6 GB). The attention over 4,096 keys, the norms and the GELU stay float32. Every row's result is its own (exact
+1.6 GB); on a VNNI CPU vision_dot.c's vpdpbusd and, with AVX512, its 512-bit tiles take the linears to ~0.45x the
+AVX2 build's time (same bits; docs/benchmarks.md). The attention over 4,096 keys, the norms and the GELU stay float32. Every row's result is its own (exact
 integer sums, each row quantized alone), so the resumable encode's units (vision_encode.py) give bitwise the
 one-call encode's features in these layouts too.
 

@@ -1,5 +1,7 @@
 /* What the AVX2 kernel families share (woq_int8.c, int_dot.c, vision_dot.c): the failing default of their tile switches, the
-   store of eight float32 results as float32 or bf16 and a block's largest magnitude. Each family's library compiles its own copy (static). */
+   store of eight float32 results as float32 or bf16, a block's largest magnitude, the four-byte integer products (VNNI
+   where the build targets it) and, in an AVX512 build, the loads and stores of two groups a register. Each family's
+   library compiles its own copy (static). */
 #ifndef OAI_GEMMA_AVX2_COMMON_H
 #define OAI_GEMMA_AVX2_COMMON_H
 
@@ -40,5 +42,47 @@ static inline __attribute__((always_inline)) float abs_max32(const __m256 v[4])
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
 }
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+/* acc + each int32 lane's four products of unsigned bytes u and signed bytes s: one vpdpbusd with VNNI, else
+   vpmaddubsw (pairs summed to int16, saturating: the callers' products stay below it) and vpmaddwd. */
+static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif VNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+#if defined(__AVX512F__)
+/* 32 bytes at a, then 32 at b */
+static inline __attribute__((always_inline)) __m512i load_pair(const void *a, const void *b)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* 16 bytes at a, then 16 at b */
+static inline __attribute__((always_inline)) __m256i load_pair128(const void *a, const void *b)
+{
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                   _mm_loadu_si128((const __m128i *)b), 1);
+}
+
+/* Two groups' sixteen results, each group's eight stored as store8 stores them. */
+static inline __attribute__((always_inline)) void store16(void *y, int64_t index, __m512 v, int bf16)
+{
+    store8(y, index, _mm512_castps512_ps256(v), bf16);
+    store8(y, index + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), bf16);
+}
+#endif
 
 #endif

@@ -39,27 +39,9 @@
 
 #define BLOCK 32
 
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-#define VNNI 1
-#else
-#define VNNI 0
-#endif
 #ifndef Q4_DIRECT /* q4 / q5: each row's quads into the int32 sums directly (1), or through int16 first (0) */
 #define Q4_DIRECT VNNI
 #endif
-
-/* acc + each int32 lane's four products of unsigned bytes u and signed bytes s: one vpdpbusd with VNNI, else
-   vpmaddubsw (pairs summed to int16, saturating: the callers' products stay below it) and vpmaddwd. */
-static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s)
-{
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#elif VNNI
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
 
 /* The quantized activations of M rows: x [M, K] -> q int8 [M, K], |q| [M, K], one scale per block [M, K/32] and
    the block's sum of q [M, K/32] (the Q4 kernel's offset). Each row alone, in one fixed order. */
@@ -344,27 +326,6 @@ static void tile_of(int q4, int r, int g, const activations *a, int64_t m0, int6
 #if WIDE_ROWS > MAX_ROWS || WIDE_PAIRS > WIDE_MAX_PAIRS
 #error "the 512-bit tiles' switch covers 1..MAX_ROWS rows and 1..WIDE_MAX_PAIRS pairs"
 #endif
-
-/* 32 bytes at a, then 32 at b */
-static inline __attribute__((always_inline)) __m512i load_pair(const void *a, const void *b)
-{
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-
-/* 16 bytes at a, then 16 at b */
-static inline __attribute__((always_inline)) __m256i load_pair128(const void *a, const void *b)
-{
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
-                                   _mm_loadu_si128((const __m128i *)b), 1);
-}
-
-/* Two groups' sixteen results, each group's eight stored as store8 stores them. */
-static inline __attribute__((always_inline)) void store16(void *y, int64_t index, __m512 v, int bf16)
-{
-    store8(y, index, _mm512_castps512_ps256(v), bf16);
-    store8(y, index + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), bf16);
-}
 
 static inline __attribute__((always_inline)) __m512i to_bit4_wide(__m512i v, const int bit)
 {

@@ -29,10 +29,11 @@ FAMILY_FLAGS = {"layer": ("-ffp-contract=off",), "int_dot": ("-fschedule-insns",
 `int_dot`'s one-row tiles spilled a quarter of their products to the stack in GCC's default order, and scheduling
 before register allocation, mindful of the sixteen registers, keeps them (q4: 1.2x the one-row throughput, measured
 in instructions and CPU time; the same bits: an order of instructions, not of float operations)."""
-ISA_FLAGS = {"int_dot": (({"avx512_vnni", "avx512vl", "avx512bw"}, ("-mavx512vnni", "-mavx512vl", "-mavx512bw")),
-                        ({"avx_vnni"}, ("-mavxvnni",)))}
-"""A family's flags for what this CPU has beyond AVX2: the first entry whose CPU flags it has all of (int_dot.c's
-vpdpbusd: the same bits, fewer instructions; with AVX512BW its 512-bit tiles of several rows), none where `ATEN_CPU_CAPABILITY=avx2` (the AVX2 stand-in) or `default`
+VNNI_FLAGS = (({"avx512_vnni", "avx512vl", "avx512bw"}, ("-mavx512vnni", "-mavx512vl", "-mavx512bw")),
+              ({"avx_vnni"}, ("-mavxvnni",)))
+ISA_FLAGS = {"int_dot": VNNI_FLAGS, "vision_dot": VNNI_FLAGS}
+"""A family's flags for what this CPU has beyond AVX2: the first entry whose CPU flags it has all of (int_dot.c's and
+vision_dot.c's vpdpbusd: the same bits, fewer instructions; with AVX512BW their 512-bit tiles of several rows), none where `ATEN_CPU_CAPABILITY=avx2` (the AVX2 stand-in) or `default`
 is set. Part of the library's name, so a build for other flags is never reused, and a wheel's library built on a
 VNNI CPU is compiled again on one without."""
 PREBUILT = HERE / "prebuilt"

@@ -11,7 +11,11 @@
 
    Every output is one fixed sequence of float operations over the blocks in order, whatever the row count, tile or
    thread, and each row is quantized alone: a row's result does not depend on the rows beside it. K must be a
-   multiple of 32, N of 8. */
+   multiple of 32, N of 8.
+
+   VNNI (sources.ISA_FLAGS, as int_dot.c): a quad's four products go into int32 with one vpdpbusd (`dot_u8s8`), and an
+   AVX512-VNNI build with BW runs 512-bit tiles (`WIDE`: two groups of eight outputs a register, WIDE_ROWS x
+   WIDE_PAIRS), lane for lane the 256-bit tile's float steps on the same exact integer sums: the AVX2 build's bits. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,7 +57,6 @@ static inline __attribute__((always_inline)) void tile(
     const int16_t *wsum, const float *scale, const float *bias, float *y, int64_t y0, int64_t N)
 {
     const int64_t quads = K / 4, blocks = K / BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MAX_ROWS][MAX_GROUPS];
     for (int m = 0; m < rows; m++)
         for (int g = 0; g < groups; g++) acc[m][g] = _mm256_setzero_ps();
@@ -68,8 +71,7 @@ static inline __attribute__((always_inline)) void tile(
                 int32_t four;
                 memcpy(&four, u + (m0 + m) * K + kq * 4, sizeof four);
                 const __m256i xb = _mm256_set1_epi32(four);
-                for (int g = 0; g < groups; g++)
-                    sums[m][g] = _mm256_add_epi32(sums[m][g], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, wv[g]), ones));
+                for (int g = 0; g < groups; g++) sums[m][g] = dot_u8s8(sums[m][g], xb, wv[g]);
             }
         }
         for (int g = 0; g < groups; g++) {
@@ -97,11 +99,82 @@ static void tile_of(int r, int g, const uint8_t *u, const float *xs, int64_t m0,
     switch (r * 16 + g) { CASES(1) CASES(2) CASES(3) CASES(4) default: no_tile("vision_dot", r, g); }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define WIDE 1
+#else
+#define WIDE 0
+#endif
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 4
+#endif
+#ifndef WIDE_PAIRS
+#define WIDE_PAIRS 3
+#endif
+
+#if WIDE
+#define WIDE_MAX_PAIRS 3
+#if WIDE_ROWS > MAX_ROWS || WIDE_PAIRS > WIDE_MAX_PAIRS
+#error "the 512-bit tiles' switch covers 1..MAX_ROWS rows and 1..WIDE_MAX_PAIRS pairs"
+#endif
+
+/* tile's operations, two groups a register (`pairs` pairs of groups) */
+static inline __attribute__((always_inline)) void tile_wide(
+    const int rows, const int pairs, const uint8_t *u, const float *xs, int64_t m0, int64_t K, const int8_t *w,
+    const int16_t *wsum, const float *scale, const float *bias, float *y, int64_t y0, int64_t N)
+{
+    const int64_t quads = K / 4, blocks = K / BLOCK;
+    __m512 acc[MAX_ROWS][WIDE_MAX_PAIRS];
+    for (int m = 0; m < rows; m++)
+        for (int p = 0; p < pairs; p++) acc[m][p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i sums[MAX_ROWS][WIDE_MAX_PAIRS];
+        for (int m = 0; m < rows; m++)
+            for (int p = 0; p < pairs; p++) sums[m][p] = _mm512_setzero_si512();
+        for (int64_t kq = b * (BLOCK / 4); kq < (b + 1) * (BLOCK / 4); kq++) {
+            __m512i wv[WIDE_MAX_PAIRS];
+            for (int p = 0; p < pairs; p++) wv[p] = load_pair(w + (2 * p * quads + kq) * 32, w + ((2 * p + 1) * quads + kq) * 32);
+            for (int m = 0; m < rows; m++) {
+                int32_t four;
+                memcpy(&four, u + (m0 + m) * K + kq * 4, sizeof four);
+                const __m512i xb = _mm512_set1_epi32(four);
+                for (int p = 0; p < pairs; p++) sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], xb, wv[p]);
+            }
+        }
+        for (int p = 0; p < pairs; p++) {
+            const __m512i sum = _mm512_cvtepi16_epi32(load_pair128(wsum + (2 * p * blocks + b) * 8, wsum + ((2 * p + 1) * blocks + b) * 8));
+            const __m512i offset = _mm512_slli_epi32(sum, 6);
+            for (int m = 0; m < rows; m++) {
+                const __m512 s = _mm512_set1_ps(xs[(m0 + m) * blocks + b]);
+                acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[m][p], offset)), s, acc[m][p]);
+            }
+        }
+    }
+    for (int p = 0; p < pairs; p++) {
+        const __m512 s = _mm512_loadu_ps(scale + p * 16), c = _mm512_loadu_ps(bias + p * 16);
+        for (int m = 0; m < rows; m++) store16(y, y0 + m * N + p * 16, _mm512_fmadd_ps(acc[m][p], s, c), 0);
+    }
+}
+
+#define WCASES(R) case (R) * 16 + 1: W(R, 1); break; case (R) * 16 + 2: W(R, 2); break; case (R) * 16 + 3: W(R, 3); break;
+#define W(r, p) tile_wide(r, p, u, xs, m0, K, w, wsum, scale, bias, y, y0, N)
+
+static void wide_tile_of(int r, int p, const uint8_t *u, const float *xs, int64_t m0, int64_t K, const int8_t *w,
+                         const int16_t *wsum, const float *scale, const float *bias, float *y, int64_t y0, int64_t N)
+{
+    switch (r * 16 + p) { WCASES(1) WCASES(2) WCASES(3) WCASES(4) default: no_tile("vision_dot_wide", r, p); }
+}
+#endif
+
 /* x [M, K] float32, w [N/8, K/4, 8, 4] int8, wsum [N/8, K/32, 8] int16 (each output's block sums of w), scale [N]
    and bias [N] float32 -> y [M, N] float32. tile_rows x tile_groups: the register tile, 1..4 each. */
 void q7_dot_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const int16_t *wsum, const float *scale,
                    const float *bias, int64_t N, float *y, int tile_rows, int tile_groups)
 {
+    const int wide = WIDE && M > 1; /* several rows: the 512-bit tiles, in pairs of groups */
+    if (wide) {
+        tile_rows = WIDE_ROWS;
+        tile_groups = 2 * WIDE_PAIRS;
+    }
     const int64_t blocks = K / BLOCK, groups = N / 8, tiles = (groups + tile_groups - 1) / tile_groups;
     uint8_t *u = malloc(M * K);
     float *xs = malloc(M * blocks * sizeof(float));
@@ -115,6 +188,18 @@ void q7_dot_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const 
             const int g = groups - g0 < tile_groups ? (int)(groups - g0) : tile_groups;
             for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
                 const int r = M - m0 < tile_rows ? (int)(M - m0) : tile_rows;
+#if WIDE
+                if (wide) { /* the pairs, then a last group left alone in its 256-bit tile */
+                    const int64_t last = g0 + g - 1;
+                    if (g / 2)
+                        wide_tile_of(r, g / 2, u, xs, m0, K, w + g0 * K * 8, wsum + g0 * blocks * 8, scale + g0 * 8,
+                                     bias + g0 * 8, y, m0 * N + g0 * 8, N);
+                    if (g % 2)
+                        tile_of(r, 1, u, xs, m0, K, w + last * K * 8, wsum + last * blocks * 8, scale + last * 8,
+                                bias + last * 8, y, m0 * N + last * 8, N);
+                    continue;
+                }
+#endif
                 tile_of(r, g, u, xs, m0, K, w + g0 * K * 8, wsum + g0 * blocks * 8, scale + g0 * 8, bias + g0 * 8, y,
                         m0 * N + g0 * 8, N);
             }
