@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from oai_gemma.engine.model.loader import load
-from oai_gemma.engine.model.vision_encode import VisionEncode, unit_rows
+from oai_gemma.engine.model.vision_encode import WIDE_ROWS, VisionEncode, unit_rows
 from oai_gemma.engine.model.vision_weights import from_modules
 from oai_gemma.settings import ModelSettings
 
@@ -18,8 +18,9 @@ def pixels(crops: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(crops, 3, 896, 896, generator=torch.Generator().manual_seed(seed))
 
 
-def encode(model, pixel_values, rows=0) -> VisionEncode:
-    return VisionEncode(from_modules(model.model), pixel_values, rows)
+def encode(model, pixel_values, rows=0, wide=0) -> VisionEncode:
+    """The encode with `rows`-row units (no wider `mix` units unless `wide`: the budget tests' units keep one size)."""
+    return VisionEncode(from_modules(model.model), pixel_values, rows, wide=wide)
 
 
 @pytest.mark.parametrize("crops", [1, 2])
@@ -37,16 +38,21 @@ def test_unit_by_unit_encode_is_bitwise_the_one_call_encode(model, crops):
     assert torch.equal(job.features, expected)
 
 
-def test_the_time_budget_only_decides_how_many_units_run_not_the_result(model):
+def test_the_time_budget_only_decides_how_many_units_run_and_how_wide_not_the_result(model):
+    # 256-row units: a budget that holds them makes the `mix` units WIDE_ROWS wide (fewer units), a zero budget
+    # keeps them at 256 rows, one a call; the features are the same bits, and the one-call encode's
     pixel_values = pixels(1, seed=3)
-    one_go = encode(model, pixel_values)
-    assert one_go.run(3600.0) and one_go.units_done == one_go.total_units
-    sliced = encode(model, pixel_values)
+    with torch.inference_mode():
+        expected = model.get_image_features(pixel_values).reshape(-1, model.config.text_config.hidden_size)
+    one_go = encode(model, pixel_values, rows=256, wide=WIDE_ROWS)
+    assert one_go.run(3600.0) and one_go.units_done < one_go.total_units
+    assert {"first wide mix", "wide mix"} <= set(one_go.costs.seconds) and "mix" not in one_go.costs.seconds
+    sliced = encode(model, pixel_values, rows=256, wide=WIDE_ROWS)
     runs = 0
     while not sliced.run(0.0):  # a zero budget still makes progress: one unit a call
         runs += 1
-    assert runs + 1 == sliced.total_units
-    assert torch.equal(sliced.features, one_go.features)
+    assert runs + 1 == sliced.total_units and "wide mix" not in sliced.costs.seconds
+    assert torch.equal(sliced.features, one_go.features) and torch.equal(one_go.features, expected)
     assert sliced.seconds > 0
 
 

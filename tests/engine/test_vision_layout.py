@@ -52,8 +52,8 @@ def test_unit_by_unit_is_bitwise_its_one_call_encode(model, layout):
     x = pixels(seed=1)
     weights = LAYOUTS[layout](from_modules(model.model))
     expected = image_features(weights, x)
-    job = VisionEncode(weights, x, rows=512)
-    assert job.run(3600.0) and job.units_done == job.total_units
+    job = VisionEncode(weights, x, rows=512)  # a budget that holds them: the `mix` units WIDE_ROWS wide
+    assert job.run(3600.0) and job.units_done < job.total_units and "wide mix" in job.costs.seconds
     assert torch.equal(job.features, expected)
 
 

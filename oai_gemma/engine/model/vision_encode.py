@@ -34,6 +34,11 @@ UNIT_FLOPS = 4e9
 MIN_ROWS = 256
 """Fewer rows a unit cost more than they save: measured on the 4B's tower (2-core AVX2 EPYC, float32), one layer
 in 32-row units took 6.5x the one-call layer (attention over 4096 keys and the GEMMs starve at so few rows)."""
+WIDE_ROWS = 1024
+"""A `mix` unit's rows where the step's budget holds one (no text stream waits: `IDLE_SECONDS`): torch's CPU flash
+attention blocks its queries by 256 from 768 query rows on and by 64 below, and the 4B's attention over 4,096 keys
+took 0.36 s a layer in 256-row units against 0.26 s in 1,024-row ones (2-core AVX512-bf16 EPYC, bf16 precision; the
+same bits either way, as the GEMMs': docs/benchmarks.md)."""
 
 
 class UnitCosts:
@@ -84,6 +89,8 @@ class Units:
         """Call last in a subclass's `__init__`: it starts `_plan()` up to its first unit's (kind, multiply-adds)."""
         self.costs = costs or UnitCosts()
         self.units_done = 0
+        self.budget = 0.0
+        """The seconds of the step `run` works in (0 outside one): a unit planned now may be larger where it holds one."""
         self.seconds = 0.0
         """Wall time spent in its units so far (however it was spread over steps)."""
         self._units = self._plan()
@@ -117,8 +124,12 @@ class Units:
         text streams of a fast model that overrun (of the vision encode's units) took their ITL p99 from 2x to 2.8x
         at 4B."""
         deadline = time.perf_counter() + seconds
-        while not self.advance() and time.perf_counter() + self.costs.estimate(*self.next) <= deadline:
-            pass
+        self.budget = seconds
+        try:
+            while not self.advance() and time.perf_counter() + self.costs.estimate(*self.next) <= deadline:
+                pass
+        finally:
+            self.budget = 0.0
         return self.done
 
 
@@ -126,18 +137,21 @@ class VisionEncode(Units):
     """One request's crops [crops, 3, H, W] through the tower and projector of `weights` (vision_weights.py), as
     `Units`; `features` is the result ([crops * tokens per crop, text hidden], as `image_features`) once `done`."""
 
-    def __init__(self, weights: VisionWeights, pixel_values: torch.Tensor, rows: int = 0, costs: UnitCosts | None = None):
-        """`rows`: rows a unit (default `unit_rows` of the tower's shape); `costs`: the unit times of earlier encodes
-        (default none)."""
+    def __init__(self, weights: VisionWeights, pixel_values: torch.Tensor, rows: int = 0, costs: UnitCosts | None = None,
+                 wide: int = WIDE_ROWS):
+        """`rows`: rows a unit (default `unit_rows` of the tower's shape); `wide`: a `mix` unit's rows where the step's
+        budget holds one (0: never more than `rows`); `costs`: the unit times of earlier encodes (default none)."""
         shape = weights.shape
         self.weights, self.pixels = weights, pixel_values
         self.patches = (shape.image_size // shape.patch) ** 2
         self.rows = rows or unit_rows(self.patches, shape.hidden, shape.intermediate)
+        self.wide = wide
         self.features: torch.Tensor | None = None
         self.total_units = self._count()
         super().__init__(costs)
 
     def _count(self) -> int:
+        """The units with no wide `mix` among them: the most there can be."""
         crops = self.pixels.shape[0]
         per_layer = -(-crops * self.patches // self.rows) + crops * -(-self.patches // self.rows)
         return 2 + self.weights.shape.layers * per_layer
@@ -169,10 +183,22 @@ class VisionEncode(Units):
             for out, rows in zip((q, k, v), qkv(w, layer, flat[lo : lo + self.rows])):
                 out.view(-1, width)[lo : lo + self.rows] = rows
         q, k, v = (heads(w, t) for t in (q, k, v))
+        per_row = 2 * patches * width + width * width + 2 * width * w.shape.intermediate
         for crop in range(crops):
             keys, values = k[crop : crop + 1], v[crop : crop + 1]
-            for lo in range(0, patches, self.rows):
-                macs = min(self.rows, patches - lo) * (2 * patches * width + width * width + 2 * width * w.shape.intermediate)
-                yield "mix" if lo else "first mix", macs  # a crop's first after the qkv units: 2-2.5x the others
-                rows = hidden[crop : crop + 1, lo : lo + self.rows]
-                rows.copy_(mix(w, layer, rows, q[crop : crop + 1, :, lo : lo + self.rows], keys, values))
+            lo = 0
+            while lo < patches:
+                kind, n = self._mix_unit(lo, patches - lo, per_row)
+                yield kind, n * per_row
+                rows = hidden[crop : crop + 1, lo : lo + n]
+                rows.copy_(mix(w, layer, rows, q[crop : crop + 1, :, lo : lo + n], keys, values))
+                lo += n
+
+    def _mix_unit(self, lo: int, left: int, per_row: int) -> tuple[str, int]:
+        """The next `mix` unit's kind and rows: `wide` where the step's budget holds one as `costs` expects it, else
+        `rows`. A crop's first after the qkv units is a kind of its own: 2-2.5x the others' time."""
+        first = "" if lo else "first "
+        wide = min(max(self.rows, self.wide), left)
+        if wide > self.rows and self.costs.estimate(f"{first}wide mix", wide * per_row) <= self.budget:
+            return f"{first}wide mix", wide
+        return f"{first}mix", min(self.rows, left)
