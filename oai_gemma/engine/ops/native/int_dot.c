@@ -309,23 +309,9 @@ static void tile_of(int q4, int r, int g, const activations *a, int64_t m0, int6
    instructions of the 256-bit tiles. Each lane gets the same exact integer block sums and then runs the 256-bit
    tile's float steps on them in the same order, so every output has their bits: a row's result is the same at one
    row (the 256-bit tile) as among many (this one). 4 rows x 3 pairs measured fastest of seven shapes (or within 2%). */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !INTERLEAVE
-#define WIDE 1
-#else
-#define WIDE 0
-#endif
-#ifndef WIDE_ROWS
-#define WIDE_ROWS 4
-#endif
-#ifndef WIDE_PAIRS
-#define WIDE_PAIRS 3
-#endif
+#define WIDE (WIDE_ISA && !INTERLEAVE)
 
 #if WIDE
-#define WIDE_MAX_PAIRS 3
-#if WIDE_ROWS > MAX_ROWS || WIDE_PAIRS > WIDE_MAX_PAIRS
-#error "the 512-bit tiles' switch covers 1..MAX_ROWS rows and 1..WIDE_MAX_PAIRS pairs"
-#endif
 
 static inline __attribute__((always_inline)) __m512i to_bit4_wide(__m512i v, const int bit)
 {

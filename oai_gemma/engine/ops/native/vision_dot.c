@@ -99,23 +99,9 @@ static void tile_of(int r, int g, const uint8_t *u, const float *xs, int64_t m0,
     switch (r * 16 + g) { CASES(1) CASES(2) CASES(3) CASES(4) default: no_tile("vision_dot", r, g); }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define WIDE 1
-#else
-#define WIDE 0
-#endif
-#ifndef WIDE_ROWS
-#define WIDE_ROWS 4
-#endif
-#ifndef WIDE_PAIRS
-#define WIDE_PAIRS 3
-#endif
+#define WIDE WIDE_ISA
 
 #if WIDE
-#define WIDE_MAX_PAIRS 3
-#if WIDE_ROWS > MAX_ROWS || WIDE_PAIRS > WIDE_MAX_PAIRS
-#error "the 512-bit tiles' switch covers 1..MAX_ROWS rows and 1..WIDE_MAX_PAIRS pairs"
-#endif
 
 /* tile's operations, two groups a register (`pairs` pairs of groups) */
 static inline __attribute__((always_inline)) void tile_wide(
