@@ -97,6 +97,14 @@ def test_too_small_max_tokens_cuts_the_document_with_length(client):
     assert response.usage.completion_tokens == 3
 
 
+def test_a_budget_shorter_than_any_document_still_cuts_it_with_length_not_an_error(client):
+    # the README's promise: a `max_tokens` below the schema's shortest document (a string of at least 80 characters)
+    # still gets a cut document, `length`; not a 400 `invalid_json_schema`, which is for a grammar failing on its own
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 80}}, "required": ["a"]}
+    response = ask(client, {"type": "json_schema", "json_schema": {"name": "long", "schema": schema}}, max_tokens=4)
+    assert response.choices[0].finish_reason == "length"
+
+
 def test_logprobs_come_from_the_masked_distribution(client):
     response = ask(client, {"type": "json_object"}, max_tokens=1, logprobs=True, top_logprobs=5)
     validate("CreateChatCompletionResponse", response.model_dump(exclude_unset=True))

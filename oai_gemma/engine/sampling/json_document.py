@@ -297,14 +297,14 @@ class DocumentMatcher:
         return self.matcher.get_error()
 
     def failure(self) -> str | None:
-        """Why the document cannot be completed, asked when the sequence ends it: None where it is complete. An
-        end allowed part way means the grammar itself failed (its mask then allows only the end), maybe in a draft
-        row's copy: the mask computed here again says why."""
-        if self.matcher.is_accepting() or (self.matcher.is_stopped() and not self.matcher.is_error()):
+        """Why the grammar itself failed where the sequence ends, or None: a complete document, or one the budget cut
+        (`closing_tokens` found no closing in time: `length`, as documented). A failed grammar's mask allows only the
+        end, maybe computed in a draft row's copy: computed here again, it says why."""
+        if self.matcher.is_accepting():
             return None
         if not self.matcher.is_error():
             self.matcher.compute_bitmask()
-        return grammar_failure(self.matcher.get_error() or "the document ended unfinished")
+        return grammar_failure(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def banned_tokens(self) -> list[int]:
         """Tokens the grammar allows but that would close a key this object already has."""
