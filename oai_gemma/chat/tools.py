@@ -191,28 +191,17 @@ def calls_schema(functions: list[Function], *, parallel: bool) -> dict:
     return {**schema, "$defs": moved} if moved else schema
 
 
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
 def rebase_refs(schema, base: str):
     """A copy of `schema` whose local `$ref`s (`#` and `#/...`: JSON pointers into `schema` itself) point into `base`
     instead: a tool's parameters nested inside the call's schema keep meaning what they meant as a document of
-    their own (pydantic's `#/$defs/Model`, a tree's `#`). Values that are data (`const`, `enum`, ...) stay as sent."""
-    if isinstance(schema, list):
-        return [rebase_refs(sub, base) for sub in schema]
+    their own (pydantic's `#/$defs/Model`, a tree's `#`). Through the subschemas `map_subschemas` visits (the
+    keywords it leaves out are refused by the grammar engine anyway); data (`const`, `enum`, ...) stays as sent."""
     if not isinstance(schema, dict):
         return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = base + value[1:]
-        elif key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
-            out[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
-        else:
-            out[key] = rebase_refs(value, base)
+    out = map_subschemas(schema, lambda sub: rebase_refs(sub, base))
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
     return out
 
 

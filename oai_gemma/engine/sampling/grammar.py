@@ -132,10 +132,10 @@ class GrammarCompiler:
         except ValueError as exc:
             raise InvalidSchema(str(exc)) from None
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
-        first = matcher.deep_copy()
-        first.compute_bitmask()  # a schema that can never start (`{"$ref": "#"}`) fails only here: refused as sent
         if matcher.is_error():
             raise schema_error(matcher.get_error())
+        first = matcher.deep_copy()
+        first.compute_bitmask()  # a schema that can never start (`{"$ref": "#"}`) fails only here: refused as sent
         if first.is_error():
             raise InvalidSchema(grammar_failure(first.get_error()))
         return matcher

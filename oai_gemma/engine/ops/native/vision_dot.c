@@ -162,6 +162,8 @@ void q7_dot_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const 
         tile_groups = 2 * WIDE_PAIRS;
     }
     const int64_t blocks = K / BLOCK, groups = N / 8, tiles = (groups + tile_groups - 1) / tile_groups;
+    /* group g's weights, block sums, scales and biases: the tile functions' arguments after K */
+#define GROUP(g) w + (g) * K * 8, wsum + (g) * blocks * 8, scale + (g) * 8, bias + (g) * 8
     uint8_t *u = malloc(M * K);
     float *xs = malloc(M * blocks * sizeof(float));
     #pragma omp parallel
@@ -177,20 +179,16 @@ void q7_dot_linear(const float *x, int64_t M, int64_t K, const int8_t *w, const 
 #if WIDE
                 if (wide) { /* the pairs, then a last group left alone in its 256-bit tile */
                     const int64_t last = g0 + g - 1;
-                    if (g / 2)
-                        wide_tile_of(r, g / 2, u, xs, m0, K, w + g0 * K * 8, wsum + g0 * blocks * 8, scale + g0 * 8,
-                                     bias + g0 * 8, y, m0 * N + g0 * 8, N);
-                    if (g % 2)
-                        tile_of(r, 1, u, xs, m0, K, w + last * K * 8, wsum + last * blocks * 8, scale + last * 8,
-                                bias + last * 8, y, m0 * N + last * 8, N);
+                    if (g / 2) wide_tile_of(r, g / 2, u, xs, m0, K, GROUP(g0), y, m0 * N + g0 * 8, N);
+                    if (g % 2) tile_of(r, 1, u, xs, m0, K, GROUP(last), y, m0 * N + last * 8, N);
                     continue;
                 }
 #endif
-                tile_of(r, g, u, xs, m0, K, w + g0 * K * 8, wsum + g0 * blocks * 8, scale + g0 * 8, bias + g0 * 8, y,
-                        m0 * N + g0 * 8, N);
+                tile_of(r, g, u, xs, m0, K, GROUP(g0), y, m0 * N + g0 * 8, N);
             }
         }
     }
     free(u);
     free(xs);
+#undef GROUP
 }
