@@ -46,7 +46,7 @@ NO_TIMEOUTS = {"OAI_GEMMA_SERVER__IDLE_TIMEOUT": "0", "OAI_GEMMA_SERVER__REQUEST
 
 
 SHARING = {"api/test_hash_collision.py": "fault", "api/test_store_crash.py": "fault",
-           "chat/test_vision.py": "vision", "browser/test_playground.py": "vision"}
+           "chat/test_vision.py": "vision", "chat/test_tool_images.py": "vision", "browser/test_playground.py": "vision"}
 """Test files that share a `shared_servers` configuration across files: under `-n N` each group runs on one worker
 (one server start); every other file is a group of its own (its module-scoped servers start once)."""
 HEAVY = ("fault", "engine/test_speculative_engine.py", "engine/test_quantization.py", "engine/test_batch_invariance.py",

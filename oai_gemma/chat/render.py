@@ -14,7 +14,7 @@ something Gemma-3 was not trained on, we render what a client of an OpenAI-compa
 
 Tools (see `tools.py`): the tool prompt follows the system text in the first user turn; an assistant message's
 `tool_calls` are written after its content the way the model is asked to write them; a `tool` message is a user
-turn holding a ```` ```tool_output ```` block (merged like any user turn).
+turn holding a ```` ```tool_output ```` block (merged like any user turn), with the images a tool returned in it.
 
 What we cannot render faithfully yet (audio, files, the legacy `function` role) is a `ChatInputError` naming the
 offending field.
@@ -107,7 +107,7 @@ def render_chat(
             system.append(_system_text(message.content, where))
             continue
         if role == "tool":
-            role, text, images = "user", _tool_result(message, where), []
+            role, (text, images) = "user", _tool_result(message, where)
         else:
             text, images = _turn_content(role, message, where)
         if turns and turns[-1].role == role:
@@ -185,12 +185,12 @@ def _tool_calls(tool_calls: list[ToolCall], where: MessagePath) -> str:
         raise ChatInputError("each tool call needs a function name and JSON object arguments", where.call(exc)) from None
 
 
-def _tool_result(message: ChatMessage, where: MessagePath) -> str:
-    """A tool's answer (text only, as OpenAI allows) in the block the model is told results come in."""
+def _tool_result(message: ChatMessage, where: MessagePath) -> tuple[str, list[ImagePart]]:
+    """A tool's answer in the block the model is told results come in, an image in it where the tool returned one
+    (a Responses `function_call_output`'s `input_image`, the Agents SDK's `ToolOutputImage`; chat's `image_url`
+    parts too, as vLLM takes them, where OpenAI's chat allows text only)."""
     text, images = _content(message.content, where)
-    if images:
-        raise ChatInputError("tool messages can only hold text", images[0].param)
-    return render_tool_result(text)
+    return render_tool_result(text), images
 
 
 def _parts(content: list[ContentPart] | None, where: MessagePath) -> list[ContentPart]:

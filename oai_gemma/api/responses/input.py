@@ -73,7 +73,7 @@ def _decode_item(item: Any, where: str) -> InputItem:
     if kind == "message":
         _check_part_types(item, where)
     elif kind == "function_call_output" and isinstance(item.get("output"), list):
-        _check_parts(item["output"], ("input_text",), f"{where}.output", "a function_call_output")
+        _check_parts(item["output"], USER_PARTS, f"{where}.output", "a function_call_output")
     try:
         return msgspec.convert(item, ITEM_TYPES[kind])
     except msgspec.ValidationError as exc:
@@ -117,7 +117,18 @@ def _stored(item: InputItem, where: str) -> StoredItem:
         if not isinstance(arguments, dict):
             raise invalid_request("function_call arguments must be a JSON object", f"{where}.arguments")
         return FunctionToolCall(id=item.id or new_id("fc"), call_id=item.call_id, name=item.name, arguments=item.arguments)
+    if not isinstance(item.output, str):
+        for j, part in enumerate(item.output):
+            _check_image_url(part, f"{where}.output[{j}]")
     return FunctionCallOutputResource(id=item.id or new_id("fco"), call_id=item.call_id, output=item.output)
+
+
+def _check_image_url(part, where: str) -> None:
+    if isinstance(part, InputImage) and not part.image_url:
+        raise invalid_request(
+            "an input_image needs an image_url (a data: or http(s) URL); file_id needs a Files API, which this "
+            "server does not have", where,
+        )
 
 
 def _message_parts(item: MessageItem, where: str) -> list:
@@ -125,13 +136,9 @@ def _message_parts(item: MessageItem, where: str) -> list:
         return [OutputTextContent(item.content) if item.role == "assistant" else InputText(item.content)]
     parts = []
     for j, part in enumerate(item.content):
+        _check_image_url(part, f"{where}.content[{j}]")
         if isinstance(part, Refusal):
             part = OutputTextContent(part.refusal)
-        elif isinstance(part, InputImage) and not part.image_url:
-            raise invalid_request(
-                "an input_image needs an image_url (a data: or http(s) URL); file_id needs a Files API, which this "
-                "server does not have", f"{where}.content[{j}]",
-            )
         elif isinstance(part, InputImage) and item.role in ("system", "developer"):
             raise invalid_request("images are not allowed in system or developer messages", f"{where}.content[{j}]")
         parts.append(part)
