@@ -41,9 +41,24 @@ class NamedFunction(Struct):
     name: str
 
 
-class NamedToolChoice(Struct):
+class NamedToolChoice(Struct, tag="function", tag_field="type"):
+    function: NamedFunction
+
+
+class AllowedTool(Struct):
     type: Literal["function"]
     function: NamedFunction
+
+
+class AllowedTools(Struct):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool]
+
+
+class AllowedToolsChoice(Struct, tag="allowed_tools", tag_field="type"):
+    """`{"type": "allowed_tools", ...}`: the model may call only these of `tools` (`required`: one of them)."""
+
+    allowed_tools: AllowedTools
 
 
 class StreamOptions(Struct):
@@ -135,7 +150,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True, omit_defaults=True):
     top_logprobs: Annotated[int, meta("top_logprobs", CHAT)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     # known, accepted by the schema, but not honoured yet: rejected with a 400 naming them unless at their
     # neutral value (see `unsupported_parameter`)

@@ -12,7 +12,7 @@ from ..chat.tool_parser import ParsedCall
 from ..chat.tools import Function, ToolPlan
 from .choices import call_id
 from .errors import invalid_request
-from .protocol import ChatCompletionRequest, FunctionCall, NamedToolChoice, ToolCall
+from .protocol import AllowedToolsChoice, ChatCompletionRequest, FunctionCall, NamedToolChoice, ToolCall
 
 
 @dataclass(frozen=True)
@@ -30,27 +30,57 @@ def chat_tools(request: ChatCompletionRequest) -> ToolPlan | None:
         for i, t in enumerate(request.tools or [])
     ]
     choice = request.tool_choice
-    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    return plan_tools(declared, None if named else choice, named, request.parallel_tool_calls)
+    if isinstance(choice, NamedToolChoice):
+        return plan_tools(declared, None, choice.function.name, request.parallel_tool_calls)
+    if isinstance(choice, AllowedToolsChoice):
+        allowed = AllowedNames([t.function.name for t in choice.allowed_tools.tools], "tool_choice.allowed_tools.tools")
+        return plan_tools(declared, choice.allowed_tools.mode, None, request.parallel_tool_calls, allowed)
+    return plan_tools(declared, choice, None, request.parallel_tool_calls)
 
 
-def plan_tools(tools: list[DeclaredTool], choice: str | None, named: str | None, parallel: bool | None) -> ToolPlan | None:
+@dataclass(frozen=True)
+class AllowedNames:
+    """The functions an `allowed_tools` choice names, and where its list sits (chat's `tool_choice.allowed_tools.tools`,
+    Responses' `tool_choice.tools`)."""
+
+    names: list[str]
+    path: str
+
+
+def plan_tools(
+    tools: list[DeclaredTool], choice: str | None, named: str | None, parallel: bool | None,
+    allowed: AllowedNames | None = None,
+) -> ToolPlan | None:
     """The request's tools, checked (a 400 naming the tool's own field or `tool_choice`); None when the answer is
     prose only (no tools, or `tool_choice: "none"`). `choice`: none, auto, required or unset; `named`: the one
-    function `tool_choice` names instead."""
+    function `tool_choice` names instead; `allowed`: an `allowed_tools` choice's functions (with `choice` its mode,
+    auto or required), the only ones the prompt offers and a call may name."""
     if not tools:
-        if named is not None or choice not in (None, "none", "auto"):
+        if named is not None or allowed is not None or choice not in (None, "none", "auto"):
             raise invalid_request("`tool_choice` needs `tools`", "tool_choice")
         return None
     functions = _functions(tools)
     if choice == "none":
         return None
+    if allowed is not None:
+        functions = _allowed(functions, allowed)
     if named is not None:
         chosen = [f for f in functions if f.name == named]
         if not chosen:
             raise invalid_request(f"tool_choice names the function `{named}`, which is not in `tools`", "tool_choice")
         return ToolPlan(functions, chosen, parallel=False, named=True)
     return ToolPlan(functions, functions if choice == "required" else None, parallel is not False)
+
+
+def _allowed(functions: list[Function], allowed: AllowedNames) -> list[Function]:
+    """The declared functions an `allowed_tools` choice names, in `tools`' order (each named one must be there)."""
+    if not allowed.names:
+        raise invalid_request("an `allowed_tools` tool_choice needs at least one tool", allowed.path)
+    declared = {f.name for f in functions}
+    for i, name in enumerate(allowed.names):
+        if name not in declared:
+            raise invalid_request(f"tool_choice allows the function `{name}`, which is not in `tools`", f"{allowed.path}[{i}]")
+    return [f for f in functions if f.name in allowed.names]
 
 
 def _functions(tools: list[DeclaredTool]) -> list[Function]:

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from conftest import MODEL, user
+from openai_schema import validate
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +47,59 @@ def test_100_unseeded_forced_calls_are_calls_that_hold_to_the_declared_parameter
         arguments = json.loads(call.function.arguments)
         jsonschema.validate(arguments, {**PARAMETERS[call.function.name], "additionalProperties": False})
         assert all(abs(v) <= INTEGER_BOUND for v in arguments.values() if isinstance(v, int)), arguments
+
+
+# ---- `allowed_tools`: the model may call only some of `tools` ---------------------------------------------
+
+
+def allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+def test_allowed_tools_required_calls_only_an_allowed_tool_in_chat_and_responses(client, http):
+    body = {"model": MODEL, "messages": user("What's the weather in Paris?"), "tools": TOOLS, "n": 4, "max_tokens": 64,
+            "tool_choice": allowed("required", "forecast"), "parallel_tool_calls": False}
+    raw = http.post("/v1/chat/completions", json=body)
+    assert raw.status_code == 200, raw.text
+    validate("CreateChatCompletionRequest", body)
+    validate("CreateChatCompletionResponse", raw.json())
+    for choice in raw.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "forecast"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), {**PARAMETERS["forecast"], "additionalProperties": False})
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
+    response = http.post("/v1/responses", json={"model": MODEL, "input": "Forecast for Oslo, 3 days.", "tools": flat,
+                                                "tool_choice": choice, "max_output_tokens": 64, "parallel_tool_calls": False})
+    assert response.status_code == 200, response.text
+    validate("Response", response.json())
+    assert response.json()["tool_choice"] == choice, "echoed as sent"
+    assert [(item["type"], item["name"]) for item in response.json()["output"]] == [("function_call", "get_weather")]
+
+
+def test_allowed_tools_auto_offers_the_model_only_the_allowed_tools(client):
+    """The prompt is the one a request declaring only the allowed tools gets (the model is not shown what it may not
+    call), so the greedy answer is the same too."""
+    ask = {"model": MODEL, "messages": user("What's the weather in Paris?"), "max_tokens": 24, "temperature": 0}
+    narrowed = client.chat.completions.create(**ask, tools=TOOLS, tool_choice=allowed("auto", "get_weather"))
+    alone = client.chat.completions.create(**ask, tools=TOOLS[:1], tool_choice="auto")
+    both = client.chat.completions.create(**ask, tools=TOOLS, tool_choice="auto")
+    assert narrowed.usage.prompt_tokens == alone.usage.prompt_tokens < both.usage.prompt_tokens
+    assert narrowed.choices[0].message == alone.choices[0].message
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"tool_choice": allowed("required", "get_weather", "nowhere")}, "tool_choice.allowed_tools.tools[1]"),
+    ("/v1/chat/completions", {"tool_choice": allowed("auto")}, "tool_choice.allowed_tools.tools"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "often", "tools": []}}}, "tool_choice.allowed_tools.mode"),
+    ("/v1/chat/completions", {"tools": None, "tool_choice": allowed("auto", "get_weather")}, "tool_choice"),
+    ("/v1/responses", {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "x"}]}}, "tool_choice.tools[0]"),
+    ("/v1/responses", {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp", "server_label": "x"}]}}, "tool_choice.tools[0].type"),
+])
+def test_a_bad_allowed_tools_choice_is_400_naming_its_field(http, path, body, param):
+    base = ({"messages": user("hi"), "tools": TOOLS} if path == "/v1/chat/completions"
+            else {"input": "hi", "tools": [{"type": "function", **t["function"]} for t in TOOLS]})
+    response = http.post(path, json={"model": MODEL, "max_tokens" if "chat" in path else "max_output_tokens": 4, **base, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()

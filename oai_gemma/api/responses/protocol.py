@@ -215,9 +215,20 @@ class ResponseError(Struct):
     message: str
 
 
-class NamedFunctionChoice(Struct, kw_only=True):
+class NamedFunctionChoice(Struct, kw_only=True, tag="function", tag_field="type"):
+    name: str
+
+
+class AllowedFunction(Struct, kw_only=True):
     name: str
     type: Literal["function"] = "function"
+
+
+class AllowedToolsChoice(Struct, kw_only=True, tag="allowed_tools", tag_field="type"):
+    """`{"type": "allowed_tools", "mode", "tools": [{"type": "function", "name"}]}` (request and response alike)."""
+
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction]
 
 
 class Response(Struct, kw_only=True):
@@ -228,7 +239,7 @@ class Response(Struct, kw_only=True):
     output: list[OutputItem]
     instructions: str | None
     tools: list[FunctionTool]
-    tool_choice: str | NamedFunctionChoice
+    tool_choice: str | NamedFunctionChoice | AllowedToolsChoice
     temperature: float
     top_p: float
     parallel_tool_calls: bool

@@ -37,10 +37,11 @@ from ..protocol import encoder
 from ..response_format import OutputFormat
 from ..serving import OpenAIServing, ServingContext
 from ..serving_chat import logprob_entries
-from ..serving_tools import DeclaredTool, plan_tools
+from ..serving_tools import AllowedNames, DeclaredTool, plan_tools
 from .events import ResponseEvents
 from .input import decode_input, to_messages, validation_error
 from .protocol import (
+    AllowedToolsChoice,
     DeletedResponse,
     FunctionTool,
     IncompleteDetails,
@@ -98,7 +99,8 @@ class ResponsesService(OpenAIServing):
         self.check_options(request.unsupported_parameter(), request.stream_options, request.stream)
         history = await self._history(request.previous_response_id, owner)
         items = decode_input(request.input)
-        tools = plan_tools(_declared_tools(request.tools), *_tool_choice(request.tool_choice), request.parallel_tool_calls)
+        choice = _tool_choice(request.tool_choice)
+        tools = plan_tools(_declared_tools(request.tools), choice.mode, choice.named, request.parallel_tool_calls, choice.allowed)
         conversation = to_messages(
             request.instructions, history + items, ["previous_response_id"] * len(history) + [f"input[{i}]" for i in range(len(items))]
         )
@@ -112,7 +114,7 @@ class ResponsesService(OpenAIServing):
             cache_scope=cache_scope, adapter=self.adapter_of(request.model),
         )
         generation = await self.generation(plan)
-        response = self._skeleton(request, response_id, generation.sampling)
+        response = self._skeleton(request, response_id, generation.sampling, choice.echo)
         return PreparedResponse(request, generation, tools, response, history + items, owner)
 
     async def _history(self, previous_id: str | None, owner: str) -> list[StoredItem]:
@@ -126,12 +128,11 @@ class ResponsesService(OpenAIServing):
             )
         return stored_items_decoder.decode(stored.input_items) + stored_output_decoder.decode(stored.response).output
 
-    def _skeleton(self, request: ResponsesRequest, response_id: str, sampling) -> Response:
-        choice = request.tool_choice
+    def _skeleton(self, request: ResponsesRequest, response_id: str, sampling, tool_choice) -> Response:
         return Response(
             id=response_id, created_at=int(time.time()), model=request.model, status="in_progress", output=[],
             instructions=request.instructions, tools=[msgspec.convert(t, FunctionTool) for t in request.tools or []],
-            tool_choice=NamedFunctionChoice(name=choice["name"]) if isinstance(choice, dict) else choice or "auto",
+            tool_choice=tool_choice,
             temperature=sampling.temperature, top_p=sampling.top_p, parallel_tool_calls=request.parallel_tool_calls is not False,
             metadata=request.metadata or {}, max_output_tokens=request.max_output_tokens,
             previous_response_id=request.previous_response_id, text=request.text or TextParam(),
@@ -287,14 +288,31 @@ def _declared_tools(raw: list | None) -> list[DeclaredTool]:
     return tools
 
 
-def _tool_choice(choice) -> tuple[str | None, str | None]:
-    """(none, auto, required or unset; the function named instead)."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """Responses' `tool_choice` read: `plan_tools`' arguments, and what the response echoes."""
+
+    mode: str | None
+    """none, auto, required or unset (an `allowed_tools` choice's mode)."""
+    echo: str | NamedFunctionChoice | AllowedToolsChoice
+    named: str | None = None
+    allowed: AllowedNames | None = None
+
+
+def _tool_choice(choice) -> ToolChoice:
     if choice is None or choice in ("none", "auto", "required"):
-        return choice, None
+        return ToolChoice(choice, choice or "auto")
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return None, choice["name"]
+        return ToolChoice(None, NamedFunctionChoice(name=choice["name"]), named=choice["name"])
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        try:
+            allowed = msgspec.convert(choice, AllowedToolsChoice)
+        except msgspec.ValidationError as exc:
+            raise validation_error(exc, "tool_choice", choice) from None
+        return ToolChoice(allowed.mode, allowed, allowed=AllowedNames([t.name for t in allowed.tools], "tool_choice.tools"))
     raise invalid_request(
-        "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}", "tool_choice"
+        "`tool_choice` must be none, auto, required, {\"type\": \"function\", \"name\": ...} or "
+        "{\"type\": \"allowed_tools\", \"mode\": ..., \"tools\": [...]}", "tool_choice"
     )
 
 
