@@ -68,6 +68,7 @@ LIMITS: tuple[Limit, ...] = (
     Limit("min_tokens", "min", 0, SAMPLING, "a count"),
     Limit("min_tokens", "max", "max_tokens", SAMPLING, "no completion can be both"),
     Limit("cache_salt", "min_length", 1, SAMPLING, "an empty salt would share with everyone"),
+    *_range("seed", -2**63, 2**63 - 1, SAMPLING, "OpenAI's: a 64-bit integer"),
     # choices
     *_range("n", 1, 128, (CHAT, COMPLETIONS), "OpenAI's range"),
     Limit("n", "max", "engine.max_num_seqs", (CHAT, COMPLETIONS), "a request's choices run side by side, in one batch"),

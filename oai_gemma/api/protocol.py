@@ -96,7 +96,7 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     temperature: Annotated[float, meta("temperature", S)] | None = None
     top_p: Annotated[float, meta("top_p", S)] | None = None
     stop: str | Annotated[list[str], meta("stop", S)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, meta("seed", S)] | None = None
     presence_penalty: Annotated[float, meta("presence_penalty", S)] | None = None
     frequency_penalty: Annotated[float, meta("frequency_penalty", S)] | None = None
     logit_bias: dict[str, Annotated[float, meta("logit_bias", S)]] | None = None

@@ -206,7 +206,8 @@ def test_a_prediction_past_the_context_names_its_tokens_and_the_limit(http, toke
     ("1e999", "temperature", "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 1E+999 instead."),
     ("-1e999", "presence_penalty", "Invalid 'presence_penalty': decimal below minimum value. Expected a value >= -2, but got -1E+999 instead."),
     ("99999999999999999999999", "n", "Invalid 'n': integer above maximum value. Expected a value <= 128, but got 99999999999999999999999 instead."),
-    ("1e999", "seed", "Invalid value for 'seed': number out of range. Expected a finite decimal (at most about 1.8e308 either way), but got 1E+999 instead."),
+    ("1e999", "seed", "Invalid 'seed': integer above maximum value. Expected a value <= 9223372036854775807, but got 1E+999 instead."),
+    ("1e999", "top_k", "Invalid value for 'top_k': number out of range. Expected a finite decimal (at most about 1.8e308 either way), but got 1E+999 instead."),
 ])
 def test_a_number_too_large_to_read_names_the_limit_and_the_value(http, literal, param, expected):
     body = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "%s": %s}' % (MODEL, param, literal)
