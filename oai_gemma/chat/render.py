@@ -25,16 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine.model.processor import TOKENS as PROCESSOR_TOKENS
 from ..limits import missing
 from .messages import ChatInputError, ChatMessage, ContentPart, ImageURL, TextPart, ToolCall, parse_messages
 from .tools import MalformedToolCall, render_tool_calls, render_tool_result
 
 OFFICIAL_TEMPLATE_PATH = Path(__file__).with_name("gemma3_chat_template.jinja")
-IMAGE_TOKEN = "<start_of_image>"
-IMAGE_TOKENS = (IMAGE_TOKEN, "<image_soft_token>", "<end_of_image>")
+IMAGE_TOKENS = tuple(PROCESSOR_TOKENS.values())
 """What an image part becomes in the prompt (its marker, then the processor's 256 soft tokens a crop and the end):
 the tokenizer reads these in any text as the tokens themselves, so a text holding one would stand for an image
 that is not there (or move the pixels of one that is)."""
+IMAGE_TOKEN = PROCESSOR_TOKENS["boi_token"]
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "model", "tool": "tool"}
 
 
