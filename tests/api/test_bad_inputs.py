@@ -58,6 +58,8 @@ CATALOGUE = [
     Bad("max-tokens-10e30", chat(max_tokens=10**30), param="messages", code="context_length_exceeded"),
     Bad("max-tokens-5000-digits", raw(b'"max_completion_tokens": 1' + b"0" * 5000), param="max_completion_tokens"),
     Bad("seed-5000-digits", raw(b'"seed": 1' + b"0" * 5000), param="seed"),
+    Bad("seed-10e30", chat(seed=10**30), param="seed", code="integer_above_max_value"),
+    Bad("seed-minus-10e30", chat(seed=-(10**30)), param="seed", code="integer_below_min_value"),
     Bad("temperature-1e308", chat(temperature=1e308), param="temperature"),
     Bad("logit-bias-key-5000-digits", chat(logit_bias={"9" * 5000: 1}), param="logit_bias"),
     Bad("logit-bias-key-unicode-digit", chat(logit_bias={"\u00b2": 1}), param="logit_bias"),
@@ -145,8 +147,8 @@ def test_wrong_method_is_405_naming_the_allowed_ones(http):
 
 @pytest.mark.parametrize(
     "fields",
-    [{"top_k": 10**30}, {"seed": 10**30}, {"seed": -(10**30)}, {"stop": [""]}, {"logit_bias": {str(i): 1 for i in range(20_000)}}],
-    ids=["top-k-10e30", "seed-10e30", "seed-minus-10e30", "empty-stop-string", "logit-bias-20k-entries"],
+    [{"top_k": 10**30}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"stop": [""]}, {"logit_bias": {str(i): 1 for i in range(20_000)}}],
+    ids=["top-k-10e30", "seed-int64-max", "seed-int64-min", "empty-stop-string", "logit-bias-20k-entries"],
 )
 def test_extreme_but_valid_values_are_served(http, fields):
     response = http.post("/v1/chat/completions", json=chat(**fields))
@@ -166,7 +168,7 @@ def test_extreme_values_do_not_fail_requests_batched_with_them(http):
 
     thread = threading.Thread(target=stream)
     thread.start()
-    for fields in ({"top_k": 10**30}, {"seed": 10**30}, {"logit_bias": {"0": 100}}):
+    for fields in ({"top_k": 10**30}, {"seed": 2**63 - 1}, {"logit_bias": {"0": 100}}):
         assert http.post("/v1/chat/completions", json=chat(max_tokens=4, **fields)).status_code == 200
     thread.join(timeout=120)
     assert not thread.is_alive()

@@ -61,7 +61,6 @@ def test_allowed_tools_required_calls_only_an_allowed_tool_in_chat_and_responses
             "tool_choice": allowed("required", "forecast"), "parallel_tool_calls": False}
     raw = http.post("/v1/chat/completions", json=body)
     assert raw.status_code == 200, raw.text
-    validate("CreateChatCompletionRequest", body)
     validate("CreateChatCompletionResponse", raw.json())
     for choice in raw.json()["choices"]:
         assert choice["finish_reason"] == "tool_calls", choice
