@@ -24,6 +24,11 @@ WEATHER = {
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
 
 
+REASONING = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "The user greets."}],
+             "encrypted_content": "gAAAAB-opaque"}
+"""A reasoning model's item, as the Agents SDK replays it after a handoff from such a model."""
+
+
 def create(client: openai.OpenAI, **kw):
     """The parsed response and its raw JSON, the latter checked against the spec."""
     raw = client.responses.with_raw_response.create(model=MODEL, **kw)
@@ -346,6 +351,8 @@ def test_a_client_that_leaves_a_stream_frees_its_slot(server, http):
         ({"input": "Hi", "instructions": "Answer <start_of_image>"}, "instructions"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "<image_soft_token>"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": "<end_of_image>"}'}]}, "input[0]"),
+        ({"input": [REASONING]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "Hi"}]}, "input[0].id"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(http, payload, param):
@@ -368,6 +375,17 @@ def test_images_on_a_text_only_model_name_the_input_part(http):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "input[0].content[1]"
     assert response.json()["error"]["code"] == "image_not_supported"
+
+
+def test_a_reasoning_item_in_input_is_listed_as_sent_and_left_out_of_the_prompt(client, http):
+    plain, _ = create(client, input=[{"role": "user", "content": "Say hi."}], max_output_tokens=6, temperature=0)
+    replayed, _ = create(client, input=[REASONING, {"role": "user", "content": "Say hi."}], max_output_tokens=6, temperature=0)
+    assert replayed.output_text == plain.output_text and replayed.usage.input_tokens == plain.usage.input_tokens
+    items = http.get(f"/v1/responses/{replayed.id}/input_items", params={"order": "asc"}).json()
+    validate("ResponseItemList", items)
+    assert items["data"][0] == REASONING
+    follow, _ = create(client, input="And again.", previous_response_id=replayed.id, max_output_tokens=4)
+    assert follow.status in ("completed", "incomplete")
 
 
 def test_parameters_the_agents_sdk_sends_are_accepted(client):

@@ -1,8 +1,8 @@
 """The Responses API's `input` (and `instructions`, and a previous response's conversation) as chat messages.
 
 Responses and chat completions say the same things in two shapes: a `message` item is a chat message, a run of
-`function_call` items is one assistant message with `tool_calls`, a `function_call_output` is a `tool` message.
-So this module only translates, and the one chat path (template, tools, images, grammar) renders the result.
+`function_call` items is one assistant message with `tool_calls`, a `function_call_output` is a `tool` message, and
+a `reasoning` item (another model's, replayed) is kept and listed but has no place in Gemma-3's prompt. So this module only translates, and the one chat path (template, tools, images, grammar) renders the result.
 
 Items are checked here, one by one, so that an error names the item as the client wrote it
 (`input[3].content[0]`); each chat message carries where its item sits (`chat.MessagePath`), so an error the chat
@@ -35,11 +35,13 @@ from .protocol import (
     MessageItem,
     MessageResource,
     OutputTextContent,
+    ReasoningItem,
     Refusal,
     StoredItem,
 )
 
-ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+              "reasoning": ReasoningItem}
 USER_PARTS = ("input_text", "input_image")
 ASSISTANT_PARTS = ("output_text", "refusal")
 
@@ -67,7 +69,8 @@ def _decode_item(item: Any, where: str) -> InputItem:
     kind = item.get("type", "message" if "role" in item else None)
     if kind not in ITEM_TYPES:
         raise invalid_request(
-            f"input item type {_shown(kind)} is not supported: expected message, function_call or function_call_output",
+            f"input item type {_shown(kind)} is not supported: expected message, function_call, function_call_output "
+            "or reasoning",
             f"{where}.type" if kind is not None else where,
         )
     if kind == "message":
@@ -107,6 +110,8 @@ def _check_parts(parts: list, allowed: tuple[str, ...], where: str, what: str) -
 
 def _stored(item: InputItem, where: str) -> StoredItem:
     """The item as stored and listed: an id, content as a list of parts, arguments checked."""
+    if isinstance(item, ReasoningItem):
+        return item
     if isinstance(item, MessageItem):
         return MessageResource(id=item.id or new_id("msg"), role=item.role, content=_message_parts(item, where))
     if isinstance(item, FunctionCallItem):
@@ -172,6 +177,8 @@ def to_messages(instructions: str | None, items: list[StoredItem], params: list[
     if instructions:
         conversation.add(ChatMessage("system", instructions), MessagePath("instructions", ""))
     for item, param in zip(items, params, strict=True):
+        if isinstance(item, ReasoningItem):
+            continue  # another model's reasoning: nothing Gemma-3's template has a place for
         if isinstance(item, FunctionToolCall):
             call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
             last = conversation.messages[-1] if conversation.messages else None

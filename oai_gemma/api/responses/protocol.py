@@ -64,7 +64,26 @@ class FunctionCallOutputItem(Struct, tag="function_call_output", tag_field="type
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class SummaryText(Struct, tag="summary_text", tag_field="type"):
+    text: str
+
+
+class ReasoningText(Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(Struct, tag="reasoning", tag_field="type", kw_only=True, omit_defaults=True):
+    """A reasoning model's item, replayed in `input` (an Agents SDK run handed over from such a model): accepted and
+    listed as sent, left out of the prompt (Gemma-3 does not reason in a channel of its own)."""
+
+    id: str
+    summary: list[SummaryText]
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 # ---- request: tools, text format, the rest ---------------------------------------------------------------
@@ -287,7 +306,7 @@ class FunctionCallOutputResource(Struct, tag="function_call_output", tag_field="
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-StoredItem = MessageResource | FunctionToolCall | FunctionCallOutputResource
+StoredItem = MessageResource | FunctionToolCall | FunctionCallOutputResource | ReasoningItem
 """Every item of a conversation as stored: inputs normalised (ids given, content as parts) and outputs."""
 
 stored_items_decoder = msgspec.json.Decoder(list[StoredItem])

@@ -104,6 +104,8 @@ class ResponsesService(OpenAIServing):
         conversation = to_messages(
             request.instructions, history + items, ["previous_response_id"] * len(history) + [f"input[{i}]" for i in range(len(items))]
         )
+        if not conversation.messages:
+            raise invalid_request("`input` holds no message (reasoning items alone are not a conversation)", "input")
         prompt = await self.build_prompt(
             conversation.messages, tool_prompt=tools and tools.prompt(), paths=conversation.paths, field="input"
         )
