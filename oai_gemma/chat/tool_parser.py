@@ -303,9 +303,12 @@ class ToolCallStream:
     generation can be dropped.
     """
 
-    def __init__(self, names: frozenset[str] | set[str], *, parallel: bool = True):
+    def __init__(self, names: frozenset[str] | set[str], *, parallel: bool = True, forced: bool = False):
+        """`forced`: a grammar held the answer to calls (`tool_choice` required or named), so what the generation
+        ended on is never content: at most a call whose arguments had not opened yet."""
         self.names = frozenset(names)
         self.parallel = parallel
+        self.forced = forced
         self.buffer = ""
         self.state = "undecided"  # -> "text" | "done"
         self.calls: list[ParsedCall] = []
@@ -339,15 +342,24 @@ class ToolCallStream:
         calls = parse_tool_calls(self.buffer, self.names, parallel=self.parallel)
         if calls:
             return self._called(calls)
+        if self.forced and not self.sent:  # the budget ended the call before its arguments opened
+            body = self._json_body()
+            self.sent = [(span.name, "") for span in _json_spans(body)[:1] if body and span.name in self.names]
+            return [CallDelta(0, name, "") for name, _ in self.sent] + self._cut_short()
         return self._cut_short() if self.sent else self._as_text()
 
-    def _progress(self) -> list[str | CallDelta]:
-        """The deltas of the JSON calls written so far, in order: a call starts once the one before it is sent."""
+    def _json_body(self) -> str:
+        """The JSON answer held so far, its fence taken off; "" while it is not one."""
         try:
             body = _unfenced(self.buffer.lstrip())
         except (_Incomplete, _NotACall):
-            return []
-        if not body or not _is_json(body):
+            return ""
+        return body if body and _is_json(body) else ""
+
+    def _progress(self) -> list[str | CallDelta]:
+        """The deltas of the JSON calls written so far, in order: a call starts once the one before it is sent."""
+        body = self._json_body()
+        if not body:
             return []
         out: list[str | CallDelta] = []
         for index, span in enumerate(_json_spans(body)[: None if self.parallel else 1]):

@@ -80,7 +80,7 @@ class ToolPlan:
         return None if self.forced is None else calls_schema(self.forced, parallel=self.parallel)
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.names, parallel=self.parallel)
+        return ToolCallStream(self.names, parallel=self.parallel, forced=self.forced is not None)
 
 
 # ---- prompt ------------------------------------------------------------------------------------------

@@ -102,3 +102,25 @@ def test_a_bad_allowed_tools_choice_is_400_naming_its_field(http, path, body, pa
     response = http.post(path, json={"model": MODEL, "max_tokens" if "chat" in path else "max_output_tokens": 4, **base, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_a_forced_call_the_budget_ends_before_its_arguments_open_is_a_call_not_content(http):
+    """`max_tokens` smaller than the call's own frame (`[{"name":"get_weather","parameters":` is 8 tokens): a call
+    with its arguments cut short (`""`) and `length`, as OpenAI's, never the frame as content."""
+    body = {"model": MODEL, "messages": user("What's the weather in Paris?"), "tools": TOOLS[:1], "tool_choice": "required",
+            "max_tokens": 8, "temperature": 0}
+    message = http.post("/v1/chat/completions", json=body).json()
+    validate("CreateChatCompletionResponse", message)
+    choice = message["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [("get_weather", "")]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("content") for d in deltas)
+    assert [(t["function"]["name"], t["function"]["arguments"]) for d in deltas for t in d.get("tool_calls", [])] == [("get_weather", "")]
+    response = http.post("/v1/responses", json={"model": MODEL, "input": "What's the weather in Paris?", "temperature": 0,
+                                                "tools": [{"type": "function", **TOOLS[0]["function"]}],
+                                                "tool_choice": "required", "max_output_tokens": 8}).json()
+    validate("Response", response)
+    assert [(i["type"], i["name"], i["arguments"], i["status"]) for i in response["output"]] == [("function_call", "get_weather", "", "incomplete")]

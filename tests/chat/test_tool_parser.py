@@ -239,6 +239,21 @@ def test_an_unfinished_call_whose_arguments_never_opened_is_text():
     assert run_stream(text, step=5)[-1] == ("end", [text])
 
 
+@pytest.mark.parametrize("text, calls", [
+    ('[{"name":"get_weather","parameters":', [ParsedCall("get_weather", {})]),
+    ('{"name": "add", "param', [ParsedCall("add", {})]),
+    ('[{"name":"get_we', []),
+])
+def test_a_forced_answer_cut_before_its_arguments_open_is_a_call_with_no_arguments_or_nothing(text, calls):
+    """A grammar held the answer to calls (`tool_choice` required or named): the budget's end is never content."""
+    stream = ToolCallStream(NAMES, forced=True)
+    pieces = [p for i in range(0, len(text), 5) for p in stream.feed(text[i : i + 5])]
+    pieces += stream.finish()
+    assert not [p for p in pieces if isinstance(p, str)], pieces
+    assert stream.done and not stream.complete and stream.calls == calls
+    assert [(p.name, p.arguments) for p in pieces] == [(c.name, "") for c in calls]
+
+
 def test_a_code_fence_in_another_language_streams_as_text_early():
     out = run_stream("```python\nprint(1)\n```", step=1)
     assert out[0][0] <= len("```python\np")
