@@ -56,7 +56,7 @@ def allowed(mode: str, *names: str) -> dict:
     return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
 
 
-def test_allowed_tools_required_calls_only_an_allowed_tool_in_chat_and_responses(client, http):
+def test_allowed_tools_required_calls_only_an_allowed_tool_in_chat_and_responses(http):
     body = {"model": MODEL, "messages": user("What's the weather in Paris?"), "tools": TOOLS, "n": 4, "max_tokens": 64,
             "tool_choice": allowed("required", "forecast"), "parallel_tool_calls": False}
     raw = http.post("/v1/chat/completions", json=body)

@@ -16,7 +16,6 @@ from oai_gemma.chat import render_chat
 from openai_schema import validate
 
 pytestmark = pytest.mark.slow
-agents = pytest.importorskip("agents")
 
 
 def png_url(color=(200, 30, 30)) -> str:
@@ -81,6 +80,7 @@ class Screen(BaseModel):
 def test_an_agents_sdk_tool_returning_an_image_runs_to_a_final_answer(vision_server):
     """The SDK sends the image as the tool's `function_call_output`; the final answer is a structured one (the random
     model would not end prose by itself, and the SDK fails a run cut by `max_output_tokens`)."""
+    agents = pytest.importorskip("agents")
     shots = []
 
     @agents.function_tool
