@@ -20,7 +20,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..chat.tool_parser import CallDelta, ParsedCall, ToolCallStream
+from ..chat.tool_parser import ParsedCall
+from ..chat.tool_stream import CallDelta, ToolCallStream
 from ..chat.tools import ToolPlan
 from ..engine.types import TokenEvent
 from .errors import generation_failure

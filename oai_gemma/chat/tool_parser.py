@@ -1,5 +1,5 @@
-"""Recognising Gemma-3 tool calls in generated text: whole answers (`parse_tool_calls`) and, token by token,
-a stream that passes prose through at once and sends calls as they are written (`ToolCallStream`).
+"""Recognising Gemma-3 tool calls in generated text: whole answers (`parse_tool_calls`), and the pieces the stream
+that reads them token by token (tool_stream.py's `ToolCallStream`) uses.
 
 The format (see `tools.py`) is the JSON variant of Google's documented Gemma function-calling prompt. The parser
 is tolerant of what models write: a single object or a list, `arguments` for `parameters` (also as a JSON
@@ -37,61 +37,51 @@ class ParsedCall:
         return self.raw if self.raw is not None else json.dumps(self.arguments, ensure_ascii=False)
 
 
-@dataclass(frozen=True)
-class CallDelta:
-    """A piece of a streamed call: `name` on the call's first piece, then fragments of its arguments JSON."""
-
-    index: int
-    name: str | None = None
-    arguments: str = ""
-
-
-
-class _NotACall(Exception):
+class NotACall(Exception):
     """The text is not a call."""
 
 
-class _Incomplete(Exception):
+class Incomplete(Exception):
     """The text could still become a call."""
 
 
 def parse_tool_calls(text: str, names: frozenset[str] | set[str], *, parallel: bool = True) -> list[ParsedCall] | None:
     """The calls the answer `text` opens with, or None when it is not a (complete) call of one of `names`."""
     try:
-        calls = _parse_block(text, names)
-    except (_NotACall, _Incomplete):
+        calls = parse_block(text, names)
+    except (NotACall, Incomplete):
         return None
     return calls if parallel else calls[:1]
 
 
-def _parse_block(text: str, names) -> list[ParsedCall]:
-    """Calls, or _Incomplete (could still become one), or _NotACall."""
-    body = _unfenced(text.lstrip())
+def parse_block(text: str, names) -> list[ParsedCall]:
+    """Calls, or Incomplete (could still become one), or NotACall."""
+    body = unfenced(text.lstrip())
     if not body:
-        raise _Incomplete
-    if _is_json(body):
+        raise Incomplete
+    if is_json(body):
         return _json_calls(body, names)
     return _python_calls(body, names)
 
 
-def _is_json(body: str) -> bool:
+def is_json(body: str) -> bool:
     """The answer is in the JSON format (an object, or a list of objects), not Python-style."""
     return body[0] == "{" or (body[0] == "[" and body[1:].lstrip()[:1] in ("{", ""))
 
 
-def _unfenced(text: str) -> str:
+def unfenced(text: str) -> str:
     """The text after an opening code fence (```json\\n...), or the text itself without one."""
     if not text.startswith("`"):
         return text
     if not "```".startswith(text[:3]):
-        raise _NotACall
+        raise NotACall
     opener, newline, rest = text.partition("\n")
     if not newline:
         if opener[:3] == "```" and not any(lang.startswith(opener[3:].strip()) for lang in _FENCE_LANGUAGES):
-            raise _NotACall
-        raise _Incomplete
+            raise NotACall
+        raise Incomplete
     if opener[3:].strip() not in _FENCE_LANGUAGES:
-        raise _NotACall
+        raise NotACall
     return rest.lstrip()
 
 
@@ -101,13 +91,13 @@ def _json_calls(body: str, names) -> list[ParsedCall]:
     except json.JSONDecodeError as exc:
         cut_escape = exc.msg.startswith("Invalid \\u") and _PARTIAL_ESCAPE.fullmatch(body, exc.pos)
         if exc.msg.startswith("Unterminated string") or cut_escape or _PARTIAL_TAIL.fullmatch(body[exc.pos:].rstrip()):
-            raise _Incomplete from None
-        raise _NotACall from None
+            raise Incomplete from None
+        raise NotACall from None
     items = value if isinstance(value, list) else [value]
     if not items:
-        raise _NotACall
+        raise NotACall
     calls = [_json_call(item, names) for item in items]
-    spans = _json_spans(body)
+    spans = json_spans(body)
     return [
         ParsedCall(call.name, call.arguments, body[span.start : span.end] if span.end is not None else None)
         for call, span in zip(calls, spans)
@@ -124,7 +114,7 @@ class _CallSpan:
     """One past the arguments' closing brace, once written."""
 
 
-def _json_spans(body: str) -> list[_CallSpan]:
+def json_spans(body: str) -> list[_CallSpan]:
     """The call objects of a JSON answer, complete or cut short: each one's name once its string is complete,
     and the span of its arguments when they are an object (`parameters` or `arguments`). A scan over the text,
     not a parse: it never fails, it only finds less in text that is not a call."""
@@ -132,7 +122,7 @@ def _json_spans(body: str) -> list[_CallSpan]:
 
 
 class _SpanScan:
-    """The scanner behind `_json_spans`: nesting depth, and the key being read at a call object's own level."""
+    """The scanner behind `json_spans`: nesting depth, and the key being read at a call object's own level."""
 
     def __init__(self, body: str):
         self.body = body
@@ -212,20 +202,20 @@ def _json_string(literal: str) -> str | None:
 
 def _json_call(item: Any, names) -> ParsedCall:
     if not isinstance(item, dict) or item.get("name") not in names:
-        raise _NotACall
+        raise NotACall
     extra = set(item) - {"name", "parameters", "arguments"}
     if extra:
-        raise _NotACall
+        raise NotACall
     arguments = item.get("parameters", item.get("arguments", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            raise _NotACall from None
+            raise NotACall from None
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        raise _NotACall
+        raise NotACall
     return ParsedCall(item["name"], arguments)
 
 
@@ -234,17 +224,17 @@ def _python_calls(body: str, names) -> list[ParsedCall]:
     bracketed = body[0] == "["
     head = body[1:].lstrip() if bracketed else body
     if not head:
-        raise _Incomplete
+        raise Incomplete
     identifier = _IDENTIFIER.match(head)
     if not identifier:
-        raise _NotACall
+        raise NotACall
     name, rest = identifier.group(), head[identifier.end():].lstrip()
     if not rest:  # the name may still be growing, or its "(" be on its way
         if any(n.startswith(name) for n in names):
-            raise _Incomplete
-        raise _NotACall
+            raise Incomplete
+        raise NotACall
     if name not in names or not rest.startswith("("):
-        raise _NotACall
+        raise NotACall
     closer = "]" if bracketed else ")"
     for end in (i + 1 for i, ch in enumerate(body) if ch == closer):
         try:
@@ -253,16 +243,16 @@ def _python_calls(body: str, names) -> list[ParsedCall]:
             continue
         nodes = tree.elts if bracketed and isinstance(tree, ast.List) else [tree]
         return [_python_call(node, names) for node in nodes]
-    raise _Incomplete
+    raise Incomplete
 
 
 def _python_call(node: ast.AST, names) -> ParsedCall:
     if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name) or node.func.id not in names:
-        raise _NotACall
+        raise NotACall
     arguments = {}
     for keyword in node.keywords:
         if keyword.arg is None:
-            raise _NotACall
+            raise NotACall
         arguments[keyword.arg] = _literal(keyword.value)
     return ParsedCall(node.func.id, arguments)
 
@@ -278,135 +268,13 @@ def _literal(node: ast.AST) -> Any:
         return [_literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
         if any(k is None for k in node.keys):
-            raise _NotACall
+            raise NotACall
         return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
     try:
         value = ast.literal_eval(node)
     except ValueError:
-        raise _NotACall from None
+        raise NotACall from None
     return list(value) if isinstance(value, tuple) else value
 
 
 # ---- streaming ---------------------------------------------------------------------------------------
-
-
-class ToolCallStream:
-    """Splits a generated answer, delta by delta, into plain text (passed on at once) or calls.
-
-    `feed` and `finish` return what can be emitted now: strings of content and/or `CallDelta`s. The answer is held
-    back only while it could still be a call: leading whitespace, an opening fence, a `{` or `[`, or a name some
-    tool's name starts with. A JSON call streams as it is written: its first delta once its name (a tool's) is
-    complete and its arguments object has opened, then the arguments text as it comes. A Python-style call is
-    sent whole once complete. `done` turns true once the calls are complete, or when a call that had started
-    streaming breaks off (the generation ended, or the text stopped being a call): the calls are then what was
-    sent (`complete` false: arguments cut short, as OpenAI's are when `max_tokens` cuts a call). The rest of the
-    generation can be dropped.
-    """
-
-    def __init__(self, names: frozenset[str] | set[str], *, parallel: bool = True, forced: bool = False):
-        """`forced`: a grammar held the answer to calls (`tool_choice` required or named), so what the generation
-        ended on is never content: at most a call whose arguments had not opened yet."""
-        self.names = frozenset(names)
-        self.parallel = parallel
-        self.forced = forced
-        self.buffer = ""
-        self.state = "undecided"  # -> "text" | "done"
-        self.calls: list[ParsedCall] = []
-        self.complete = False
-        """The calls parsed whole (not cut short)."""
-        self.sent: list[tuple[str, str]] = []
-        """Per call streamed so far: (name, the arguments text sent)."""
-
-    @property
-    def done(self) -> bool:
-        return self.state == "done"
-
-    def feed(self, text: str) -> list[str | CallDelta]:
-        if self.state == "text":
-            return [text] if text else []
-        if self.state == "done" or not text:
-            return []
-        self.buffer += text
-        try:
-            calls = _parse_block(self.buffer, self.names)
-        except _Incomplete:
-            return self._progress()
-        except _NotACall:
-            return self._cut_short() if self.sent else self._as_text()
-        return self._called(calls)
-
-    def finish(self) -> list[str | CallDelta]:
-        """The end of the generation: what was held back is content unless it is a complete call."""
-        if self.state != "undecided":
-            return []
-        calls = parse_tool_calls(self.buffer, self.names, parallel=self.parallel)
-        if calls:
-            return self._called(calls)
-        if self.forced and not self.sent:  # the budget ended the call before its arguments opened
-            body = self._json_body()
-            self.sent = [(span.name, "") for span in _json_spans(body)[:1] if body and span.name in self.names]
-            return [CallDelta(0, name, "") for name, _ in self.sent] + self._cut_short()
-        return self._cut_short() if self.sent else self._as_text()
-
-    def _json_body(self) -> str:
-        """The JSON answer held so far, its fence taken off; "" while it is not one."""
-        try:
-            body = _unfenced(self.buffer.lstrip())
-        except (_Incomplete, _NotACall):
-            return ""
-        return body if body and _is_json(body) else ""
-
-    def _progress(self) -> list[str | CallDelta]:
-        """The deltas of the JSON calls written so far, in order: a call starts once the one before it is sent."""
-        body = self._json_body()
-        if not body:
-            return []
-        out: list[str | CallDelta] = []
-        for index, span in enumerate(_json_spans(body)[: None if self.parallel else 1]):
-            arguments = body[span.start : span.end or len(body)] if span.start is not None else None
-            if index < len(self.sent):
-                name, sent = self.sent[index]
-                if len(arguments) > len(sent):
-                    out.append(CallDelta(index, arguments=arguments[len(sent) :]))
-                    self.sent[index] = (name, arguments)
-            elif span.name in self.names and arguments is not None:
-                out.append(CallDelta(index, span.name, arguments))
-                self.sent.append((span.name, arguments))
-            else:
-                break
-        return out
-
-    def _as_text(self) -> list[str | CallDelta]:
-        self.state = "text"
-        text, self.buffer = self.buffer, ""
-        return [text] if text else []
-
-    def _called(self, calls: list[ParsedCall]) -> list[str | CallDelta]:
-        """The calls are complete: send what is left of each (all of those that had not started)."""
-        self.state, self.complete = "done", True
-        self.calls = calls if self.parallel else calls[:1]
-        out: list[str | CallDelta] = []
-        for index, call in enumerate(self.calls):
-            arguments = call.arguments_json
-            if index < len(self.sent):
-                sent = self.sent[index][1]
-                if len(arguments) > len(sent):
-                    out.append(CallDelta(index, arguments=arguments[len(sent) :]))
-            else:
-                out.append(CallDelta(index, call.name, arguments))
-        return out
-
-    def _cut_short(self) -> list[str | CallDelta]:
-        """A call that had started streaming broke off: the calls are what was sent; nothing more is."""
-        self.state = "done"
-        self.calls = [ParsedCall(name, _json_object(arguments), arguments) for name, arguments in self.sent]
-        return []
-
-
-def _json_object(text: str) -> dict:
-    """The arguments a cut-short call's text holds, if it still parses; else none."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}

@@ -9,7 +9,7 @@ and a `tool` message is a ```` ```tool_output ```` block in a user turn (Google'
 multi-turn conversation reads to the model as the prompt promised. When a grammar forces a call, it forces this
 same format (`calls_schema`), so forced and free calls parse, stream and re-render alike.
 
-The parser and the streaming splitter are in `tool_parser.py` (re-exported here).
+The parser and the streaming splitter are in `tool_parser.py` and `tool_stream.py` (re-exported here).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import msgspec
 
 from ..engine.sampling.json_document import map_subschemas, schema_types
 from .messages import ToolCall
-from .tool_parser import CallDelta, ParsedCall, ToolCallStream, parse_tool_calls
+from .tool_parser import ParsedCall, parse_tool_calls
+from .tool_stream import CallDelta, ToolCallStream
 
 __all__ = [
     "CallDelta", "Function", "ParsedCall", "ToolCallStream", "calls_schema", "closed", "parse_tool_calls", "render_tool_calls",
