@@ -2,7 +2,8 @@
 
 Responses and chat completions say the same things in two shapes: a `message` item is a chat message, a run of
 `function_call` items is one assistant message with `tool_calls`, a `function_call_output` is a `tool` message, and
-a `reasoning` item (another model's, replayed) is kept and listed but has no place in Gemma-3's prompt. So this module only translates, and the one chat path (template, tools, images, grammar) renders the result.
+a `reasoning` item (another model's, replayed) is kept and listed but has no place in Gemma-3's prompt. So this
+module only translates, and the one chat path (template, tools, images, grammar) renders the result.
 
 Items are checked here, one by one, so that an error names the item as the client wrote it
 (`input[3].content[0]`); each chat message carries where its item sits (`chat.MessagePath`), so an error the chat
